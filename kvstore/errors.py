@@ -1,0 +1,66 @@
+"""One exception hierarchy for kvstore.
+
+Every message says what to change. A cache miss is never an exception: ``lookup`` and
+``fetch`` report misses (and damaged blocks) as shorter results.
+"""
+
+from __future__ import annotations
+
+
+class KVStoreError(Exception):
+    """Base class of every error kvstore raises on purpose."""
+
+
+class ConfigError(KVStoreError, ValueError):
+    """A store was opened or configured with values that cannot work."""
+
+
+class LayoutError(ConfigError):
+    """A ``KVLayout`` field is invalid."""
+
+
+class SizeError(ConfigError):
+    """A capacity string or number could not be parsed, or is too small."""
+
+
+class TokenError(KVStoreError, ValueError):
+    """Token ids are not non-negative integers below 2**32."""
+
+
+class KeyFormatError(KVStoreError, ValueError):
+    """A block key is not 32 bytes, or block extras do not match the blocks."""
+
+
+class NamespaceMismatchError(KVStoreError, ValueError):
+    """Keys were computed for another model, layout or store than the one used."""
+
+
+class TensorMismatchError(KVStoreError, ValueError):
+    """A KV tensor does not have the shape, dtype or device the layout requires."""
+
+
+class StoreClosedError(KVStoreError, RuntimeError):
+    """The store was used after ``close()``."""
+
+
+class FormatVersionError(KVStoreError, RuntimeError):
+    """An on-disk store was written by an incompatible format version."""
+
+
+class StoreBusyError(KVStoreError, RuntimeError):
+    """The store could not take the request now (for example, every slot is pinned)."""
+
+
+class TransferError(KVStoreError, RuntimeError):
+    """A data transfer failed for a reason other than damaged or missing data."""
+
+
+class DiskError(KVStoreError, OSError):
+    """The disk tier could not write (disk full, read-only directory, I/O error).
+
+    Raised only to the background writer and admin tools; an engine's ``put`` never sees it.
+    """
+
+
+class StoreLockedError(KVStoreError, RuntimeError):
+    """An exclusive admin operation could not take the store's lock."""

@@ -1,0 +1,94 @@
+"""The store's catalog of blocks held in memory: chain links and pins.
+
+Which tier holds a block is the tiers' business; the catalog knows each cached block's
+parent and cached children (for leaf-first eviction and prefix-closure) and its pin count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from kvstore.keys import BlockKey
+
+
+class Catalog:
+    """Parent/children links of the blocks held in memory, and pin counts."""
+
+    __slots__ = ("_parent", "_children", "_pins")
+
+    def __init__(self) -> None:
+        self._parent: dict[BlockKey, BlockKey | None] = {}
+        self._children: dict[BlockKey, set[BlockKey]] = {}
+        self._pins: dict[BlockKey, int] = {}
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._parent
+
+    def __len__(self) -> int:
+        return len(self._parent)
+
+    def add(self, key: BlockKey, parent: BlockKey | None) -> None:
+        if key in self._parent:
+            return
+        self._parent[key] = parent
+        if parent is not None:
+            self._children.setdefault(parent, set()).add(key)
+
+    def forget(self, key: BlockKey) -> None:
+        """Remove ``key`` (it must have no cached children)."""
+        parent = self._parent.pop(key)
+        if parent is not None:
+            sib = self._children.get(parent)
+            if sib is not None:
+                sib.discard(key)
+                if not sib:
+                    del self._children[parent]
+        self._pins.pop(key, None)
+
+    def parent(self, key: BlockKey) -> BlockKey | None:
+        return self._parent.get(key)
+
+    def has_children(self, key: BlockKey) -> bool:
+        return bool(self._children.get(key))
+
+    def children(self, key: BlockKey) -> set[BlockKey]:
+        return self._children.get(key, set())
+
+    def descendants_postorder(self, key: BlockKey) -> list[BlockKey]:
+        """``key``'s cached descendants, children before parents, then ``key`` itself."""
+        out: list[BlockKey] = []
+        stack: list[tuple[BlockKey, bool]] = [(key, False)]
+        while stack:
+            k, expanded = stack.pop()
+            if expanded:
+                out.append(k)
+                continue
+            stack.append((k, True))
+            for c in self._children.get(k, ()):
+                stack.append((c, False))
+        return out
+
+    # -- pins --------------------------------------------------------------------------
+    def pin(self, key: BlockKey) -> None:
+        self._pins[key] = self._pins.get(key, 0) + 1
+
+    def unpin(self, key: BlockKey) -> bool:
+        """Drop one pin; False if ``key`` was not pinned."""
+        n = self._pins.get(key, 0)
+        if n <= 0:
+            return False
+        if n == 1:
+            del self._pins[key]
+        else:
+            self._pins[key] = n - 1
+        return True
+
+    def is_pinned(self, key: BlockKey) -> bool:
+        return key in self._pins
+
+    @property
+    def pinned_count(self) -> int:
+        return len(self._pins)
+
+    def keys(self) -> Iterator[BlockKey]:
+        return iter(self._parent)

@@ -1,0 +1,72 @@
+"""Counters and the frozen snapshots ``Store.stats()`` returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class TierStats:
+    """One tier at the moment of the snapshot."""
+
+    name: str  # "hot", "warm" or "disk"
+    device: str
+    capacity_bytes: int
+    used_bytes: int
+    blocks: int
+    evictions: int
+    demotions_in: int = 0
+    promotions_in: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStats:
+    """Counters since the store was opened (blocks, not requests, unless named so)."""
+
+    lookups: int  # lookup calls
+    hits: int  # blocks lookup found
+    misses: int  # blocks lookup asked for and did not find
+    fetches: int  # fetch calls
+    fetched_blocks: int
+    fetch_short: int  # blocks a fetch asked for but could not return (miss or damage)
+    puts: int  # put calls
+    put_blocks: int  # blocks stored by put
+    put_duplicates: int  # blocks skipped because the key was already held
+    put_dropped: int  # blocks not stored: no room (all pinned) or parent no longer cached
+    damaged: int  # blocks found damaged (short read, bad checksum, missing file): misses
+    dirty_dropped: int  # blocks evicted from memory before they reached disk
+    disk_write_dropped: int  # disk writes dropped because the writer could not keep up or failed
+    pinned_blocks: int
+    blocks: int  # distinct blocks held by any tier
+    block_nbytes: int
+    tiers: tuple[TierStats, ...]
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+    def tier(self, name: str) -> TierStats | None:
+        for t in self.tiers:
+            if t.name == name:
+                return t
+        return None
+
+
+@dataclass(slots=True)
+class Counters:
+    """Mutable counters behind :class:`StoreStats`; updated under the store's lock."""
+
+    lookups: int = 0
+    hits: int = 0
+    misses: int = 0
+    fetches: int = 0
+    fetched_blocks: int = 0
+    fetch_short: int = 0
+    puts: int = 0
+    put_blocks: int = 0
+    put_duplicates: int = 0
+    put_dropped: int = 0
+    damaged: int = 0
+    dirty_dropped: int = 0
+    disk_write_dropped: int = 0

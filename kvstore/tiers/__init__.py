@@ -1,0 +1,1 @@
+"""Storage tiers: memory slabs (hot/warm) and the persistent disk tier."""
