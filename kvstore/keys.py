@@ -194,6 +194,8 @@ def _load_native():
         from kvstore import _native  # type: ignore[attr-defined]
     except ImportError:
         return None
+    if not hasattr(_native, "chain_keys"):  # pragma: no cover - a stale build of another era
+        return None
     return _native
 
 
@@ -214,12 +216,60 @@ def block_keys(
     if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens <= 0:
         raise KeyFormatError(f"block_tokens must be a positive int, got {block_tokens!r}")
     root = root_key(namespace_id, salt)
+    if _native is not None:
+        # Hand lists, tuples and CPU integer arrays to the extension as they are: it validates
+        # and converts them in C. Anything else takes the tokens_to_u32le route below.
+        direct: object = None
+        tt = type(token_ids)
+        if tt is list or tt is tuple:
+            direct = token_ids
+        elif tt.__module__ == "numpy" or tt.__module__.startswith("torch"):
+            try:
+                a: object = None
+                if tt.__module__ == "numpy" and tt.__name__ == "ndarray":
+                    a = token_ids
+                else:
+                    torch = sys.modules.get("torch")
+                    if (
+                        torch is not None
+                        and tt is torch.Tensor
+                        and token_ids.device.type == "cpu"  # type: ignore[attr-defined]
+                        and not token_ids.dtype.is_floating_point  # type: ignore[attr-defined]
+                        and not token_ids.dtype.is_complex  # type: ignore[attr-defined]
+                        and token_ids.dtype != torch.bool  # type: ignore[attr-defined]
+                    ):
+                        a = token_ids.detach().reshape(-1).numpy()  # type: ignore[attr-defined]
+                if a is not None and a.dtype.kind in "iu" and a.dtype.itemsize in (2, 4, 8):  # type: ignore[attr-defined]
+                    direct = a.reshape(-1)  # type: ignore[attr-defined]
+            except Exception:  # an exotic array or tensor: let the Python path judge it
+                direct = None
+        if direct is not None:
+            n_tokens = len(direct)  # type: ignore[arg-type]
+            n_full = n_tokens // block_tokens
+            try:
+                _check_extras(extras, n_full, -(-n_tokens // block_tokens))
+            except KeyFormatError:
+                tokens_to_u32le(token_ids)  # like the Python path, report bad tokens first
+                raise
+            ex = None
+            if extras is not None:
+                ex = [e if e is None or type(e) is bytes else bytes(e) for e in extras[:n_full]]
+            try:
+                keys = _native.chain_keys(root, direct, block_tokens, ex)
+            except (OverflowError, TypeError, ValueError) as e:
+                # Rejected by the extension: re-validate in Python so the TokenError (and its
+                # message) is exactly the one the Python path raises.
+                tokens_to_u32le(token_ids)
+                raise TokenError(f"invalid token_ids: {e}") from None
+            return KeyChain(keys, bytes(namespace_id), None)
     tb = tokens_to_u32le(token_ids)
     n_tokens = len(tb) // 4
     n_full = n_tokens // block_tokens
     _check_extras(extras, n_full, -(-n_tokens // block_tokens))
     ex = None if extras is None else list(extras[:n_full])
     if _native is not None:
+        if ex is not None:
+            ex = [e if e is None or type(e) is bytes else bytes(e) for e in ex]
         keys = _native.chain_keys(root, tb, block_tokens, ex)
     else:
         keys = chain_python(root, tb, block_tokens, ex)

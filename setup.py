@@ -1,0 +1,89 @@
+"""Build script for the optional native extension ``kvstore._native`` (ext/).
+
+Project metadata lives in pyproject.toml; this file only declares the C extension. The
+extension is optional: without a working C compiler the install still succeeds (with a
+warning) and kvstore uses its pure-Python key path, which gives identical keys.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+try:  # setuptools >= 59 vendors distutils; both spellings name the same classes
+    from setuptools.errors import CCompilerError, CompileError, ExecError, LinkError, PlatformError
+except ImportError:  # pragma: no cover - very old setuptools
+    from distutils.errors import CCompilerError, CompileError, LinkError
+    from distutils.errors import DistutilsExecError as ExecError
+    from distutils.errors import DistutilsPlatformError as PlatformError
+
+_BUILD_ERRORS = (CCompilerError, CompileError, LinkError, ExecError, PlatformError, OSError)
+
+NATIVE = Extension(
+    "kvstore._native",
+    sources=["ext/chainhash.c", "ext/sha256.c"],
+    depends=["ext/sha256.h"],
+    include_dirs=["ext"],
+    optional=True,
+)
+
+
+def _warn(msg: str) -> None:
+    bar = "*" * 78
+    print(f"\n{bar}\nWARNING: {msg}\nkvstore will use its pure-Python key path "
+          f"(identical keys, slower).\n{bar}\n", file=sys.stderr)
+
+
+class OptionalBuildExt(build_ext):
+    """build_ext that never fails the install: a missing compiler or a compile error only warns."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._failed: set[str] = set()
+
+    def run(self) -> None:
+        try:
+            super().run()
+        except _BUILD_ERRORS as e:
+            self._failed.update(ext.name for ext in self.extensions)
+            _warn(f"could not build the native extension kvstore._native: {e}")
+
+    def build_extension(self, ext: Extension) -> None:
+        ctype = self.compiler.compiler_type if self.compiler is not None else ""
+        if ctype == "msvc":
+            ext.extra_compile_args = ["/O2"]
+        else:
+            ext.extra_compile_args = ["-O3", "-fvisibility=hidden"]
+            if os.environ.get("KVSTORE_NATIVE_DEBUG"):
+                ext.extra_compile_args += ["-O0", "-g", "-Wall", "-Wextra"]
+        try:
+            super().build_extension(ext)
+        except _BUILD_ERRORS as e:
+            self._failed.add(ext.name)
+            _warn(f"could not build the native extension {ext.name}: {e}")
+
+    # Editable installs copy built extensions into the source tree and list them as outputs;
+    # leave out the ones that failed so a failed build does not break the install.
+    def copy_extensions_to_source(self) -> None:
+        kept = self.extensions
+        self.extensions = [e for e in kept if e.name not in self._failed]
+        try:
+            super().copy_extensions_to_source()
+        finally:
+            self.extensions = kept
+
+    def get_outputs(self) -> list[str]:
+        outputs = super().get_outputs()
+        return [p for p in outputs if os.path.exists(p)] if self._failed else outputs
+
+    def get_output_mapping(self) -> dict[str, str]:
+        mapping = super().get_output_mapping()
+        if self._failed:
+            mapping = {k: v for k, v in mapping.items() if os.path.exists(k)}
+        return mapping
+
+
+setup(ext_modules=[NATIVE], cmdclass={"build_ext": OptionalBuildExt})
