@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from conftest import random_kv
+
 from kvstore import KVLayout, TensorMismatchError, open_store
 
 LAY = KVLayout(num_layers=3, num_kv_heads=2, head_dim=4, dtype=torch.float32, block_tokens=8)
