@@ -11,8 +11,8 @@ export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
 if ! "$PY" -c "import torch" >/dev/null 2>&1; then
     "$PY" -m pip install --quiet "torch==2.13.0"
 fi
-extras=""
-if [ "${1:-}" = "dev" ]; then extras="[dev]"; fi
+extras="[hf]"
+if [ "${1:-}" = "dev" ]; then extras="[dev,hf]"; fi
 "$PY" -m pip install --quiet "setuptools>=68" wheel
 "$PY" -m pip install --quiet --no-build-isolation -e ".${extras}"
 "$PY" -c "import kvstore, kvstore.keys as k; print('kvstore', kvstore.__version__, '- key hashing:', k.backend)"

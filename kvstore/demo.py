@@ -1,10 +1,19 @@
 """``kvstore demo``: a workload with shared prefixes run through an embedded store.
 
-The "engine" is a tiny decoder-only transformer written in torch (seeded random weights, no
-downloads): causal multi-head attention over a per-layer K/V cache plus an MLP. Each request
-looks up its longest cached prefix, loads those K/V blocks, computes only the suffix, and puts
-the new full blocks. Every request is also prefilled from scratch, to check that the cached
-path gives the same next-token logits and greedy token.
+The engine is a real transformers decoder (Llama architecture, seeded random weights built
+from a config: no downloads) driven through :mod:`kvstore.integrations.transformers` when
+``transformers`` is importable, else a tiny decoder-only transformer written here in torch.
+Each request looks up its longest cached prefix, loads those K/V blocks, computes only the
+rest, generates a short greedy answer and puts the new full blocks. Every request is also run
+without the cache, to check that logits and generated tokens are the same.
+
+Workloads (token ids drawn from a seeded RNG):
+
+- ``chat``: a shared system prompt, several conversations of several turns; each turn quotes
+  the whole history, including the model's earlier answers.
+- ``docqa``: documents, each asked several questions (system prompt + document + question).
+- ``batch``: the docqa prompts arriving shuffled, planned with :mod:`kvstore.batch` (prefix
+  tree, groups run together, shared prefixes pinned) and run by its ``BatchRunner``.
 """
 
 from __future__ import annotations
@@ -12,13 +21,21 @@ from __future__ import annotations
 import os
 import random
 import time
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from kvstore.keys import KeyChain
 from kvstore.layout import KVLayout
 from kvstore.store import Store, open_store
+
+WORKLOADS = ("chat", "docqa", "batch")
+MODEL_SIZES = ("tiny", "small")
+VOCAB = 32000
+BLOCK_TOKENS = 16
 
 
 def default_store_path() -> Path:
@@ -27,10 +44,61 @@ def default_store_path() -> Path:
     return Path(base) / "kvstore" / "demo"
 
 
-class TinyTransformer:
-    """A seeded random decoder-only transformer whose KV layout matches ``layout``."""
+# -- workloads ---------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class WorkloadSpec:
+    """Sizes of a workload (tokens); ``answer`` is the greedy answer length per request."""
 
-    def __init__(self, layout: KVLayout, vocab: int = 32000, hidden: int = 256, seed: int = 0):
+    system: int
+    groups: int  # conversations or documents
+    per_group: int  # turns or questions
+    body: int  # document length (docqa/batch)
+    user: tuple[int, int]  # user message / question length range
+    answer: int
+
+
+_SPECS = {
+    "chat": WorkloadSpec(system=256, groups=4, per_group=4, body=0, user=(24, 72), answer=8),
+    "docqa": WorkloadSpec(system=64, groups=3, per_group=5, body=640, user=(12, 40), answer=4),
+    "batch": WorkloadSpec(system=64, groups=4, per_group=5, body=512, user=(12, 40), answer=4),
+}
+
+
+def workload_size(kind: str) -> int:
+    """Number of requests in ``kind``."""
+    s = _spec(kind)
+    return s.groups * s.per_group
+
+
+def _spec(kind: str) -> WorkloadSpec:
+    try:
+        return _SPECS[kind]
+    except KeyError:
+        raise ValueError(f"unknown workload {kind!r}; choose {', '.join(WORKLOADS)}") from None
+
+
+def _toks(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(VOCAB) for _ in range(n)]
+
+
+def qa_prompts(kind: str, seed: int) -> list[list[int]]:
+    """The prompts of ``docqa`` (document-major) or ``batch`` (shuffled arrival order)."""
+    s = _spec(kind)
+    rng = random.Random(seed)
+    system = _toks(rng, s.system)
+    docs = [_toks(rng, s.body) for _ in range(s.groups)]
+    prompts = [system + d + _toks(rng, rng.randrange(*s.user)) for d in docs
+               for _ in range(s.per_group)]
+    if kind == "batch":
+        rng.shuffle(prompts)
+    return prompts
+
+
+# -- engines -----------------------------------------------------------------------------------
+class TinyTransformer:
+    """A seeded random decoder-only transformer whose KV layout matches ``layout`` (fallback)."""
+
+    def __init__(self, layout: KVLayout, vocab: int = VOCAB, hidden: int = 256, seed: int = 0):
         g = torch.Generator().manual_seed(seed)
         self.layout = layout
         H, D = layout.num_kv_heads, layout.head_dim
@@ -74,39 +142,6 @@ class TinyTransformer:
         return x[-1] @ self.unembed, new_kv.to(lay.dtype)
 
 
-@dataclass(frozen=True, slots=True)
-class DemoResult:
-    requests: int
-    prompt_tokens: int
-    reused_tokens: int
-    hit_rate: float
-    cached_seconds: float
-    uncached_seconds: float
-    identical: bool
-
-
-def _workload(kind: str, rng: random.Random) -> list[list[int]]:
-    def toks(n: int) -> list[int]:
-        return [rng.randrange(32000) for _ in range(n)]
-
-    if kind == "chat":
-        system = toks(512)
-        out = []
-        for _ in range(6):
-            history = list(system)
-            for _turn in range(4):
-                history += toks(rng.randrange(40, 120))
-                out.append(list(history))
-        return out
-    if kind == "docqa":
-        out = []
-        for _ in range(4):
-            doc = toks(1024)
-            out += [doc + toks(rng.randrange(20, 60)) for _ in range(6)]
-        return out
-    raise ValueError(f"unknown workload {kind!r}; choose chat or docqa")
-
-
 def to_blocks(layout: KVLayout, kv_tokens: torch.Tensor) -> torch.Tensor:
     """``[n_blocks * T, L, P, H, D]`` -> ``[n_blocks, L, P, T, H, D]`` (full blocks only)."""
     T = layout.block_tokens
@@ -120,44 +155,256 @@ def from_blocks(blocks: torch.Tensor) -> torch.Tensor:
     return blocks.permute(0, 3, 1, 2, 4, 5).reshape(n * T, L, P, H, D)
 
 
-def run_demo(store: Store, model: TinyTransformer, workload: str, seed: int = 0,
-             progress=None) -> DemoResult:
-    """Run ``workload`` through ``store`` and ``model``; compare with uncached prefills."""
-    lay = store.layout
-    rng = random.Random(seed)
-    prompts = _workload(workload, rng)
-    reused = total = 0
-    t_cached = t_fresh = 0.0
-    identical = True
-    for prompt in prompts:
-        t0 = time.perf_counter()
-        keys = store.block_keys(prompt)
-        # keep the last token out of the cached part: its logits must be computed
-        n = store.lookup(keys[: (len(prompt) - 1) // lay.block_tokens])
-        cached = store.fetch(keys[:n]).wait()
-        n = cached.shape[0]  # a damaged block shortens the run: recompute from there
-        start = n * lay.block_tokens
-        logits, kv_new = model.forward(prompt[start:], from_blocks(cached) if n else None)
-        store.put(keys[n:], to_blocks(lay, kv_new)[: len(keys) - n]).wait()
-        t_cached += time.perf_counter() - t0
+@dataclass(frozen=True, eq=False)
+class _ToyPrefill:
+    logits: torch.Tensor
+    kv: torch.Tensor  # [tokens, L, 2, H, D] of the whole prompt
+    cached_tokens: int
+    computed_tokens: int
+    seconds: float
+    put: Any = None
 
+    @property
+    def next_token(self) -> int:
+        return int(self.logits.argmax())
+
+
+@dataclass(frozen=True, eq=False)
+class _ToyGeneration:
+    tokens: tuple[int, ...]
+    logits: torch.Tensor
+    prefill: _ToyPrefill
+    decode_seconds: float
+
+
+class ToyEngine:
+    """:class:`TinyTransformer` behind the same ``prefill``/``generate`` calls as the bridge."""
+
+    name = "toy torch decoder (transformers not installed)"
+
+    def __init__(self, store: Store, seed: int = 0) -> None:
+        self.store = store
+        self.layout = store.layout
+        self.model = TinyTransformer(store.layout, seed=seed)
+
+    def prefill(self, ids: Sequence[int], *, use_cache: bool = True) -> _ToyPrefill:
+        store, T = self.store, self.layout.block_tokens
+        ids = list(ids)
         t0 = time.perf_counter()
-        ref_logits, _ = model.forward(prompt, None)
-        t_fresh += time.perf_counter() - t0
-        identical &= bool(torch.allclose(logits, ref_logits, rtol=1e-4, atol=1e-4)) and int(
-            logits.argmax()) == int(ref_logits.argmax())
-        reused += start
-        total += len(prompt)
-        if progress is not None:
-            progress()
+        n, keys, cached = 0, None, None
+        if use_cache:
+            keys = store.block_keys(ids)
+            n = store.lookup(keys[: (len(ids) - 1) // T])
+            if n:
+                cached = from_blocks(store.fetch(keys[:n]).wait())
+                n = cached.shape[0] // T
+        start = n * T
+        logits, kv_new = self.model.forward(ids[start:], cached)
+        kv = kv_new if cached is None else torch.cat([cached, kv_new])
+        put = None
+        if keys is not None and len(keys) > n:
+            put = store.put(keys[n:], to_blocks(self.layout, kv)[n: len(keys)])
+        return _ToyPrefill(logits, kv, start, len(ids) - start, time.perf_counter() - t0, put)
+
+    def generate(self, ids: Sequence[int], max_new_tokens: int, *,
+                 use_cache: bool = True) -> _ToyGeneration:
+        ids = list(ids)
+        pre = self.prefill(ids, use_cache=use_cache)
+        t0 = time.perf_counter()
+        kv, logits, tokens = pre.kv, [pre.logits], [pre.next_token]
+        while len(tokens) < max_new_tokens:
+            lg, kv_new = self.model.forward(tokens[-1:], kv)
+            kv = torch.cat([kv, kv_new])
+            logits.append(lg)
+            tokens.append(int(lg.argmax()))
+        T = self.layout.block_tokens
+        seq = ids + tokens[:-1]
+        first, last = len(ids) // T, len(seq) // T
+        if use_cache and last > first:
+            keys: KeyChain = self.store.block_keys(seq)
+            self.store.put(keys[first:last], to_blocks(self.layout, kv)[first:last])
+        return _ToyGeneration(tuple(tokens), torch.stack(logits), pre, time.perf_counter() - t0)
+
+
+def transformers_config(size: str, *, vocab: int = VOCAB) -> Any:
+    """A Llama-architecture config (GQA 4:1, SwiGLU) scaled down to ``tiny`` or ``small``."""
+    from transformers import LlamaConfig
+
+    dims = {"tiny": (256, 4, 8, 2, 688), "small": (512, 8, 8, 2, 1376)}
+    if size not in dims:
+        raise ValueError(f"unknown model size {size!r}; choose {', '.join(MODEL_SIZES)}")
+    hidden, layers, heads, kv_heads, ffn = dims[size]
+    return LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn,
+                       num_hidden_layers=layers, num_attention_heads=heads,
+                       num_key_value_heads=kv_heads, max_position_embeddings=4096,
+                       tie_word_embeddings=False)
+
+
+def build_transformers_model(size: str, seed: int = 0) -> Any:
+    """A seeded random-weight ``LlamaForCausalLM`` in float32, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(transformers_config(size)).float().eval()
+
+
+def toy_layout(size: str) -> KVLayout:
+    layers, heads = {"tiny": (4, 2), "small": (8, 2)}[size]
+    return KVLayout(num_layers=layers, num_kv_heads=heads, head_dim=32, dtype=torch.float32,
+                    block_tokens=BLOCK_TOKENS)
+
+
+_STORE_ARGS = {"device": "cpu", "gpu_capacity": 0, "cpu_capacity": "256MiB",
+               "disk_capacity": "2GiB"}
+
+
+def open_engine(path: Path | None, *, engine: str = "auto", size: str = "tiny",
+                seed: int = 0) -> tuple[Store, Any, str]:
+    """Open the demo store and its engine: ``transformers`` (when importable) or ``toy``.
+
+    Returns the store, the engine and a label naming the engine.
+    """
+    if size not in MODEL_SIZES:
+        raise ValueError(f"unknown model size {size!r}; choose {', '.join(MODEL_SIZES)}")
+    if engine == "auto":
+        from kvstore.integrations import transformers_available
+
+        engine = "transformers" if transformers_available() else "toy"
+    if engine == "transformers":
+        from kvstore.integrations.transformers import PrefixCachedModel, open_store_for
+
+        model = build_transformers_model(size, seed)
+        store = open_store_for(model, path, block_tokens=BLOCK_TOKENS, **_STORE_ARGS)
+        label = f"transformers {type(model).__name__} ({size}, random weights)"
+        return store, PrefixCachedModel.from_model(model, store), label
+    if engine != "toy":
+        raise ValueError(f"unknown engine {engine!r}; choose auto, transformers or toy")
+    store = open_store(path, layout=toy_layout(size), model_id=f"kvstore/toy-causal-{size}",
+                       model_revision=f"seed-{seed}", **_STORE_ARGS)
+    return store, ToyEngine(store, seed), f"{ToyEngine.name} ({size})"
+
+
+# -- running -----------------------------------------------------------------------------------
+@dataclass
+class PhaseResult:
+    """One run of a workload (one process)."""
+
+    engine: str
+    requests: int = 0
+    prompt_tokens: int = 0
+    reused_tokens: int = 0
+    computed_tokens: int = 0
+    generated_tokens: int = 0
+    hit_rate: float = 0.0
+    cached_seconds: float = 0.0  # prefill with kvstore: lookup + load + compute + put
+    uncached_seconds: float = 0.0  # the same prefills without the cache
+    identical: bool = True  # same greedy tokens, logits within rtol = atol = 1e-4
+    max_logit_diff: float = 0.0
+    blocks_on_disk: int = 0
+    disk_bytes: int = 0
+    plan: dict[str, int] | None = field(default=None)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _compare(res: PhaseResult, got: Any, ref: Any) -> None:
+    diff = float((got.logits - ref.logits).abs().max())
+    res.max_logit_diff = max(res.max_logit_diff, diff)
+    same = got.tokens == ref.tokens and bool(
+        torch.allclose(got.logits, ref.logits, rtol=1e-4, atol=1e-4))
+    res.identical = res.identical and same
+
+
+def _account(res: PhaseResult, prompt: Sequence[int], got: Any, ref: Any) -> None:
+    pre = got.prefill
+    if pre.put is not None:
+        pre.put.wait()
+    res.requests += 1
+    res.prompt_tokens += len(prompt)
+    res.reused_tokens += pre.cached_tokens
+    res.computed_tokens += pre.computed_tokens
+    res.generated_tokens += len(got.tokens)
+    res.cached_seconds += pre.seconds
+    res.uncached_seconds += ref.prefill.seconds
+    _compare(res, got, ref)
+
+
+def run_workload(store: Store, engine: Any, workload: str, seed: int = 0,
+                 progress: Callable[[], object] | None = None) -> PhaseResult:
+    """Run ``workload`` through ``engine`` (cached) and again uncached, and compare.
+
+    Flushes the store at the end, so the disk figures count every block of the run.
+    """
+    spec = _spec(workload)
+    res = PhaseResult(engine=getattr(engine, "name", type(engine).__name__))
+    tick = progress or (lambda: None)
+    if workload == "chat":
+        rng = random.Random(seed)
+        system = _toks(rng, spec.system)
+        histories = [list(system) for _ in range(spec.groups)]
+        for _turn in range(spec.per_group):  # conversations interleave, one turn each
+            for h in histories:
+                h += _toks(rng, rng.randrange(*spec.user))
+                got = engine.generate(h, spec.answer)
+                ref = engine.generate(h, spec.answer, use_cache=False)
+                _account(res, h, got, ref)
+                h += list(got.tokens)
+                tick()
+    elif workload == "docqa":
+        for p in qa_prompts(workload, seed):
+            got = engine.generate(p, spec.answer)
+            ref = engine.generate(p, spec.answer, use_cache=False)
+            _account(res, p, got, ref)
+            tick()
+    elif workload == "batch":
+        _run_batch(store, engine, spec, seed, res, tick)
+    else:
+        raise ValueError(f"unknown workload {workload!r}; choose {', '.join(WORKLOADS)}")
+    store.flush()
     st = store.stats()
-    return DemoResult(len(prompts), total, reused, st.hit_rate, t_cached, t_fresh, identical)
+    res.hit_rate = st.hit_rate
+    disk = st.tier("disk")
+    if disk is not None:
+        res.blocks_on_disk, res.disk_bytes = disk.blocks, disk.used_bytes
+    return res
 
 
-def demo_layout() -> KVLayout:
-    return KVLayout(num_layers=4, num_kv_heads=2, head_dim=32, dtype=torch.float32, block_tokens=16)
+def _run_batch(store: Store, engine: Any, spec: WorkloadSpec, seed: int, res: PhaseResult,
+               tick: Callable[[], object]) -> None:
+    from kvstore.batch import BatchRunner, plan_batch
+
+    prompts = qa_prompts("batch", seed)
+    T = store.layout.block_tokens
+    # a memory budget of about two documents: arrival order thrashes it, the plan does not
+    longest = max(-(-len(p) // T) for p in prompts)
+    budget = 2 * longest
+    plan = plan_batch(prompts, store=store, budget_blocks=budget)
+    res.plan = {"naive_tokens": plan.naive_tokens, "arrival_tokens": plan.arrival_tokens,
+                "planned_tokens": plan.planned_tokens, "budget_blocks": budget,
+                "groups": len(plan.groups)}
+    gots: Sequence[Any]
+    if isinstance(engine, ToyEngine):  # the plan's order, without the runner's pins
+        gots = [None] * len(prompts)
+        for step in plan.steps:
+            gots[step.prompt] = engine.generate(prompts[step.prompt], spec.answer)  # type: ignore[index]
+            tick()
+    else:  # the transformers bridge
+        out = BatchRunner(engine).run(plan, prompts, max_new_tokens=spec.answer, progress=tick)
+        gots = out.outputs
+    for p, got in zip(prompts, gots, strict=True):
+        ref = engine.generate(p, spec.answer, use_cache=False)
+        _account(res, p, got, ref)
 
 
-def open_demo_store(path: Path | None) -> Store:
-    return open_store(path, layout=demo_layout(), model_id="kvstore/toy-causal", device="cpu",
-                      gpu_capacity=0, cpu_capacity="256MiB", disk_capacity="1GiB")
+def run_phase(path: Path | None, workload: str, *, seed: int = 0, size: str = "tiny",
+              engine: str = "auto", cold: bool = False,
+              progress: Callable[[], object] | None = None) -> PhaseResult:
+    """Open the store, run ``workload`` once, close the store (everything durable on disk)."""
+    store, eng, label = open_engine(path, engine=engine, size=size, seed=seed)
+    with store:
+        if cold:
+            store.evict()  # start from an empty cache (this demo's namespace only)
+        res = run_workload(store, eng, workload, seed=seed, progress=progress)
+    res.engine = label
+    return res

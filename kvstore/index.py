@@ -1,11 +1,14 @@
-"""The store's catalog of blocks held in memory: chain links and pins.
+"""The store's catalog of blocks held in memory: chain links, pins and disk state.
 
-Which tier holds a block is the tiers' business; the catalog knows each cached block's
-parent and cached children (for leaf-first eviction and prefix-closure) and its pin count.
+Which memory tier holds a block is the tiers' business; the catalog knows each cached
+block's parent and cached children (for leaf-first eviction and prefix-closure), its pin
+count, whether a copy is known to be on disk, and which blocks still wait for the disk
+writer (dirty, oldest first).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterator
 
 from kvstore.keys import BlockKey
@@ -14,12 +17,15 @@ from kvstore.keys import BlockKey
 class Catalog:
     """Parent/children links of the blocks held in memory, and pin counts."""
 
-    __slots__ = ("_parent", "_children", "_pins")
+    __slots__ = ("_parent", "_children", "_pins", "_on_disk", "_dirty", "_uses")
 
     def __init__(self) -> None:
         self._parent: dict[BlockKey, BlockKey | None] = {}
         self._children: dict[BlockKey, set[BlockKey]] = {}
         self._pins: dict[BlockKey, int] = {}
+        self._on_disk: set[BlockKey] = set()
+        self._dirty: OrderedDict[BlockKey, None] = OrderedDict()
+        self._uses: dict[BlockKey, int] = {}
 
     def __contains__(self, key: object) -> bool:
         return key in self._parent
@@ -44,6 +50,9 @@ class Catalog:
                 if not sib:
                     del self._children[parent]
         self._pins.pop(key, None)
+        self._on_disk.discard(key)
+        self._dirty.pop(key, None)
+        self._uses.pop(key, None)
 
     def parent(self, key: BlockKey) -> BlockKey | None:
         return self._parent.get(key)
@@ -92,3 +101,39 @@ class Catalog:
 
     def keys(self) -> Iterator[BlockKey]:
         return iter(self._parent)
+
+    # -- disk state -----------------------------------------------------------------------
+    def set_on_disk(self, key: BlockKey) -> None:
+        if key in self._parent:
+            self._on_disk.add(key)
+            self._dirty.pop(key, None)
+
+    def clear_on_disk(self, key: BlockKey) -> None:
+        self._on_disk.discard(key)
+
+    def on_disk(self, key: BlockKey) -> bool:
+        return key in self._on_disk
+
+    def mark_dirty(self, key: BlockKey) -> None:
+        if key in self._parent and key not in self._on_disk:
+            self._dirty[key] = None
+
+    def is_dirty(self, key: BlockKey) -> bool:
+        return key in self._dirty
+
+    def take_dirty(self, n: int) -> list[BlockKey]:
+        """Remove and return up to ``n`` dirty keys, oldest first."""
+        out: list[BlockKey] = []
+        while self._dirty and len(out) < n:
+            out.append(self._dirty.popitem(last=False)[0])
+        return out
+
+    @property
+    def dirty_count(self) -> int:
+        return len(self._dirty)
+
+    def use(self, key: BlockKey) -> int:
+        """Count one use of ``key``; returns the uses so far (for second-hit admission)."""
+        n = self._uses.get(key, 0) + 1
+        self._uses[key] = n
+        return n

@@ -37,7 +37,8 @@ class StoreStats:
     dirty_dropped: int  # blocks evicted from memory before they reached disk
     disk_write_dropped: int  # disk writes dropped because the writer could not keep up or failed
     pinned_blocks: int
-    blocks: int  # distinct blocks held by any tier
+    blocks: int  # distinct blocks held by the memory tiers (the disk tier's are in tiers)
+    dirty_blocks: int  # blocks in memory still waiting for the disk writer
     block_nbytes: int
     tiers: tuple[TierStats, ...]
 

@@ -92,3 +92,50 @@ def test_load_into_validation(pages, ids, match):
         keys = s.block_keys(list(range(8)))
         with pytest.raises(TensorMismatchError, match=match):
             s.load_into(keys, pages(), ids)
+
+
+# -- transformers layout: per layer (K, V), each [batch, heads, seq, head_dim] ----------------
+
+def hf_cache(batch, seq, lay=LAY, fill=float("nan")):
+    return [tuple(torch.full((batch, lay.num_kv_heads, seq, lay.head_dim), fill, dtype=lay.dtype)
+                  for _ in range(2)) for _ in range(lay.num_layers)]
+
+
+@pytest.mark.parametrize("page_size", [2, 4, 8])
+def test_hf_layout_round_trip_with_page_size_not_block_size(page_size):
+    with open_store(None, layout=LAY, model_id="hf", device="cpu", cpu_capacity="1MiB") as s:
+        keys = s.block_keys(list(range(16)))  # 2 blocks of 8 tokens
+        kv = random_kv(LAY, 2)
+        s.put(keys, kv).wait()
+        cache = hf_cache(batch=2, seq=24)
+        per_row = 24 // page_size
+        ppb = 8 // page_size
+        # batch row 1, starting at token 8: pages (row 1, cols 8/ps ...)
+        ids = [per_row + 8 // page_size + j for j in range(2 * ppb)]
+        assert s.load_into(keys, cache, ids, page_size=page_size).wait() == 2
+        for layer in range(LAY.num_layers):
+            k, v = cache[layer]
+            # tokens 8..24 of batch row 1 hold the 2 blocks in token order
+            assert torch.equal(k[1, :, 8:24].transpose(0, 1), kv[:, layer, 0].reshape(16, 2, 4))
+            assert torch.equal(v[1, :, 8:24].transpose(0, 1), kv[:, layer, 1].reshape(16, 2, 4))
+            assert torch.isnan(k[0]).all() and torch.isnan(k[1, :, :8]).all()
+        # gather back out of the hf cache
+        k2 = s.block_keys(list(range(500, 516)))
+        assert s.save_from(cache, ids, k2, page_size=page_size).wait() == 2
+        assert torch.equal(s.fetch(k2).wait(), kv)
+
+
+def test_gather_scatter_reference_round_trip_random():
+    from kvstore.paged import gather_layer, paged_geometry, scatter_layer
+
+    g = torch.Generator().manual_seed(3)
+    for ps in (1, 2, 4, 8):
+        pages = [torch.randn(2, 20, ps, 2, 4, generator=g) for _ in range(3)]
+        geo = paged_geometry(LAY, pages)
+        ids = torch.randperm(20, generator=g)[: 2 * (8 // ps)]
+        out = torch.empty(2, 2, 8, 2, 4)
+        gather_layer(LAY, geo, pages[1], ids, out)
+        fresh = torch.zeros_like(pages[1])
+        scatter_layer(LAY, geo, out, fresh, ids)
+        assert torch.equal(fresh[:, ids], pages[1][:, ids])
+        assert not fresh[:, [i for i in range(20) if i not in set(ids.tolist())]].any()

@@ -200,15 +200,27 @@ def test_use_after_close(make_store, small_layout):
             call()
 
 
-def test_hot_victims_demote_to_warm(make_store, small_layout):
+def test_put_spills_from_hot_to_warm(make_store, small_layout):
     s = make_store(hot_blocks=2, warm_blocks=8)
     keys = s.block_keys(list(range(24)))
     kv = random_kv(small_layout, 6)
     assert s.put(keys, kv).wait() == 6
     st = s.stats()
     assert st.tier("hot").blocks == 2 and st.tier("warm").blocks == 4
-    assert st.tier("warm").demotions_in == 4
     assert torch.equal(s.fetch(keys).wait(), kv)
+
+
+def test_hot_victims_demote_to_warm(make_store, small_layout):
+    s = make_store(hot_blocks=2, warm_blocks=8)
+    a = s.block_keys(list(range(8)))
+    b = s.block_keys(list(range(100, 108)))
+    kv_a, kv_b = random_kv(small_layout, 2, seed=1), random_kv(small_layout, 2, seed=2)
+    s.put(a, kv_a).wait()
+    s.put(b, kv_b).wait()
+    st = s.stats()
+    assert st.tier("hot").blocks == 2 and st.tier("warm").blocks == 2
+    assert st.tier("warm").demotions_in == 2
+    assert torch.equal(s.fetch(a).wait(), kv_a) and torch.equal(s.fetch(b).wait(), kv_b)
 
 
 def test_fetch_promotes_from_warm(make_store, small_layout):
@@ -220,6 +232,7 @@ def test_fetch_promotes_from_warm(make_store, small_layout):
     st = s.stats()
     assert st.tier("hot").blocks == 0 and st.tier("warm").blocks == 4
     assert torch.equal(s.fetch(keys).wait(), kv)
+    s.flush()  # promotion into hot completes behind the fetch
     st = s.stats()
     assert st.tier("hot").blocks == 4 and st.tier("hot").promotions_in == 4
 
@@ -322,6 +335,7 @@ def test_concurrent_put_fetch_threads(make_store, small_layout):
     for t in threads:
         t.join()
     assert not errors
+    s.flush()  # background promotions release their pins
     assert s.stats().pinned_blocks == 0
 
 

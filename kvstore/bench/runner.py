@@ -18,6 +18,8 @@ SECTIONS = {
     "hashing": "kvstore.bench.hashing",
     "memory": "kvstore.bench.memory",
     "disk": "kvstore.bench.disk",
+    "remote": "kvstore.bench.remote",
+    "prefill": "kvstore.bench.prefill",
 }
 
 

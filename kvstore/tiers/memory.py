@@ -35,11 +35,13 @@ class MemoryTier:
         device: torch.device,
         *,
         pin_memory: bool = False,
+        shared_path: str | None = None,
     ) -> None:
         self.name = name
         self.layout = layout
         self.device = device
-        self.slab = Slab(layout, capacity_bytes, device, pin_memory=pin_memory)
+        self.slab = Slab(layout, capacity_bytes, device, pin_memory=pin_memory,
+                         shared_path=shared_path)
         self.capacity_bytes = capacity_bytes
         self._slots: dict[BlockKey, int] = {}
         # oldest first; the store touches a chain leaf-to-root so roots stay newest

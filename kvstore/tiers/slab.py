@@ -6,6 +6,9 @@ allocated per block on the hot path; copies move whole runs of adjacent slots at
 
 from __future__ import annotations
 
+import contextlib
+import mmap
+import os
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -64,7 +67,8 @@ class Slab:
     """``[slots, block_nbytes]`` bytes on one device, viewed as blocks of the layout."""
 
     def __init__(
-        self, layout: KVLayout, capacity_bytes: int, device: torch.device, *, pin_memory: bool
+        self, layout: KVLayout, capacity_bytes: int, device: torch.device, *, pin_memory: bool,
+        shared_path: str | None = None,
     ) -> None:
         slots = capacity_bytes // layout.block_nbytes
         if slots < 1:
@@ -76,10 +80,34 @@ class Slab:
         self.device = device
         self.slots = slots
         self.pinned = pin_memory
-        self.data = torch.empty(
-            (slots, layout.block_nbytes), dtype=torch.uint8, device=device, pin_memory=pin_memory
-        )
+        self.shared_path = shared_path
+        self._mmap: mmap.mmap | None = None
+        if shared_path is not None:
+            if device.type != "cpu":
+                raise SizeError("only a host-memory tier can live in shared memory")
+            self._mmap = map_shared(shared_path, slots * layout.block_nbytes, create=True)
+            self.data = torch.frombuffer(self._mmap, dtype=torch.uint8).view(slots, layout.block_nbytes)
+            if pin_memory:
+                register_pinned(self.data)
+        else:
+            self.data = torch.empty(
+                (slots, layout.block_nbytes), dtype=torch.uint8, device=device,
+                pin_memory=pin_memory,
+            )
         self.allocator = SlotAllocator(slots)
+
+    def close(self) -> None:
+        """Release a shared-memory mapping (and its file, which only the creator owns)."""
+        if self._mmap is not None and self.shared_path is not None:
+            if self.pinned:
+                unregister_pinned(self.data)
+            self.data = torch.empty((0, self.layout.block_nbytes), dtype=torch.uint8)
+            # a view may still be alive somewhere; then the OS frees the mapping at exit
+            with contextlib.suppress(BufferError):
+                self._mmap.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.shared_path)
+            self._mmap = None
 
     @property
     def nbytes(self) -> int:
@@ -98,3 +126,30 @@ class Slab:
         """Copy ``src`` (``[len(slots), block_nbytes]`` uint8, any device) into ``slots``."""
         for pos, first, length in runs(slots):
             self.data[first : first + length].copy_(src[pos : pos + length], non_blocking=non_blocking)
+
+
+def map_shared(path: str, nbytes: int, *, create: bool) -> mmap.mmap:
+    """Map ``nbytes`` of the file ``path`` (created owner-only when ``create``)."""
+    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+    fd = os.open(path, flags, 0o600)
+    try:
+        if create:
+            os.ftruncate(fd, nbytes)
+        elif os.fstat(fd).st_size < nbytes:
+            raise SizeError(f"shared memory {path} is smaller than expected ({nbytes} B)")
+        return mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+
+
+def register_pinned(t: torch.Tensor) -> None:
+    """Page-lock a host mapping so copies to the GPU are DMA (CUDA only)."""
+    if torch.cuda.is_available() and t.numel():
+        err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+        if int(err) != 0:
+            raise OSError(f"cudaHostRegister failed with error {int(err)}")
+
+
+def unregister_pinned(t: torch.Tensor) -> None:
+    if torch.cuda.is_available() and t.numel():
+        torch.cuda.cudart().cudaHostUnregister(t.data_ptr())

@@ -1,0 +1,51 @@
+// Gather/scatter between kvstore blocks and vLLM flash-attention paged caches.
+//
+// Store side, one layer of n blocks:  src[n][P][T][H*D]           (contiguous, `elem` bytes each)
+// Engine side, one layer:             pages[P][num_pages][ps][H*D] (contiguous)
+// A block covers ppb = T / ps pages; block b, page j goes to engine page ids[b * ppb + j].
+//
+// One CUDA block copies one (page, plane) chunk of ps * H * D elements, 16 bytes per thread
+// per step when the chunk is 16-byte aligned (the common case), byte-wise otherwise.
+// Compiled at run time by CuPy's RawModule; the torch index_copy_ path is the reference.
+
+#include <stdint.h>
+
+extern "C" __global__ void kvstore_scatter_pages(
+    const unsigned char* __restrict__ src, unsigned char* __restrict__ pages,
+    const long long* __restrict__ ids, long long n_pages_moved, long long planes,
+    long long num_pages, long long chunk_bytes, long long ppb)
+{
+    const long long m = blockIdx.x;          // page index among the moved ones
+    const long long p = blockIdx.y;          // plane
+    if (m >= n_pages_moved || p >= planes) return;
+    const long long b = m / ppb, j = m % ppb;
+    const unsigned char* s = src + ((b * planes + p) * ppb + j) * chunk_bytes;
+    unsigned char* d = pages + (p * num_pages + ids[m]) * chunk_bytes;
+    if ((chunk_bytes & 15) == 0 && (((uintptr_t)s | (uintptr_t)d) & 15) == 0) {
+        const uint4* s4 = reinterpret_cast<const uint4*>(s);
+        uint4* d4 = reinterpret_cast<uint4*>(d);
+        for (long long i = threadIdx.x; i < chunk_bytes / 16; i += blockDim.x) d4[i] = s4[i];
+    } else {
+        for (long long i = threadIdx.x; i < chunk_bytes; i += blockDim.x) d[i] = s[i];
+    }
+}
+
+extern "C" __global__ void kvstore_gather_pages(
+    const unsigned char* __restrict__ pages, unsigned char* __restrict__ dst,
+    const long long* __restrict__ ids, long long n_pages_moved, long long planes,
+    long long num_pages, long long chunk_bytes, long long ppb)
+{
+    const long long m = blockIdx.x;
+    const long long p = blockIdx.y;
+    if (m >= n_pages_moved || p >= planes) return;
+    const long long b = m / ppb, j = m % ppb;
+    const unsigned char* s = pages + (p * num_pages + ids[m]) * chunk_bytes;
+    unsigned char* d = dst + ((b * planes + p) * ppb + j) * chunk_bytes;
+    if ((chunk_bytes & 15) == 0 && (((uintptr_t)s | (uintptr_t)d) & 15) == 0) {
+        const uint4* s4 = reinterpret_cast<const uint4*>(s);
+        uint4* d4 = reinterpret_cast<uint4*>(d);
+        for (long long i = threadIdx.x; i < chunk_bytes / 16; i += blockDim.x) d4[i] = s4[i];
+    } else {
+        for (long long i = threadIdx.x; i < chunk_bytes; i += blockDim.x) d[i] = s[i];
+    }
+}

@@ -1,0 +1,1247 @@
+"""The disk tier: an LMDB index plus append-only safetensors segment files (DESIGN.md §4).
+
+Synchronous and thread-safe; several processes may open the same path at once. The store
+(memory tiers, background writer) drives it; see ``docs/format.md`` for the on-disk format.
+
+Guarantees:
+
+* ``write_blocks`` is durable on return: segment written under a temp name, fsynced, renamed,
+  directory fsynced, then the LMDB transaction (synchronous) commits the records. On error it
+  raises :class:`DiskError` and nothing new is visible.
+* Reads go straight into the caller's tensor (``preadv``) and are verified against the xxh3_64
+  checksum of the raw block. A missing segment, short read, bad checksum or undecodable payload
+  returns ``MISSING``/``DAMAGED``, drops the index entry, is counted and logged — never raised,
+  never reported ``OK`` with wrong bytes.
+* A payload file is unlinked only after the transaction that removed its last record
+  committed. Compaction writes the new segment durably and commits the moved records before
+  unlinking the old one; a reader in another process that finds the old file gone re-reads the
+  record and retries once.
+* Eviction is leaf-first LRU: only blocks without children on disk are candidates, so a
+  prefix-closed set of blocks stays prefix-closed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import errno
+import heapq
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import lmdb
+import numpy as np
+import torch
+import xxhash
+
+from kvstore.errors import (
+    ConfigError,
+    DiskError,
+    KeyFormatError,
+    NamespaceMismatchError,
+    StoreClosedError,
+    TensorMismatchError,
+)
+from kvstore.layout import dtype_from_name, dtype_name
+from kvstore.namespace import Namespace
+from kvstore.sizes import parse_size
+from kvstore.tiers import codec as _codec
+from kvstore.tiers import segments as _seg
+from kvstore.tiers.disk_index import (
+    BE64,
+    DB_BLOCKS,
+    DB_CHILDREN,
+    DB_LRU,
+    DB_META,
+    DB_NS,
+    DB_SEGS,
+    DEFAULT_MAP_SIZE,
+    DISK_FORMAT_VERSION,
+    META_NEXT_SEGMENT,
+    META_TOTALS,
+    TOTALS,
+    U32,
+    U64,
+    Rec,
+    RecordError,
+    SharedEnv,
+    WriteOps,
+    acquire_env,
+    decode_namespace,
+    decode_record,
+    decode_seginfo,
+    encode_namespace,
+    lru_key,
+    release_env,
+)
+
+__all__ = [
+    "DISK_FORMAT_VERSION",
+    "CompactResult",
+    "DiskRecord",
+    "DiskStats",
+    "DiskTier",
+    "DiskWrite",
+    "Finding",
+    "NamespaceInfo",
+    "ReadStatus",
+]
+
+log = logging.getLogger("kvstore.disk")
+
+_xxh3 = xxhash.xxh3_64_intdigest
+_KEY_BYTES = 32
+_SEGMENT_ID_CHUNK = 64
+_SELECT_BATCH = 50_000
+_RECORDS_CHUNK = 1024
+_RUN_BYTES = 8 << 20  # one preadv reads at most this many adjacent bytes
+_RUN_IOVS = 256
+
+
+class ReadStatus(enum.Enum):
+    OK = "ok"
+    MISSING = "missing"  # not in the index, or its segment file is gone
+    DAMAGED = "damaged"  # short read, checksum mismatch, undecodable payload
+
+
+@dataclass(frozen=True, slots=True)
+class DiskWrite:
+    """One block to write. ``data`` is CPU, contiguous, uint8, 1-D, ``block_nbytes`` long; it may
+    be a view into a (pinned) slab — the tier keeps no reference after ``write_blocks``."""
+
+    key: bytes
+    parent: bytes | None
+    namespace_id: bytes
+    data: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class DiskRecord:
+    key: bytes
+    namespace_id: bytes
+    parent: bytes | None
+    segment: int
+    offset: int
+    stored_nbytes: int
+    raw_nbytes: int
+    codec: str
+    checksum: int
+    created: float  # seconds since the epoch (microsecond resolution)
+    last_access: float
+    hits: int
+
+
+@dataclass(frozen=True, slots=True)
+class NamespaceInfo:
+    namespace_id: bytes
+    model_id: str
+    model_revision: str
+    dtype: str
+    num_layers: int
+    kv_planes: int
+    block_tokens: int
+    num_kv_heads: int
+    head_dim: int
+    tp_rank: int
+    tp_size: int
+    format_version: int
+    extras: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def block_shape(self) -> tuple[int, int, int, int, int]:
+        return (self.num_layers, self.kv_planes, self.block_tokens, self.num_kv_heads, self.head_dim)
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=dtype_from_name(self.dtype)).element_size()
+
+    @property
+    def block_nbytes(self) -> int:
+        n = self.itemsize
+        for d in self.block_shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    kind: str  # orphan_segment | temp_file | missing_segment | short_segment |
+    #            checksum_mismatch | bad_record | bad_index | unknown_file
+    path: str
+    key: bytes | None
+    detail: str
+    fixed: bool
+
+
+@dataclass(frozen=True, slots=True)
+class DiskStats:
+    blocks: int
+    stored_bytes: int
+    raw_bytes: int
+    capacity_bytes: int
+    segments: int
+    segment_bytes: int
+    dead_bytes: int
+    reads_ok: int
+    read_missing: int
+    read_damaged: int
+    blocks_written: int
+    write_errors: int
+    evictions: int
+    compactions: int
+
+
+@dataclass(frozen=True, slots=True)
+class CompactResult:
+    segments_rewritten: int
+    bytes_before: int
+    bytes_after: int
+    blocks_moved: int
+
+
+@dataclass(slots=True)
+class _NsCache:
+    info: NamespaceInfo
+    nbytes: int
+    itemsize: int
+    st_dtype: str
+    shape: list[int]
+
+
+def _ns_cache_entry(info: NamespaceInfo) -> _NsCache:
+    return _NsCache(info, info.block_nbytes, info.itemsize,
+                    _seg.ST_DTYPES.get(info.dtype, "U8"), list(info.block_shape))
+
+
+class _Counters:
+    __slots__ = ("reads_ok", "read_missing", "read_damaged", "blocks_written", "write_errors",
+                 "evictions", "compactions", "lock")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.reads_ok = self.read_missing = self.read_damaged = 0
+        self.blocks_written = self.write_errors = self.evictions = self.compactions = 0
+
+    def add(self, name: str, n: int = 1) -> None:
+        with self.lock:
+            setattr(self, name, getattr(self, name) + n)
+
+
+def _as_buffer(t: torch.Tensor, what: str) -> memoryview:
+    if not isinstance(t, torch.Tensor):
+        raise TensorMismatchError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu" or t.dtype != torch.uint8 or t.dim() != 1 or not t.is_contiguous():
+        raise TensorMismatchError(
+            f"{what} must be a CPU, contiguous, 1-D torch.uint8 tensor; got device={t.device}, "
+            f"dtype={t.dtype}, shape={tuple(t.shape)}, contiguous={t.is_contiguous()}"
+        )
+    return memoryview(t.detach().numpy())
+
+
+def _check_key(k: object, what: str = "key") -> bytes:
+    if isinstance(k, bytes) and len(k) == _KEY_BYTES:
+        return k
+    if isinstance(k, (bytearray, memoryview)) and len(k) == _KEY_BYTES:
+        return bytes(k)
+    raise KeyFormatError(f"{what} must be 32 bytes, got {type(k).__name__}"
+                         + (f" of length {len(k)}" if isinstance(k, (bytes, bytearray)) else ""))
+
+
+def _record(key: bytes, r: Rec) -> DiskRecord:
+    return DiskRecord(
+        key=key, namespace_id=r.namespace_id, parent=r.parent, segment=r.segment, offset=r.offset,
+        stored_nbytes=r.stored_nbytes, raw_nbytes=r.raw_nbytes,
+        codec=_codec.CODEC_NAMES.get(r.codec, f"unknown({r.codec})"), checksum=r.checksum,
+        created=r.created_us / 1e6, last_access=r.last_access_us / 1e6, hits=r.hits,
+    )
+
+
+class DiskTier:
+    """The persistent tier. See the module docstring and ``docs/format.md``.
+
+    Keyword arguments beyond the issue's interface: ``max_segment_bytes`` (roll a batch into
+    several segments above this), ``zstd_level``, ``map_size`` (initial LMDB map; grows on
+    demand), ``max_open_files`` (fd cache), ``read_threads`` (``read_many`` pool; default: the CPU
+    count, 2 to 8),
+    ``orphan_grace_s`` (``check`` leaves younger unreferenced files alone: they may belong to
+    an in-flight writer of another process), ``touch_flush_entries``/``touch_flush_interval_s``
+    (when buffered touches are persisted) and ``clock`` (seconds since the epoch; tests).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        capacity_bytes: int | str,
+        codec: str = "none",
+        compact_threshold: float = 0.5,
+        readonly: bool = False,
+        max_segment_bytes: int | str = 512 << 20,
+        zstd_level: int = 3,
+        map_size: int = DEFAULT_MAP_SIZE,
+        max_open_files: int = 256,
+        read_threads: int | None = None,
+        orphan_grace_s: float = 60.0,
+        touch_flush_entries: int = 4096,
+        touch_flush_interval_s: float = 30.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._closed = True
+        if codec not in _codec.TIER_CODECS:
+            raise ConfigError(f"disk codec must be one of {_codec.TIER_CODECS}, got {codec!r}")
+        if not 0.0 <= float(compact_threshold) <= 1.0:
+            raise ConfigError(f"compact_threshold must be in [0, 1], got {compact_threshold}")
+        self.path = os.path.abspath(os.fspath(path))
+        self.capacity_bytes = parse_size(capacity_bytes, what="disk capacity")
+        self.codec = codec
+        self.compact_threshold = float(compact_threshold)
+        self.readonly = bool(readonly)
+        self.max_segment_bytes = max(1, parse_size(max_segment_bytes, what="max_segment_bytes"))
+        self.zstd_level = int(zstd_level)
+        self.orphan_grace_s = float(orphan_grace_s)
+        self._map_size = int(map_size)
+        self._max_open_files = int(max_open_files)
+        if read_threads is None:  # 2 on a 2-core host (measured best there), up to 8
+            read_threads = min(8, max(2, os.cpu_count() or 2))
+        self._read_threads = max(1, int(read_threads))
+        self._touch_flush_entries = max(1, int(touch_flush_entries))
+        self._touch_flush_interval_us = int(float(touch_flush_interval_s) * 1e6)
+        self._clock = clock
+        self._index_dir = os.path.join(self.path, "index")
+        self._segdir = os.path.join(self.path, "segments")
+        if not self.readonly:
+            try:
+                os.makedirs(self._segdir, exist_ok=True)
+            except OSError as e:
+                raise DiskError(e.errno, f"cannot create the disk tier directory {self._segdir}: "
+                                f"{e.strerror}") from e
+        self._counters = _Counters()
+        self._sh: SharedEnv | None = None
+        self._init_process_state()
+        self._closed = False
+
+    # -- per-process state (re-created after fork) ------------------------------------------
+    def _init_process_state(self) -> None:
+        self._pid = os.getpid()
+        self._sh = acquire_env(self._index_dir, create=not self.readonly, readonly=self.readonly,
+                               map_size=self._map_size)
+        if not self._sh.writable:
+            self.readonly = True
+        self._fds = _seg.FdCache(self._segdir, self._max_open_files)
+        self._ns: dict[bytes, _NsCache] = {}
+        self._ns_lock = threading.Lock()
+        self._touch_lock = threading.Lock()
+        self._touches: dict[bytes, tuple[int, int]] = {}
+        self._touch_since = 0
+        self._sid_lock = threading.Lock()
+        self._sid_pool: list[int] = []
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+        self._close_lock = threading.Lock()
+        self._load_namespaces()
+
+    def _ensure(self) -> SharedEnv:
+        if self._closed:
+            raise StoreClosedError(f"the disk tier at {self.path} is closed")
+        if self._pid != os.getpid():  # forked: LMDB env, fds, locks and threads are not ours
+            self._fds.abandon()
+            self._counters = _Counters()  # per process
+            self._init_process_state()
+        return self._sh  # type: ignore[return-value]
+
+    def _ensure_writable(self) -> SharedEnv:
+        sh = self._ensure()
+        if self.readonly:
+            raise DiskError(errno.EROFS, f"the disk tier at {self.path} is open read-only")
+        return sh
+
+    def _now_us(self) -> int:
+        return int(round(self._clock() * 1e6))
+
+    def _get_pool(self) -> ThreadPoolExecutor:
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self._read_threads, thread_name_prefix="kvstore-disk")
+            return self._pool
+
+    # -- namespaces ---------------------------------------------------------------------------
+    def _load_namespaces(self) -> None:
+        sh = self._sh
+        found = {}
+        with sh.read() as txn:
+            for k, v in txn.cursor(db=sh.dbs[DB_NS]):
+                try:
+                    found[k] = NamespaceInfo(k, *decode_namespace(v))
+                except RecordError as e:
+                    log.warning("disk tier %s: namespace record %s is unreadable: %s",
+                                self.path, k.hex()[:16], e)
+        with self._ns_lock:
+            for k, info in found.items():
+                self._ns[k] = _ns_cache_entry(info)
+
+    def _namespace(self, ns_id: bytes) -> _NsCache | None:
+        e = self._ns.get(ns_id)
+        if e is None:
+            self._load_namespaces()  # another process may have registered it
+            e = self._ns.get(ns_id)
+        return e
+
+    def register_namespace(self, ns: Namespace) -> None:
+        """Persist the namespace's layout record (idempotent)."""
+        sh = self._ensure()
+        if not isinstance(ns, Namespace):
+            raise ConfigError(f"register_namespace takes a kvstore Namespace, got {type(ns).__name__}")
+        lay = ns.layout
+        fields = (ns.model_id, ns.model_revision, dtype_name(lay.dtype), lay.num_layers,
+                  lay.kv_planes, lay.block_tokens, lay.num_kv_heads, lay.head_dim, ns.tp_rank,
+                  ns.tp_size, ns.format_version, tuple(ns.extras))
+        nid = ns.id
+        info = NamespaceInfo(nid, *fields)
+        if nid not in self._ns:
+            value = encode_namespace(fields)
+            with sh.read() as txn:
+                present = txn.get(nid, db=sh.dbs[DB_NS]) is not None
+            if not present:
+                if self.readonly:
+                    raise DiskError(errno.EROFS, f"cannot register a namespace: the disk tier at "
+                                    f"{self.path} is open read-only")
+
+                def fn(txn):
+                    if txn.get(nid, db=sh.dbs[DB_NS]) is None:
+                        txn.put(nid, value, db=sh.dbs[DB_NS])
+                self._write_raw(fn)
+        with self._ns_lock:
+            self._ns[nid] = _ns_cache_entry(info)
+
+    def namespaces(self) -> list[NamespaceInfo]:
+        self._ensure()
+        self._load_namespaces()
+        return [e.info for e in self._ns.values()]
+
+    # -- lookups ------------------------------------------------------------------------------
+    def contains(self, key: bytes) -> bool:
+        sh = self._ensure()
+        key = _check_key(key)
+        with sh.read() as txn:
+            return txn.get(key, db=sh.dbs[DB_BLOCKS]) is not None
+
+    def leading_run(self, keys: Sequence[bytes]) -> int:
+        """Number of leading ``keys`` held on disk (one short read transaction)."""
+        sh = self._ensure()
+        db = sh.dbs[DB_BLOCKS]
+        with sh.read() as txn:
+            get = txn.get
+            for i, k in enumerate(keys):
+                if len(k) != _KEY_BYTES:
+                    _check_key(k)
+                if get(bytes(k), db=db) is None:
+                    return i
+        return len(keys)
+
+    def _get_rec(self, key: bytes) -> Rec | None:
+        sh = self._sh
+        with sh.read() as txn:
+            raw = txn.get(key, db=sh.dbs[DB_BLOCKS])
+        if raw is None:
+            return None
+        try:
+            return decode_record(raw)
+        except RecordError:
+            return None
+
+    def get_record(self, key: bytes) -> DiskRecord | None:
+        """The index record of ``key``, or None."""
+        self._ensure()
+        key = _check_key(key)
+        r = self._get_rec(key)
+        return None if r is None else _record(key, r)
+
+    # -- reads --------------------------------------------------------------------------------
+    def read_into(self, key: bytes, dst: torch.Tensor) -> ReadStatus:
+        """Read one block straight into ``dst`` (CPU uint8 contiguous 1-D, block_nbytes) and
+        verify it. Never raises for damage; ``dst`` holds the block only when OK."""
+        sh = self._ensure()
+        key = _check_key(key)
+        buf = _as_buffer(dst, "dst")
+        with sh.read() as txn:
+            raw = txn.get(key, db=sh.dbs[DB_BLOCKS])
+        return self._read_one(key, raw, buf)
+
+    def read_many(self, keys: Sequence[bytes], dsts: Sequence[torch.Tensor]) -> list[ReadStatus]:
+        """Read several blocks (a small thread pool); one independent status per key."""
+        sh = self._ensure()
+        if len(keys) != len(dsts):
+            raise TensorMismatchError(f"read_many got {len(keys)} keys but {len(dsts)} destinations")
+        keys = [_check_key(k) for k in keys]
+        bufs = [_as_buffer(d, f"dsts[{i}]") for i, d in enumerate(dsts)]
+        db = sh.dbs[DB_BLOCKS]
+        with sh.read() as txn:
+            raws = [txn.get(k, db=db) for k in keys]
+        if len(keys) <= 1:
+            return [self._read_one(k, r, b) for k, r, b in zip(keys, raws, bufs, strict=True)]
+        out: list[ReadStatus | None] = [None] * len(keys)
+        runs = self._plan_runs(keys, raws, bufs, out)
+        if len(runs) == 1:
+            self._read_run(runs[0], keys, raws, bufs, out)
+        else:
+            pool = self._get_pool()
+            for f in [pool.submit(self._read_run, run, keys, raws, bufs, out) for run in runs]:
+                f.result()
+        return out  # type: ignore[return-value]
+
+    def _plan_runs(self, keys, raws, bufs, out) -> list[list[tuple[int, Rec | None]]]:
+        """Group the reads: blocks stored raw and adjacent in one segment (in request order or
+        not) become one ``preadv`` with one iovec per destination (up to _RUN_BYTES)."""
+        runs: list[list[tuple[int, Rec | None]]] = []
+        by_seg: dict[int, list[tuple[int, Rec]]] = {}
+        for i, raw in enumerate(raws):
+            if raw is None:
+                self._counters.add("read_missing")
+                out[i] = ReadStatus.MISSING
+                continue
+            try:
+                rec = decode_record(raw)
+            except RecordError:
+                runs.append([(i, None)])
+                continue
+            if (rec.codec == _codec.CODEC_NONE and rec.stored_nbytes == rec.raw_nbytes
+                    == len(bufs[i])):
+                by_seg.setdefault(rec.segment, []).append((i, rec))
+            else:
+                runs.append([(i, None)])
+        for items in by_seg.values():
+            items.sort(key=lambda ir: ir[1].offset)
+            run: list[tuple[int, Rec | None]] = []
+            end = size = 0
+            for i, rec in items:
+                if run and (rec.offset != end or size >= _RUN_BYTES or len(run) >= _RUN_IOVS):
+                    runs.append(run)
+                    run, size = [], 0
+                run.append((i, rec))
+                end = rec.offset + rec.stored_nbytes
+                size += rec.stored_nbytes
+            if run:
+                runs.append(run)
+        return runs
+
+    def _read_run(self, run, keys, raws, bufs, out) -> None:
+        if len(run) == 1 or run[0][1] is None:
+            for i, _rec in run:
+                out[i] = self._read_one(keys[i], raws[i], bufs[i])
+            return
+        first: Rec = run[0][1]
+        views = [bufs[i] for i, _ in run]
+        total = sum(len(v) for v in views)
+        n = -1
+        try:
+            fe = self._fds.acquire(first.segment)
+        except OSError:
+            fe = None
+        if fe is not None:
+            try:
+                n = _seg.preadv_all(fe.fd, views, first.offset)
+            except OSError:
+                n = -1
+            finally:
+                self._fds.release(fe)
+        if n != total:  # missing file, short read, I/O error: per block, with retry/damage logic
+            for i, _rec in run:
+                out[i] = self._read_one(keys[i], raws[i], bufs[i])
+            return
+        ok = 0
+        for i, rec in run:
+            if _xxh3(bufs[i]) == rec.checksum:
+                out[i] = ReadStatus.OK
+                ok += 1
+            else:
+                out[i] = self._damaged(keys[i], rec, ReadStatus.DAMAGED, "checksum_mismatch")
+        self._counters.add("reads_ok", ok)
+
+    def _read_one(self, key: bytes, raw: bytes | None, buf: memoryview) -> ReadStatus:
+        if raw is None:
+            self._counters.add("read_missing")
+            return ReadStatus.MISSING
+        try:
+            rec = decode_record(raw)
+        except RecordError as e:
+            return self._damaged(key, None, ReadStatus.DAMAGED, f"index record does not decode: {e}")
+        if rec.raw_nbytes != len(buf):
+            ns = self._namespace(rec.namespace_id)
+            if ns is None or ns.nbytes != len(buf):  # the caller's buffer is wrong
+                raise TensorMismatchError(
+                    f"destination has {len(buf)} bytes but block {key.hex()[:16]} has "
+                    f"{rec.raw_nbytes}"
+                )
+            return self._damaged(key, rec, ReadStatus.DAMAGED,
+                                 f"bad_record (raw size {rec.raw_nbytes} != {ns.nbytes})")
+        for attempt in range(2):
+            status, why = self._read_rec(rec, buf)
+            if status is ReadStatus.OK:
+                self._counters.add("reads_ok")
+                return status
+            if why != "missing_segment" or attempt:
+                break
+            # the segment is gone: compaction or eviction in another process? re-read the
+            # record and retry once
+            cur = self._get_rec(key)
+            if cur is None:
+                self._counters.add("read_missing")
+                return ReadStatus.MISSING
+            if (cur.segment, cur.offset) == (rec.segment, rec.offset):
+                break
+            rec = cur
+        status = ReadStatus.MISSING if why == "missing_segment" else ReadStatus.DAMAGED
+        return self._damaged(key, rec, status, why)
+
+    def _read_rec(self, rec: Rec, buf: memoryview) -> tuple[ReadStatus, str]:
+        """Read one record's bytes into ``buf`` and verify. Returns (status, reason)."""
+        try:
+            fe = self._fds.acquire(rec.segment)
+        except FileNotFoundError:
+            return ReadStatus.MISSING, "missing_segment"
+        except OSError as e:
+            return ReadStatus.DAMAGED, f"segment cannot be opened: {e}"
+        try:
+            if rec.codec == _codec.CODEC_NONE:
+                if rec.stored_nbytes != len(buf):
+                    return ReadStatus.DAMAGED, "bad_record"
+                n = _seg.pread_into(fe.fd, buf, rec.offset)
+                if n != len(buf):
+                    return ReadStatus.DAMAGED, f"short_segment (read {n} of {len(buf)} bytes)"
+            else:
+                payload = bytearray(rec.stored_nbytes)
+                n = _seg.pread_into(fe.fd, memoryview(payload), rec.offset)
+                if n != rec.stored_nbytes:
+                    return ReadStatus.DAMAGED, f"short_segment (read {n} of {rec.stored_nbytes} bytes)"
+                try:
+                    _codec.decompress_into(rec.codec, payload, np.frombuffer(buf, dtype=np.uint8))
+                except _codec.CodecError as e:
+                    return ReadStatus.DAMAGED, f"checksum_mismatch (payload does not decode: {e})"
+        except OSError as e:
+            return ReadStatus.DAMAGED, f"read error: {e}"
+        finally:
+            self._fds.release(fe)
+        if _xxh3(buf) != rec.checksum:
+            return ReadStatus.DAMAGED, "checksum_mismatch"
+        return ReadStatus.OK, ""
+
+    def _damaged(self, key: bytes, rec: Rec | None, status: ReadStatus, why: str) -> ReadStatus:
+        self._counters.add("read_missing" if status is ReadStatus.MISSING else "read_damaged")
+        where = f"segment {rec.segment:016x} offset {rec.offset}" if rec else "index"
+        log.warning("disk tier %s: block %s is %s (%s, %s); dropping its index entry",
+                    self.path, key.hex()[:16], status.value, why, where)
+        if not self.readonly:
+            try:
+                self._drop_entries([(key, rec)])
+            except (DiskError, lmdb.Error, OSError) as e:
+                log.warning("disk tier %s: could not drop damaged entry %s: %s",
+                            self.path, key.hex()[:16], e)
+        return status
+
+    def _drop_entries(self, items: Sequence[tuple[bytes, Rec | None]]) -> list[bytes]:
+        """Remove records if they are still the ones seen (same segment and offset)."""
+        sh = self._sh
+        blocks = sh.dbs[DB_BLOCKS]
+
+        def fn(ops: WriteOps) -> list[bytes]:
+            gone = []
+            for key, rec in items:
+                raw = ops.txn.get(key, db=blocks)
+                if raw is None:
+                    continue
+                try:
+                    cur = decode_record(raw)
+                except RecordError:
+                    ops.txn.delete(key, db=blocks)  # undecodable: just drop it
+                    gone.append(key)
+                    continue
+                if rec is None or (cur.segment, cur.offset) == (rec.segment, rec.offset):
+                    ops.remove(key, cur)
+                    gone.append(key)
+            return gone
+
+        gone, emptied = self._write_ops(fn)
+        self._unlink_segments(emptied)
+        return gone
+
+    # -- write transactions -------------------------------------------------------------------
+    def _write_raw(self, fn):
+        try:
+            return self._sh.write(fn)
+        except lmdb.Error as e:
+            code = getattr(e, "code", 0)  # LMDB passes system errors (ENOSPC, EIO) through
+            code = code if isinstance(code, int) and 0 < code < 4096 else errno.EIO
+            hint = _hint(OSError(code, "")) if code != errno.EIO else ""
+            raise DiskError(code, f"the disk index at {self._index_dir} could not commit: {e}"
+                            + hint) from e
+
+    def _write_ops(self, fn) -> tuple[object, list[int]]:
+        sh = self._sh
+
+        def run(txn):
+            ops = WriteOps(txn, sh.dbs)
+            result = fn(ops)
+            ops.finish()
+            return result, ops.emptied
+
+        return self._write_raw(run)
+
+    def _unlink_segments(self, sids: Sequence[int]) -> None:
+        for sid in sids:
+            self._fds.invalidate(sid)
+            try:
+                os.unlink(os.path.join(self._segdir, _seg.segment_name(sid)))
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                log.warning("disk tier %s: cannot unlink emptied segment %016x: %s", self.path, sid, e)
+
+    def _alloc_segment_ids(self, n: int) -> list[int]:
+        """Unique across processes: ids are reserved in small chunks by an LMDB write txn."""
+        with self._sid_lock:
+            if len(self._sid_pool) < n:
+                want = max(n - len(self._sid_pool), _SEGMENT_ID_CHUNK)
+                meta = self._sh.dbs[DB_META]
+
+                def fn(txn):
+                    (nxt,) = U64.unpack(txn.get(META_NEXT_SEGMENT, db=meta))
+                    txn.put(META_NEXT_SEGMENT, U64.pack(nxt + want), db=meta)
+                    return nxt
+
+                first = self._write_raw(fn)
+                self._sid_pool.extend(range(first, first + want))
+            out, self._sid_pool = self._sid_pool[:n], self._sid_pool[n:]
+            return out
+
+    # -- writes -------------------------------------------------------------------------------
+    def write_blocks(self, items: Sequence[DiskWrite]) -> list[bytes]:
+        """Write blocks durably; returns the keys newly written (present keys are skipped).
+        Raises DiskError (disk full, read-only directory, I/O error) with nothing visible."""
+        sh = self._ensure_writable()
+        prepared: list[tuple[bytes, bytes | None, bytes, _NsCache, memoryview]] = []
+        for i, it in enumerate(items):
+            if not isinstance(it, DiskWrite):
+                raise TypeError(f"write_blocks takes DiskWrite items, got {type(it).__name__}")
+            key = _check_key(it.key, f"items[{i}].key")
+            parent = None if it.parent is None else _check_key(it.parent, f"items[{i}].parent")
+            ns_id = _check_key(it.namespace_id, f"items[{i}].namespace_id")
+            ns = self._namespace(ns_id)
+            if ns is None:
+                raise NamespaceMismatchError(
+                    f"namespace {ns_id.hex()[:16]} is not registered with the disk tier at "
+                    f"{self.path}; call register_namespace(ns) first"
+                )
+            buf = _as_buffer(it.data, f"items[{i}].data")
+            if len(buf) != ns.nbytes:
+                raise TensorMismatchError(
+                    f"items[{i}].data has {len(buf)} bytes; a block of this namespace has {ns.nbytes}"
+                )
+            prepared.append((key, parent, ns_id, ns, buf))
+        if not prepared:
+            return []
+        db = sh.dbs[DB_BLOCKS]
+        seen: set[bytes] = set()
+        todo = []
+        with sh.read() as txn:
+            for p in prepared:
+                if p[0] in seen or txn.get(p[0], db=db) is not None:
+                    continue
+                seen.add(p[0])
+                todo.append(p)
+        if not todo:
+            return []
+        try:
+            return self._write_new(todo)
+        except DiskError:
+            self._counters.add("write_errors")
+            raise
+        except OSError as e:
+            self._counters.add("write_errors")
+            raise DiskError(e.errno, f"cannot write to the disk tier at {self.path}: "
+                            f"{e.strerror or e}" + _hint(e)) from e
+
+    def _encode(self, todo) -> list[tuple]:
+        def one(p):
+            key, parent, ns_id, ns, buf = p
+            csum = _xxh3(buf)
+            cid, payload = _codec.CODEC_NONE, None
+            if self.codec == "zstd":
+                cid, payload = _codec.compress(buf, ns.itemsize, self.zstd_level)
+            if cid == _codec.CODEC_NONE:
+                entry = _seg.SegmentEntry(key.hex(), ns.st_dtype, ns.shape, buf, len(buf),
+                                          _seg.block_meta("none", len(buf), csum, ns_id, parent))
+            else:
+                entry = _seg.SegmentEntry(key.hex(), "U8", [len(payload)], payload, len(payload),
+                                          _seg.block_meta(_codec.CODEC_NAMES[cid], len(buf), csum,
+                                                          ns_id, parent))
+            return (key, parent, ns_id, cid, csum, len(buf), entry)
+
+        if self.codec == "zstd" and len(todo) > 1:
+            return list(self._get_pool().map(one, todo))
+        return [one(p) for p in todo]
+
+    def _group(self, encoded: list[tuple]) -> list[list[tuple]]:
+        groups: list[list[tuple]] = [[]]
+        size = 0
+        for e in encoded:
+            n = e[6].nbytes
+            if groups[-1] and size + n > self.max_segment_bytes:
+                groups.append([])
+                size = 0
+            groups[-1].append(e)
+            size += n
+        return groups
+
+    def _write_new(self, todo) -> list[bytes]:
+        encoded = self._encode(todo)
+        groups = self._group(encoded)
+        sids = self._alloc_segment_ids(len(groups))
+        written: list[tuple[int, str, int, int, list[int], list[tuple]]] = []
+        committed = False
+        try:
+            for sid, group in zip(sids, groups, strict=True):
+                path, fsize, offsets = _seg.write_segment(self._segdir, sid, [g[6] for g in group])
+                written.append((sid, path, fsize, sum(g[6].nbytes for g in group), offsets, group))
+            _seg.fsync_dir(self._segdir)
+            now = self._now_us()
+            touches = self._take_touches()
+
+            def fn(ops: WriteOps) -> list[bytes]:
+                new = []
+                for sid, _path, fsize, dbytes, offsets, group in written:
+                    ops.add_segment(sid, fsize, dbytes, now)
+                    for (key, parent, ns_id, cid, csum, raw_n, entry), off in zip(group, offsets, strict=True):
+                        if ops.txn.get(key, db=ops.blocks) is not None:
+                            continue  # written meanwhile by another process: ours is dead bytes
+                        ops.insert(key, Rec(cid, 0, sid, off, entry.nbytes, raw_n, csum, now, now,
+                                            ns_id, parent))
+                        new.append(key)
+                _apply_touches(ops, touches)
+                return new
+
+            try:
+                new, emptied = self._write_ops(fn)
+            except BaseException:
+                self._restore_touches(touches)
+                raise
+            committed = True
+        finally:
+            if not committed:
+                for _sid, path, *_ in written:
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
+        self._unlink_segments(emptied)
+        self._counters.add("blocks_written", len(new))
+        return new
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        """Remove blocks from the index (their bytes become dead space). Returns how many."""
+        self._ensure_writable()
+        keys = [_check_key(k) for k in keys]
+        if not keys:
+            return 0
+        return len(self._drop_entries([(k, None) for k in keys]))
+
+    # -- access tracking ------------------------------------------------------------------
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """Record an access (last_access = now, hits + 1), buffered and persisted lazily."""
+        self._ensure()
+        if self.readonly:
+            return
+        now = self._now_us()
+        with self._touch_lock:
+            buf = self._touches
+            if not buf:
+                self._touch_since = now
+            for k in keys:
+                k = _check_key(k)
+                e = buf.get(k)
+                buf[k] = (now, e[1] + 1 if e else 1)
+            due = (len(buf) >= self._touch_flush_entries
+                   or now - self._touch_since >= self._touch_flush_interval_us)
+        if due:
+            try:
+                self.flush_touches()
+            except DiskError as e:
+                log.warning("disk tier %s: could not persist access times: %s", self.path, e)
+
+    def _take_touches(self) -> dict[bytes, tuple[int, int]]:
+        with self._touch_lock:
+            t, self._touches = self._touches, {}
+            return t
+
+    def _restore_touches(self, t: dict[bytes, tuple[int, int]]) -> None:
+        if not t:
+            return
+        with self._touch_lock:
+            for k, (ts, h) in t.items():
+                e = self._touches.get(k)
+                self._touches[k] = (max(ts, e[0]), h + e[1]) if e else (ts, h)
+
+    def flush_touches(self) -> None:
+        """Persist buffered touches now."""
+        self._ensure()
+        if self.readonly:
+            return
+        t = self._take_touches()
+        if not t:
+            return
+        try:
+            self._write_ops(lambda ops: _apply_touches(ops, t))
+        except BaseException:
+            self._restore_touches(t)
+            raise
+
+    # -- eviction -----------------------------------------------------------------------------
+    def evict_to_budget(self, protect: Callable[[bytes], bool] | None = None) -> list[bytes]:
+        """Evict leaf-first LRU until stored bytes <= capacity. Never evicts a key for which
+        ``protect(key)`` is true, nor a block with children on disk. ``protect`` is called
+        inside a read transaction and must not call back into this tier."""
+        sh = self._ensure_writable()
+        self.flush_touches()
+        evicted: list[bytes] = []
+        while True:
+            excess = self._totals()[1] - self.capacity_bytes
+            if excess <= 0:
+                break
+            victims = self._select_victims(excess, protect)
+            if not victims:
+                break
+            children_db = sh.dbs[DB_CHILDREN]
+
+            def fn(ops: WriteOps, victims=victims, children_db=children_db) -> list[bytes]:
+                done = []
+                for key in victims:
+                    rec = ops.get(key)
+                    if rec is None or ops.txn.get(key, db=children_db) is not None:
+                        continue  # gone, or gained a child meanwhile
+                    ops.remove(key, rec)
+                    done.append(key)
+                return done
+
+            done, emptied = self._write_ops(fn)
+            self._unlink_segments(emptied)
+            evicted.extend(done)
+            self._counters.add("evictions", len(done))
+            if not done:
+                break
+        return evicted
+
+    def _select_victims(self, excess: int, protect: Callable[[bytes], bool] | None) -> list[bytes]:
+        sh = self._sh
+        blocks, children_db, lru = sh.dbs[DB_BLOCKS], sh.dbs[DB_CHILDREN], sh.dbs[DB_LRU]
+        chosen: list[bytes] = []
+        freed = 0
+        sim: dict[bytes, int] = {}
+        heap: list[bytes] = []
+        with sh.read() as txn:
+            cur = txn.cursor(db=lru)
+            ok = cur.first()
+            while freed < excess and len(chosen) < _SELECT_BATCH:
+                ck = cur.key() if ok else None
+                if ck is None and not heap:
+                    break
+                if heap and (ck is None or heap[0] < ck):
+                    lk = heapq.heappop(heap)
+                else:
+                    lk = ck
+                    ok = cur.next()
+                key = lk[8:]
+                if protect is not None and protect(key):
+                    continue
+                raw = txn.get(key, db=blocks)
+                if raw is None:
+                    continue
+                try:
+                    rec = decode_record(raw)
+                except RecordError:
+                    continue
+                chosen.append(key)
+                freed += rec.stored_nbytes
+                p = rec.parent
+                if p is not None:
+                    n = sim.get(p)
+                    if n is None:
+                        c = txn.get(p, db=children_db)
+                        n = 0 if c is None else U32.unpack(c)[0]
+                    n -= 1
+                    sim[p] = n
+                    if n == 0:
+                        praw = txn.get(p, db=blocks)
+                        if praw is not None:
+                            with contextlib.suppress(RecordError):
+                                heapq.heappush(heap, lru_key(decode_record(praw).last_access_us, p))
+        return chosen
+
+    # -- listing and stats ------------------------------------------------------------------
+    def records(self, namespace_id: bytes | None = None) -> Iterator[DiskRecord]:
+        """Every record (key order), read in chunks of short transactions."""
+        for key, raw in self._iter_raw():
+            try:
+                r = decode_record(raw)
+            except RecordError:
+                continue
+            if namespace_id is None or r.namespace_id == namespace_id:
+                yield _record(key, r)
+
+    def _iter_raw(self) -> Iterator[tuple[bytes, bytes]]:
+        sh = self._ensure()
+        db = sh.dbs[DB_BLOCKS]
+        last: bytes | None = None
+        while True:
+            batch = []
+            with sh.read() as txn:
+                cur = txn.cursor(db=db)
+                ok = cur.set_range(last) if last is not None else cur.first()
+                if ok and last is not None and cur.key() == last:
+                    ok = cur.next()
+                while ok and len(batch) < _RECORDS_CHUNK:
+                    batch.append((cur.key(), cur.value()))
+                    ok = cur.next()
+            yield from batch
+            if len(batch) < _RECORDS_CHUNK:
+                return
+            last = batch[-1][0]
+
+    def _totals(self) -> list[int]:
+        sh = self._sh
+        with sh.read() as txn:
+            return list(TOTALS.unpack(txn.get(META_TOTALS, db=sh.dbs[DB_META])))
+
+    def stats(self) -> DiskStats:
+        self._ensure()
+        blocks, stored, raw, segs, seg_file, seg_data = self._totals()
+        c = self._counters
+        return DiskStats(
+            blocks=blocks, stored_bytes=stored, raw_bytes=raw, capacity_bytes=self.capacity_bytes,
+            segments=segs, segment_bytes=seg_file, dead_bytes=max(0, seg_data - stored),
+            reads_ok=c.reads_ok, read_missing=c.read_missing, read_damaged=c.read_damaged,
+            blocks_written=c.blocks_written, write_errors=c.write_errors, evictions=c.evictions,
+            compactions=c.compactions,
+        )
+
+    # -- compaction ---------------------------------------------------------------------------
+    def compact(self, threshold: float | None = None,
+                progress: Callable[[int, int], None] | None = None) -> CompactResult:
+        """Rewrite segments whose live fraction fell below ``threshold`` (default: the tier's
+        ``compact_threshold``). Crash-safe: the new segment is durable and the moved records
+        committed before an old file is unlinked."""
+        sh = self._ensure_writable()
+        thr = self.compact_threshold if threshold is None else float(threshold)
+        self.flush_touches()
+        cands: list[tuple[int, int]] = []
+        with sh.read() as txn:
+            for k, v in txn.cursor(db=sh.dbs[DB_SEGS]):
+                try:
+                    s = decode_seginfo(v)
+                except RecordError:
+                    continue
+                if s.live_bytes < thr * s.data_bytes:
+                    cands.append((BE64.unpack(k)[0], s.file_bytes))
+        total = len(cands)
+        sizes = dict(cands)
+        moved = after = 0
+        emptied: set[int] = set()
+        pending: list[tuple[bytes, Rec, bytearray]] = []
+        pending_bytes = 0
+        limit = min(self.max_segment_bytes, 256 << 20)
+
+        def flush() -> None:
+            nonlocal moved, after, pending, pending_bytes
+            if pending:
+                m, a, gone = self._rewrite(pending)
+                moved += m
+                after += a
+                emptied.update(gone)
+                pending, pending_bytes = [], 0
+
+        for i, (sid, _fbytes) in enumerate(cands):
+            for key, rec in self._live_records_of(sid):
+                payload = self._read_payload(key, rec)
+                if payload is None:
+                    continue
+                pending.append((key, rec, payload))
+                pending_bytes += rec.stored_nbytes
+                if pending_bytes >= limit:
+                    flush()
+            if progress is not None:
+                progress(i + 1, total)
+        flush()
+        done = [sid for sid in sizes if sid in emptied or not os.path.exists(
+            os.path.join(self._segdir, _seg.segment_name(sid)))]
+        if done:
+            self._counters.add("compactions")
+        return CompactResult(len(done), sum(sizes[s] for s in done), after, moved)
+
+    def _live_records_of(self, sid: int) -> list[tuple[bytes, Rec]]:
+        path = os.path.join(self._segdir, _seg.segment_name(sid))
+        try:
+            obj, start, _size = _seg.read_header(path)
+            names = _seg.header_tensors(obj, start)
+        except (OSError, _seg.SegmentFormatError) as e:
+            log.warning("disk tier %s: cannot read segment %016x for compaction: %s", self.path, sid, e)
+            return []
+        out = []
+        sh = self._sh
+        db = sh.dbs[DB_BLOCKS]
+        with sh.read() as txn:
+            for name in names:
+                try:
+                    key = bytes.fromhex(name)
+                except ValueError:
+                    continue
+                raw = txn.get(key, db=db)
+                if raw is None:
+                    continue
+                try:
+                    rec = decode_record(raw)
+                except RecordError:
+                    continue
+                if rec.segment == sid:
+                    out.append((key, rec))
+        out.sort(key=lambda kr: kr[1].offset)
+        return out
+
+    def _read_payload(self, key: bytes, rec: Rec) -> bytearray | None:
+        """Stored bytes of a record, verified; None (and the entry dropped) when damaged."""
+        payload = bytearray(rec.stored_nbytes)
+        status, why = ReadStatus.OK, ""
+        try:
+            fe = self._fds.acquire(rec.segment)
+        except FileNotFoundError:
+            return None  # moved or removed meanwhile (another process compacted it)
+        except OSError as e:
+            status, why = ReadStatus.DAMAGED, f"segment cannot be opened: {e}"
+        else:
+            try:
+                n = _seg.pread_into(fe.fd, memoryview(payload), rec.offset)
+            finally:
+                self._fds.release(fe)
+            if n != rec.stored_nbytes:
+                status, why = ReadStatus.DAMAGED, "short_segment"
+            elif rec.codec == _codec.CODEC_NONE:
+                if _xxh3(payload) != rec.checksum:
+                    status, why = ReadStatus.DAMAGED, "checksum_mismatch"
+            else:
+                out = np.empty(rec.raw_nbytes, dtype=np.uint8)
+                try:
+                    _codec.decompress_into(rec.codec, payload, out)
+                    if _xxh3(out) != rec.checksum:
+                        status, why = ReadStatus.DAMAGED, "checksum_mismatch"
+                except _codec.CodecError as e:
+                    status, why = ReadStatus.DAMAGED, f"checksum_mismatch ({e})"
+        if status is not ReadStatus.OK:
+            self._damaged(key, rec, status, why)
+            return None
+        return payload
+
+    def _entry_for(self, key: bytes, rec: Rec, payload) -> _seg.SegmentEntry:
+        cname = _codec.CODEC_NAMES.get(rec.codec, "none")
+        ns = self._namespace(rec.namespace_id)
+        if rec.codec == _codec.CODEC_NONE and ns is not None and ns.nbytes == rec.stored_nbytes:
+            dtype, shape = ns.st_dtype, ns.shape
+        else:
+            dtype, shape = "U8", [rec.stored_nbytes]
+        return _seg.SegmentEntry(key.hex(), dtype, shape, payload, rec.stored_nbytes,
+                                 _seg.block_meta(cname, rec.raw_nbytes, rec.checksum,
+                                                 rec.namespace_id, rec.parent))
+
+    def _rewrite(self, pending: list[tuple[bytes, Rec, bytearray]]) -> tuple[int, int, list[int]]:
+        """Write ``pending`` payloads into a new segment and move their records to it."""
+        (sid,) = self._alloc_segment_ids(1)
+        entries = [self._entry_for(k, r, p) for k, r, p in pending]
+        try:
+            path, fsize, offsets = _seg.write_segment(self._segdir, sid, entries)
+            _seg.fsync_dir(self._segdir)
+        except OSError as e:
+            raise DiskError(e.errno, f"compaction cannot write a segment in {self._segdir}: "
+                            f"{e.strerror or e}" + _hint(e)) from e
+        dbytes = sum(e.nbytes for e in entries)
+        now = self._now_us()
+
+        def fn(ops: WriteOps) -> int:
+            ops.add_segment(sid, fsize, dbytes, now)
+            m = 0
+            for (key, rec, _p), off in zip(pending, offsets, strict=True):
+                cur = ops.get(key)
+                if cur is None or (cur.segment, cur.offset) != (rec.segment, rec.offset):
+                    continue  # deleted or moved meanwhile
+                ops.move(key, cur, sid, off)
+                m += 1
+            return m
+
+        try:
+            m, emptied = self._write_ops(fn)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            raise
+        self._unlink_segments(emptied)
+        return m, (0 if sid in emptied else fsize), emptied
+
+    # -- check / repair -----------------------------------------------------------------------
+    def check(self, fix: bool = False, *, grace_s: float | None = None,
+              verify_data: bool = True) -> list[Finding]:
+        """Find (and with ``fix`` remove) orphan segments and temp files older than the grace
+        period, records pointing at missing or short segments, checksum failures, undecodable
+        records and inconsistent side indexes. Records are removed before files."""
+        from kvstore.tiers.disk_check import run_check
+
+        self._ensure()
+        if fix and self.readonly:
+            raise DiskError(errno.EROFS, f"cannot fix: the disk tier at {self.path} is open read-only")
+        if not self.readonly:
+            self.flush_touches()
+        grace = self.orphan_grace_s if grace_s is None else float(grace_s)
+        return run_check(self, fix=fix, grace_s=grace, verify_data=verify_data)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Flush buffered touches and release files and the index (idempotent)."""
+        if self._closed:
+            return
+        with self._close_lock:
+            if self._closed:
+                return
+            if self._pid == os.getpid():
+                if not self.readonly:
+                    try:
+                        self.flush_touches()
+                    except (DiskError, lmdb.Error, OSError) as e:
+                        log.warning("disk tier %s: access times not persisted at close: %s",
+                                    self.path, e)
+                if self._pool is not None:
+                    self._pool.shutdown(wait=True)
+                self._fds.close()
+                release_env(self._sh)
+            self._closed = True
+
+    def __enter__(self) -> DiskTier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"DiskTier({self.path!r}, codec={self.codec!r}, readonly={self.readonly})"
+
+
+def _apply_touches(ops: WriteOps, touches: dict[bytes, tuple[int, int]]) -> None:
+    for k, (ts, hits) in touches.items():
+        rec = ops.get(k)
+        if rec is not None:
+            ops.update_access(k, rec, ts, hits)
+
+
+def _hint(e: OSError) -> str:
+    if e.errno == errno.ENOSPC:
+        return " (disk full: free space or lower the disk capacity)"
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return " (directory not writable: fix its permissions or open the tier read-only)"
+    return ""
+

@@ -1,0 +1,307 @@
+"""``DiskTier.check``: consistency check and repair of a disk tier.
+
+Safe while other processes use the store: unreferenced files younger than the grace period are
+left alone (an in-flight writer renames its segment before committing the records), anything
+that looks missing is re-checked against a fresh transaction before it is reported, and repairs
+remove records only if they still are the ones that were found bad, records before files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections import Counter
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvstore.tiers import codec as _codec
+from kvstore.tiers import segments as _seg
+from kvstore.tiers.disk_index import (
+    BE64,
+    DB_BLOCKS,
+    DB_CHILDREN,
+    DB_LRU,
+    DB_META,
+    DB_SEGS,
+    META_TOTALS,
+    TOTALS,
+    U32,
+    Rec,
+    RecordError,
+    SegInfo,
+    decode_record,
+    decode_seginfo,
+    encode_seginfo,
+    lru_key,
+)
+
+if TYPE_CHECKING:
+    from kvstore.tiers.disk import DiskTier, Finding
+
+
+def run_check(t: DiskTier, *, fix: bool, grace_s: float, verify_data: bool) -> list[Finding]:
+    from kvstore.tiers.disk import Finding, ReadStatus
+
+    sh = t._sh
+    segdir = t._segdir
+    findings: list[Finding] = []
+    now = time.time()
+
+    # 1. files (listed before the index snapshot: a file committed in between is re-stat'ed)
+    files: dict[int, os.stat_result] = {}
+    temps: list[tuple[str, float]] = []
+    try:
+        entries = list(os.scandir(segdir))
+    except FileNotFoundError:
+        entries = []
+    for de in entries:
+        m = _seg.SEGMENT_RE.match(de.name)
+        try:
+            st = de.stat(follow_symlinks=False)
+        except FileNotFoundError:
+            continue
+        if m:
+            files[int(m.group(1), 16)] = st
+        elif _seg.TEMP_RE.match(de.name):
+            temps.append((de.path, st.st_mtime))
+        else:
+            findings.append(Finding("unknown_file", de.path, None,
+                                    "not a segment or temp file of this tier; left alone", False))
+
+    # 2. one consistent snapshot of the index
+    recs: list[tuple[bytes, Rec]] = []
+    bad_keys: list[tuple[bytes, Rec | None, str, str]] = []  # key, rec, kind, detail
+    segs: dict[int, SegInfo] = {}
+    index_problems: list[str] = []
+    with sh.read() as txn:
+        for k, v in txn.cursor(db=sh.dbs[DB_SEGS]):
+            try:
+                segs[BE64.unpack(k)[0]] = decode_seginfo(v)
+            except (RecordError, Exception):
+                index_problems.append(f"segment record {k.hex()} does not decode")
+        for k, v in txn.cursor(db=sh.dbs[DB_BLOCKS]):
+            if len(k) != 32:
+                bad_keys.append((k, None, "bad_record", f"index key of {len(k)} bytes"))
+                continue
+            try:
+                recs.append((k, decode_record(v)))
+            except RecordError as e:
+                bad_keys.append((k, None, "bad_record", str(e)))
+        children = {k: U32.unpack(v)[0] for k, v in txn.cursor(db=sh.dbs[DB_CHILDREN])}
+        lru = {k for k, _ in txn.cursor(db=sh.dbs[DB_LRU])}
+        totals = list(TOTALS.unpack(txn.get(META_TOTALS, db=sh.dbs[DB_META])))
+
+    t._load_namespaces()
+    good: list[tuple[bytes, Rec]] = []
+    for k, r in recs:
+        if r.codec not in _codec.CODEC_NAMES:
+            bad_keys.append((k, r, "bad_record", f"unknown codec id {r.codec}"))
+        elif r.namespace_id not in t._ns:
+            bad_keys.append((k, r, "bad_record", f"unknown namespace {r.namespace_id.hex()[:16]}"))
+        else:
+            good.append((k, r))
+
+    # 3. side indexes against the records
+    exp_children = Counter(r.parent for _, r in recs if r.parent is not None)
+    if dict(exp_children) != children:
+        index_problems.append("children counts do not match the records")
+    exp_lru = {lru_key(r.last_access_us, k) for k, r in recs if not exp_children.get(k)}
+    if exp_lru != lru:
+        index_problems.append(f"LRU index has {len(lru - exp_lru)} stale and "
+                              f"{len(exp_lru - lru)} missing entries")
+    live: dict[int, list[int]] = {}
+    for _, r in recs:
+        s = live.setdefault(r.segment, [0, 0])
+        s[0] += 1
+        s[1] += r.stored_nbytes
+    for sid, (n, b) in live.items():
+        s = segs.get(sid)
+        if s is None:
+            index_problems.append(f"segment {sid:016x} is referenced but has no segment record")
+        elif (s.live_count, s.live_bytes) != (n, b):
+            index_problems.append(f"segment {sid:016x} accounting is {s.live_count} blocks/"
+                                  f"{s.live_bytes} bytes, records say {n}/{b}")
+    for sid in segs.keys() - live.keys():
+        index_problems.append(f"segment record {sid:016x} has no live blocks")
+    exp_tot = [len(recs), sum(r.stored_nbytes for _, r in recs), sum(r.raw_nbytes for _, r in recs)]
+    if totals[:3] != exp_tot or totals[3] != len(segs):
+        index_problems.append(f"totals {totals[:4]} do not match the index {exp_tot + [len(segs)]}")
+
+    # 4. segment files against the index
+    by_seg: dict[int, list[tuple[bytes, Rec]]] = {}
+    for k, r in good:
+        by_seg.setdefault(r.segment, []).append((k, r))
+    flagged: set[bytes] = set()
+    for sid, items in by_seg.items():
+        path = os.path.join(segdir, _seg.segment_name(sid))
+        st = files.get(sid)
+        if st is None:
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                st = None
+        if st is None:
+            for k, r in items:
+                cur = t._get_rec(k)
+                if cur is not None and (cur.segment, cur.offset) == (r.segment, r.offset):
+                    bad_keys.append((k, r, "missing_segment", f"segment file {path} is missing"))
+                    flagged.add(k)
+            continue
+        expect = segs[sid].file_bytes if sid in segs else 0
+        for k, r in items:
+            if r.offset + r.stored_nbytes > st.st_size:
+                bad_keys.append((k, r, "short_segment",
+                                 f"segment has {st.st_size} bytes (expected {expect}); block at "
+                                 f"{r.offset}+{r.stored_nbytes} is cut off"))
+                flagged.add(k)
+    referenced = set(segs) | set(by_seg)
+    orphans = []
+    for sid, st in files.items():
+        if sid in referenced:
+            continue
+        path = os.path.join(segdir, _seg.segment_name(sid))
+        if now - st.st_mtime >= grace_s and _unreferenced(t, sid):
+            orphans.append(path)
+    stale_temps = [p for p, mt in temps if now - mt >= grace_s]
+
+    # 5. data: every remaining block read back and verified (plus its header entry)
+    if verify_data:
+        scratch: dict[int, np.ndarray] = {}
+        for sid, items in by_seg.items():
+            path = os.path.join(segdir, _seg.segment_name(sid))
+            try:
+                obj, start, _ = _seg.read_header(path)
+                tensors = _seg.header_tensors(obj, start)
+            except FileNotFoundError:
+                continue  # moved by a concurrent compaction (checked per record below)
+            except (OSError, _seg.SegmentFormatError) as e:
+                tensors = None
+                header_err = str(e)
+            for k, r in items:
+                if k in flagged:
+                    continue
+                if tensors is not None and tensors.get(k.hex()) != (r.offset, r.stored_nbytes):
+                    detail = "segment header does not list this block at the recorded offset"
+                    bad_keys.append((k, r, "bad_record", detail))
+                    flagged.add(k)
+                    continue
+                if tensors is None:
+                    bad_keys.append((k, r, "bad_record", f"segment header unreadable: {header_err}"))
+                    flagged.add(k)
+                    continue
+                buf = scratch.get(r.raw_nbytes)
+                if buf is None:
+                    buf = scratch[r.raw_nbytes] = np.empty(r.raw_nbytes, dtype=np.uint8)
+                status, why = t._read_rec(r, memoryview(buf))
+                if status is ReadStatus.OK:
+                    continue
+                cur = t._get_rec(k)
+                if cur is None or (cur.segment, cur.offset) != (r.segment, r.offset):
+                    continue  # changed meanwhile
+                kind = why.split(" ", 1)[0] if why.split(" ", 1)[0] in (
+                    "missing_segment", "short_segment", "checksum_mismatch") else "checksum_mismatch"
+                bad_keys.append((k, r, kind, why or kind))
+                flagged.add(k)
+
+    # 6. report and repair: records first, then side indexes, then files
+    fixed_keys: set[bytes] = set()
+    if fix and bad_keys:
+        fixed_keys = set(t._drop_entries([(k, r) for k, r, _, _ in bad_keys]))
+        # a record removed by someone else meanwhile is fixed too
+        for k, _r, _, _ in bad_keys:
+            if t._get_rec(k) is None:
+                fixed_keys.add(k)
+    for k, r, kind, detail in bad_keys:
+        path = os.path.join(segdir, _seg.segment_name(r.segment)) if r is not None else t._index_dir
+        findings.append(Finding(kind, path, k, detail, k in fixed_keys))
+    index_fixed = False
+    if index_problems and fix:
+        rebuild_side_indexes(t)
+        index_fixed = True
+    for p in index_problems:
+        findings.append(Finding("bad_index", t._index_dir, None, p, index_fixed))
+    for path in stale_temps:
+        findings.append(Finding("temp_file", path, None, "temporary file of an interrupted write",
+                                fix and _unlink(path)))
+    for path in orphans:
+        findings.append(Finding("orphan_segment", path, None,
+                                "segment file not referenced by the index", fix and _unlink(path)))
+    return findings
+
+
+def _unreferenced(t: DiskTier, sid: int) -> bool:
+    sh = t._sh
+    with sh.read() as txn:
+        return txn.get(BE64.pack(sid), db=sh.dbs[DB_SEGS]) is None
+
+
+def _unlink(path: str) -> bool:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError:
+        return False
+    return True
+
+
+def rebuild_side_indexes(t: DiskTier) -> None:
+    """Recompute children counts, the LRU index, segment accounting and totals from the block
+    records, in one write transaction."""
+    sh = t._sh
+
+    def fn(txn) -> list[int]:
+        blocks = sh.dbs[DB_BLOCKS]
+        recs: list[tuple[bytes, Rec]] = []
+        for k, v in txn.cursor(db=blocks):
+            try:
+                recs.append((k, decode_record(v)))
+            except RecordError:
+                txn.delete(k, db=blocks)
+        old_segs: dict[int, SegInfo] = {}
+        for k, v in txn.cursor(db=sh.dbs[DB_SEGS]):
+            with contextlib.suppress(Exception):
+                old_segs[BE64.unpack(k)[0]] = decode_seginfo(v)
+        for name in (DB_CHILDREN, DB_LRU, DB_SEGS):
+            txn.drop(sh.dbs[name], delete=False)
+        kids = Counter(r.parent for _, r in recs if r.parent is not None)
+        for p, n in kids.items():
+            txn.put(p, U32.pack(n), db=sh.dbs[DB_CHILDREN])
+        for k, r in recs:
+            if not kids.get(k):
+                txn.put(lru_key(r.last_access_us, k), b"", db=sh.dbs[DB_LRU])
+        live: dict[int, list[int]] = {}
+        for _, r in recs:
+            s = live.setdefault(r.segment, [0, 0])
+            s[0] += 1
+            s[1] += r.stored_nbytes
+        seg_file = seg_data = 0
+        for sid, (n, b) in live.items():
+            old = old_segs.get(sid)
+            if old is not None:
+                fbytes, dbytes, created = old.file_bytes, old.data_bytes, old.created_us
+            else:
+                fbytes, dbytes, created = _segment_sizes(t, sid)
+            txn.put(BE64.pack(sid), encode_seginfo(SegInfo(n, fbytes, dbytes, b, created)),
+                    db=sh.dbs[DB_SEGS])
+            seg_file += fbytes
+            seg_data += dbytes
+        totals = (len(recs), sum(r.stored_nbytes for _, r in recs),
+                  sum(r.raw_nbytes for _, r in recs), len(live), seg_file, seg_data)
+        txn.put(META_TOTALS, TOTALS.pack(*totals), db=sh.dbs[DB_META])
+        return [sid for sid in old_segs if sid not in live]
+
+    dead = t._write_raw(fn)
+    t._unlink_segments(dead)
+
+
+def _segment_sizes(t: DiskTier, sid: int) -> tuple[int, int, int]:
+    path = os.path.join(t._segdir, _seg.segment_name(sid))
+    try:
+        _obj, start, size = _seg.read_header(path)
+        mtime = int(os.stat(path).st_mtime * 1e6)
+    except (OSError, _seg.SegmentFormatError):
+        return 0, 0, 0
+    return size, size - start, mtime

@@ -1,0 +1,532 @@
+"""The disk tier's LMDB index: record encodings, the per-process environment registry and the
+write-transaction helper that keeps the side indexes consistent (``docs/format.md``).
+
+LMDB rules followed here: one ``Environment`` per process per path (a registry keyed by
+realpath, refcounted, dropped and re-opened in a forked child), every transaction in ``with``,
+short read transactions, values copied out (``bytes``) before a transaction ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import struct
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import NamedTuple
+
+import lmdb
+import msgpack
+
+from kvstore.errors import DiskError, FormatVersionError
+
+log = logging.getLogger("kvstore.disk")
+
+#: Version of the disk tier's on-disk format (LMDB dbs, record encoding, segment files).
+DISK_FORMAT_VERSION = 1
+
+DB_META = b"meta"
+DB_BLOCKS = b"blocks"
+DB_NS = b"ns"
+DB_CHILDREN = b"children"
+DB_LRU = b"lru"
+DB_SEGS = b"segs"
+_DB_NAMES = (DB_META, DB_BLOCKS, DB_NS, DB_CHILDREN, DB_LRU, DB_SEGS)
+
+META_FORMAT = b"format_version"
+META_NEXT_SEGMENT = b"next_segment"
+META_TOTALS = b"totals"
+
+RECORD_VERSION = 1
+FLAG_HAS_PARENT = 1
+#: version u8, codec u8, flags u8, reserved u8, hits u32, segment u64, offset u64,
+#: stored_nbytes u64, raw_nbytes u64, checksum u64, created_us u64, last_access_us u64,
+#: namespace_id 32s, parent 32s — little-endian, 128 bytes.
+RECORD = struct.Struct("<BBBBIQQQQQQQ32s32s")
+#: version u8, 3 pad, live_count u32, file_bytes u64, data_bytes u64, live_bytes u64, created_us u64
+SEGINFO = struct.Struct("<B3xIQQQQ")
+#: blocks, stored_bytes, raw_bytes, segments, segment_file_bytes, segment_data_bytes
+TOTALS = struct.Struct("<6Q")
+U32 = struct.Struct("<I")
+U64 = struct.Struct("<Q")
+BE64 = struct.Struct(">Q")
+_ZERO32 = bytes(32)
+_MAX_HITS = 0xFFFFFFFF
+NS_RECORD_VERSION = 1
+
+DEFAULT_MAP_SIZE = 64 << 30
+
+
+class Rec(NamedTuple):
+    """A decoded index record."""
+
+    codec: int
+    hits: int
+    segment: int
+    offset: int
+    stored_nbytes: int
+    raw_nbytes: int
+    checksum: int
+    created_us: int
+    last_access_us: int
+    namespace_id: bytes
+    parent: bytes | None
+
+
+class RecordError(ValueError):
+    """An index value does not decode."""
+
+
+def encode_record(r: Rec) -> bytes:
+    return RECORD.pack(
+        RECORD_VERSION, r.codec, FLAG_HAS_PARENT if r.parent is not None else 0, 0,
+        min(r.hits, _MAX_HITS), r.segment, r.offset, r.stored_nbytes, r.raw_nbytes, r.checksum,
+        r.created_us, r.last_access_us, r.namespace_id, r.parent if r.parent is not None else _ZERO32,
+    )
+
+
+def decode_record(b: bytes) -> Rec:
+    if len(b) != RECORD.size:
+        raise RecordError(f"index record has {len(b)} bytes, expected {RECORD.size}")
+    (ver, codec, flags, _res, hits, seg, off, stored, raw, csum, created, last,
+     ns, parent) = RECORD.unpack(b)
+    if ver != RECORD_VERSION:
+        raise RecordError(f"index record version {ver}, expected {RECORD_VERSION}")
+    if flags & ~FLAG_HAS_PARENT:
+        raise RecordError(f"index record has unknown flags {flags:#x}")
+    return Rec(codec, hits, seg, off, stored, raw, csum, created, last, ns,
+               parent if flags & FLAG_HAS_PARENT else None)
+
+
+class SegInfo(NamedTuple):
+    live_count: int
+    file_bytes: int
+    data_bytes: int
+    live_bytes: int
+    created_us: int
+
+
+def encode_seginfo(s: SegInfo) -> bytes:
+    return SEGINFO.pack(1, s.live_count, s.file_bytes, s.data_bytes, s.live_bytes, s.created_us)
+
+
+def decode_seginfo(b: bytes) -> SegInfo:
+    if len(b) != SEGINFO.size or b[0] != 1:
+        raise RecordError("segment record does not decode")
+    _v, *rest = SEGINFO.unpack(b)
+    return SegInfo(*rest)
+
+
+def lru_key(last_access_us: int, key: bytes) -> bytes:
+    return BE64.pack(last_access_us) + key
+
+
+# -- namespaces ------------------------------------------------------------------------------
+
+def encode_namespace(info_fields: tuple) -> bytes:
+    """msgpack array ``[1, model_id, model_revision, dtype, num_layers, kv_planes,
+    block_tokens, num_kv_heads, head_dim, tp_rank, tp_size, format_version, [[k, v], ...]]``."""
+    (model_id, rev, dtype, L, P, T, H, D, rank, size, fv, extras) = info_fields
+    return msgpack.packb(
+        [NS_RECORD_VERSION, model_id, rev, dtype, L, P, T, H, D, rank, size, fv,
+         [[k, v] for k, v in extras]],
+        use_bin_type=True,
+    )
+
+
+def decode_namespace(b: bytes) -> tuple:
+    """Strict inverse of :func:`encode_namespace` (bounded sizes, exact types)."""
+    try:
+        obj = msgpack.unpackb(
+            b, raw=False, strict_map_key=True, use_list=True, max_str_len=1 << 16,
+            max_bin_len=0, max_array_len=1024, max_map_len=0, max_ext_len=0,
+        )
+    except Exception as e:  # msgpack raises several types for malformed input
+        raise RecordError(f"namespace record does not decode: {e}") from None
+    if not isinstance(obj, list) or len(obj) != 13 or obj[0] != NS_RECORD_VERSION:
+        raise RecordError("namespace record has the wrong shape or version")
+    _v, model_id, rev, dtype, *ints, extras = obj
+    if not (isinstance(model_id, str) and isinstance(rev, str) and isinstance(dtype, str)):
+        raise RecordError("namespace record has non-string names")
+    if len(ints) != 8 or not all(isinstance(i, int) and not isinstance(i, bool) for i in ints):
+        raise RecordError("namespace record has non-integer fields")
+    if not isinstance(extras, list) or not all(
+        isinstance(kv, list) and len(kv) == 2 and all(isinstance(x, str) for x in kv) for kv in extras
+    ):
+        raise RecordError("namespace record has malformed extras")
+    return (model_id, rev, dtype, *ints, tuple((k, v) for k, v in extras))
+
+
+# -- a readers/writer gate: every transaction holds it shared; map resizes and fork hold it
+#    exclusively (LMDB: set_mapsize only while no transaction is active in the process) ----
+
+class Gate:
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._readers = 0
+        self._writer = False
+        self._waiting = 0
+
+    @contextmanager
+    def shared(self) -> Iterator[None]:
+        with self._cond:
+            while self._writer or self._waiting:
+                self._cond.wait()
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._readers -= 1
+                if not self._readers:
+                    self._cond.notify_all()
+
+    def acquire_exclusive(self, timeout: float | None = None) -> bool:
+        with self._cond:
+            self._waiting += 1
+            try:
+                ok = self._cond.wait_for(lambda: not self._writer and not self._readers, timeout)
+                if ok:
+                    self._writer = True
+                return ok
+            finally:
+                self._waiting -= 1
+                if not ok:
+                    self._cond.notify_all()
+
+    def release_exclusive(self) -> None:
+        with self._cond:
+            self._writer = False
+            self._cond.notify_all()
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        self.acquire_exclusive()
+        try:
+            yield
+        finally:
+            self.release_exclusive()
+
+
+# -- per-process environment registry -----------------------------------------------------
+
+class SharedEnv:
+    """One LMDB environment of this process, shared by every DiskTier on the same path."""
+
+    def __init__(self, realpath: str, env: lmdb.Environment, dbs: dict[bytes, object],
+                 writable: bool) -> None:
+        self.realpath = realpath
+        self.env = env
+        self.dbs = dbs
+        self.writable = writable
+        self.pid = os.getpid()
+        self.refs = 0
+        self.gate = Gate()
+        self.wlock = threading.Lock()  # one write txn at a time in this process
+
+    # transactions ------------------------------------------------------------------------
+    @contextmanager
+    def read(self) -> Iterator[lmdb.Transaction]:
+        for _ in range(3):
+            try:
+                with self.gate.shared(), self.env.begin(buffers=False) as txn:
+                    yield txn
+                    return
+            except lmdb.MapResizedError:
+                self._adopt_map_size()
+        raise DiskError(errno.EIO, f"LMDB index at {self.realpath} keeps resizing")
+
+    def write(self, fn):
+        """Run ``fn(txn)`` in a write transaction, growing the map on MapFullError (``fn`` must
+        be safe to re-run). Returns ``fn``'s result."""
+        for _ in range(16):
+            try:
+                with self.gate.shared(), self.wlock, self.env.begin(write=True) as txn:
+                    return fn(txn)
+            except lmdb.MapFullError:
+                self._grow()
+            except lmdb.MapResizedError:
+                self._adopt_map_size()
+        raise DiskError(errno.ENOSPC, f"LMDB index at {self.realpath} cannot grow its map")
+
+    def _grow(self) -> None:
+        with self.gate.exclusive():
+            cur = self.env.info()["map_size"]
+            new = cur * 2
+            log.info("growing LMDB map of %s from %d to %d bytes", self.realpath, cur, new)
+            self.env.set_mapsize(new)
+
+    def _adopt_map_size(self) -> None:
+        with self.gate.exclusive():
+            self.env.set_mapsize(0)
+
+
+_registry: dict[str, SharedEnv] = {}
+_registry_lock = threading.Lock()
+
+
+def _open_env(index_dir: str, *, create: bool, readonly: bool, map_size: int) -> SharedEnv:
+    kw = dict(subdir=True, max_dbs=len(_DB_NAMES) + 2, max_readers=1024, max_spare_txns=0,
+              map_size=map_size)
+    if create and not readonly:
+        try:
+            os.makedirs(index_dir, exist_ok=True)
+        except OSError as e:
+            raise DiskError(e.errno, f"cannot create the disk index directory {index_dir}: {e.strerror}") from e
+    elif not os.path.isdir(index_dir):
+        raise DiskError(errno.ENOENT, f"no disk tier index at {index_dir} (store was never written)")
+    try:
+        env = lmdb.open(index_dir, readonly=False, create=create and not readonly, **kw)
+    except lmdb.Error as e:
+        if not readonly:
+            raise DiskError(errno.EIO, f"cannot open the LMDB index at {index_dir}: {e}") from e
+        try:  # read-only filesystem or files: open the environment read-only
+            env = lmdb.open(index_dir, readonly=True, create=False, **kw)
+        except lmdb.Error as e2:
+            raise DiskError(errno.EIO, f"cannot open the LMDB index at {index_dir}: {e2}") from e2
+    try:
+        writable = not env.flags()["readonly"]
+        dbs = _init_dbs(env, index_dir, create=not readonly)
+    except BaseException:
+        env.close()
+        raise
+    return SharedEnv(os.path.realpath(index_dir), env, dbs, writable)
+
+
+def _init_dbs(env: lmdb.Environment, index_dir: str, *, create: bool) -> dict[bytes, object]:
+    dbs: dict[bytes, object] = {}
+    try:
+        if env.flags()["readonly"]:  # read-only files: py-lmdb opens the dbs in a read txn
+            for name in _DB_NAMES:
+                dbs[name] = env.open_db(name, create=False)
+        else:
+            for _ in range(8):
+                try:
+                    with env.begin(write=True) as txn:
+                        for name in _DB_NAMES:
+                            dbs[name] = env.open_db(name, txn=txn, create=create)
+                        meta = dbs[DB_META]
+                        if create and txn.get(META_FORMAT, db=meta) is None:
+                            txn.put(META_FORMAT, U32.pack(DISK_FORMAT_VERSION), db=meta)
+                            txn.put(META_NEXT_SEGMENT, U64.pack(1), db=meta)
+                            txn.put(META_TOTALS, TOTALS.pack(0, 0, 0, 0, 0, 0), db=meta)
+                    break
+                except lmdb.MapResizedError:
+                    env.set_mapsize(0)
+    except lmdb.NotFoundError:
+        raise DiskError(errno.ENOENT, f"{index_dir} is not a kvstore disk index") from None
+    with env.begin() as txn:
+        raw = txn.get(META_FORMAT, db=dbs[DB_META])
+    if raw is None or len(raw) != 4:
+        raise DiskError(errno.EINVAL, f"{index_dir} has no readable disk format version")
+    (found,) = U32.unpack(raw)
+    if found != DISK_FORMAT_VERSION:
+        raise FormatVersionError(
+            f"the disk tier at {os.path.dirname(index_dir)} has on-disk format version {found}, "
+            f"but this kvstore reads and writes format version {DISK_FORMAT_VERSION}; open it "
+            f"with a kvstore release for format {found}, or point the store at a new directory"
+        )
+    return dbs
+
+
+def acquire_env(index_dir: str, *, create: bool, readonly: bool,
+                map_size: int = DEFAULT_MAP_SIZE) -> SharedEnv:
+    """The process's SharedEnv for ``index_dir`` (opened on first use, refcounted)."""
+    real = os.path.realpath(index_dir)
+    with _registry_lock:
+        sh = _registry.get(real)
+        if sh is not None and sh.pid != os.getpid():  # pragma: no cover - at-fork hook handles it
+            _registry.pop(real, None)
+            sh = None
+        if sh is None:
+            sh = _open_env(index_dir, create=create, readonly=readonly, map_size=map_size)
+            _registry[real] = sh
+        else:
+            _check_version_again(sh, index_dir)
+        sh.refs += 1
+        return sh
+
+
+def _check_version_again(sh: SharedEnv, index_dir: str) -> None:
+    with sh.read() as txn:
+        raw = txn.get(META_FORMAT, db=sh.dbs[DB_META])
+    (found,) = U32.unpack(raw)
+    if found != DISK_FORMAT_VERSION:
+        raise FormatVersionError(
+            f"the disk tier at {os.path.dirname(index_dir)} has on-disk format version {found}, "
+            f"but this kvstore reads and writes format version {DISK_FORMAT_VERSION}"
+        )
+
+
+def release_env(sh: SharedEnv) -> None:
+    with _registry_lock:
+        sh.refs -= 1
+        if sh.refs > 0 or sh.pid != os.getpid():
+            return
+        if _registry.get(sh.realpath) is sh:
+            del _registry[sh.realpath]
+        with sh.gate.exclusive():
+            sh.env.close()
+
+
+# fork: hold every gate exclusively across fork() so that no transaction is active; in the
+# child close the inherited environments (LMDB forbids using them after fork) and forget them;
+# DiskTier objects notice the pid change and acquire a fresh environment.
+_fork_held: list[SharedEnv] = []
+
+
+def _before_fork() -> None:
+    _registry_lock.acquire()
+    for sh in list(_registry.values()):
+        if sh.gate.acquire_exclusive(timeout=10.0):
+            _fork_held.append(sh)
+
+
+def _after_fork_parent() -> None:
+    for sh in _fork_held:
+        sh.gate.release_exclusive()
+    _fork_held.clear()
+    _registry_lock.release()
+
+
+def _after_fork_child() -> None:
+    global _registry_lock
+    held = {id(sh) for sh in _fork_held}
+    for sh in list(_registry.values()):
+        sh.pid = -1  # never used again in this process
+        if id(sh) in held:
+            with contextlib.suppress(Exception):  # best effort
+                sh.env.close()
+    _registry.clear()
+    _fork_held.clear()
+    _registry_lock = threading.Lock()
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_parent,
+                    after_in_child=_after_fork_child)
+
+
+# -- the write-transaction helper --------------------------------------------------------
+
+class WriteOps:
+    """Mutations of one write transaction that keep every side index consistent:
+
+    * ``children[p]`` = number of records whose parent is ``p`` (absent when 0);
+    * ``lru`` holds ``(last_access, key)`` for exactly the records that are leaves;
+    * ``segs[s]`` live count/bytes; a segment whose live count reaches 0 is removed from
+      ``segs`` and reported in :attr:`emptied` (its file is unlinked after commit);
+    * ``meta.totals``.
+    """
+
+    def __init__(self, txn: lmdb.Transaction, dbs: dict[bytes, object]) -> None:
+        self.txn = txn
+        self.blocks = dbs[DB_BLOCKS]
+        self.children_db = dbs[DB_CHILDREN]
+        self.lru = dbs[DB_LRU]
+        self.segs_db = dbs[DB_SEGS]
+        self.meta = dbs[DB_META]
+        self.totals = list(TOTALS.unpack(txn.get(META_TOTALS, db=self.meta)))
+        self._segs: dict[int, list[int]] = {}
+        self.emptied: list[int] = []
+
+    def get(self, key: bytes) -> Rec | None:
+        raw = self.txn.get(key, db=self.blocks)
+        return None if raw is None else decode_record(raw)
+
+    def children(self, key: bytes) -> int:
+        raw = self.txn.get(key, db=self.children_db)
+        return 0 if raw is None else U32.unpack(raw)[0]
+
+    def _seg(self, sid: int) -> list[int]:
+        s = self._segs.get(sid)
+        if s is None:
+            raw = self.txn.get(BE64.pack(sid), db=self.segs_db)
+            s = [0, 0, 0, 0, 0] if raw is None else list(decode_seginfo(raw))
+            self._segs[sid] = s
+        return s
+
+    def add_segment(self, sid: int, file_bytes: int, data_bytes: int, created_us: int) -> None:
+        self._segs[sid] = [0, file_bytes, data_bytes, 0, created_us]
+        t = self.totals
+        t[3] += 1
+        t[4] += file_bytes
+        t[5] += data_bytes
+
+    def insert(self, key: bytes, rec: Rec) -> None:
+        txn = self.txn
+        txn.put(key, encode_record(rec), db=self.blocks)
+        p = rec.parent
+        if p is not None:
+            c = self.children(p)
+            txn.put(p, U32.pack(c + 1), db=self.children_db)
+            if c == 0:
+                prec = self.get(p)
+                if prec is not None:
+                    txn.delete(lru_key(prec.last_access_us, p), db=self.lru)
+        if self.children(key) == 0:
+            txn.put(lru_key(rec.last_access_us, key), b"", db=self.lru)
+        s = self._seg(rec.segment)
+        s[0] += 1
+        s[3] += rec.stored_nbytes
+        t = self.totals
+        t[0] += 1
+        t[1] += rec.stored_nbytes
+        t[2] += rec.raw_nbytes
+
+    def remove(self, key: bytes, rec: Rec) -> None:
+        txn = self.txn
+        txn.delete(key, db=self.blocks)
+        if self.children(key) == 0:
+            txn.delete(lru_key(rec.last_access_us, key), db=self.lru)
+        p = rec.parent
+        if p is not None:
+            c = self.children(p)
+            if c <= 1:
+                txn.delete(p, db=self.children_db)
+                prec = self.get(p)
+                if prec is not None:
+                    txn.put(lru_key(prec.last_access_us, p), b"", db=self.lru)
+            else:
+                txn.put(p, U32.pack(c - 1), db=self.children_db)
+        s = self._seg(rec.segment)
+        s[0] -= 1
+        s[3] -= rec.stored_nbytes
+        t = self.totals
+        t[0] -= 1
+        t[1] -= rec.stored_nbytes
+        t[2] -= rec.raw_nbytes
+
+    def update_access(self, key: bytes, rec: Rec, last_us: int, hits: int) -> None:
+        new_last = max(rec.last_access_us, last_us)
+        new = rec._replace(last_access_us=new_last, hits=min(rec.hits + hits, _MAX_HITS))
+        if new_last != rec.last_access_us and self.children(key) == 0:
+            self.txn.delete(lru_key(rec.last_access_us, key), db=self.lru)
+            self.txn.put(lru_key(new_last, key), b"", db=self.lru)
+        self.txn.put(key, encode_record(new), db=self.blocks)
+
+    def move(self, key: bytes, rec: Rec, segment: int, offset: int) -> None:
+        self.txn.put(key, encode_record(rec._replace(segment=segment, offset=offset)), db=self.blocks)
+        old = self._seg(rec.segment)
+        old[0] -= 1
+        old[3] -= rec.stored_nbytes
+        new = self._seg(segment)
+        new[0] += 1
+        new[3] += rec.stored_nbytes
+
+    def finish(self) -> None:
+        txn = self.txn
+        t = self.totals
+        for sid, s in self._segs.items():
+            k = BE64.pack(sid)
+            if s[0] <= 0:
+                if txn.delete(k, db=self.segs_db) or s[1]:
+                    t[3] -= 1
+                    t[4] -= s[1]
+                    t[5] -= s[2]
+                self.emptied.append(sid)
+            else:
+                txn.put(k, encode_seginfo(SegInfo(*s)), db=self.segs_db)
+        txn.put(META_TOTALS, TOTALS.pack(*(max(0, v) for v in t)), db=self.meta)

@@ -1,0 +1,287 @@
+"""Helpers shared by the disk tier's tests, ``tools/stress_disk.py`` and the disk benchmark:
+deterministic block content derived from the key, small layouts, a fake large index, and the
+kill-the-writer crash round.
+
+Nothing here is used by the store itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import signal
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kvstore.layout import KVLayout
+from kvstore.namespace import Namespace
+from kvstore.tiers.disk import DiskTier, DiskWrite, ReadStatus
+
+
+def small_layout(dtype: torch.dtype = torch.bfloat16, *, num_layers: int = 2, head_dim: int = 16,
+                 block_tokens: int = 4) -> KVLayout:
+    return KVLayout(num_layers=num_layers, num_kv_heads=2, head_dim=head_dim, dtype=dtype,
+                    block_tokens=block_tokens)
+
+
+def namespace(layout: KVLayout, model_id: str = "test/disk-model") -> Namespace:
+    return Namespace.create(model_id, layout)
+
+
+def chain(seed: bytes | str, n: int, parent: bytes | None = None) -> list[bytes]:
+    """``n`` chained 32-byte keys (SHA-256), continuing from ``parent`` if given."""
+    if isinstance(seed, str):
+        seed = seed.encode()
+    out = []
+    k = parent if parent is not None else hashlib.sha256(b"root:" + seed).digest()
+    for i in range(n):
+        k = hashlib.sha256(k + seed + i.to_bytes(4, "little")).digest()
+        out.append(k)
+    return out
+
+
+def block_data(key: bytes, layout: KVLayout) -> torch.Tensor:
+    """Deterministic block bytes for ``key`` (normal-distributed values in the layout's dtype,
+    as a 1-D uint8 tensor). numpy only, so it is safe in a forked child."""
+    rng = np.random.default_rng(int.from_bytes(key[:8], "little"))
+    isz = layout.itemsize
+    n = layout.block_nbytes // isz
+    x = rng.standard_normal(n, dtype=np.float32)
+    if layout.dtype == torch.bfloat16:
+        b = (x.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    elif layout.dtype == torch.float16:
+        b = x.astype(np.float16).view(np.uint8)
+    elif layout.dtype == torch.float32:
+        b = x.view(np.uint8)
+    elif layout.dtype == torch.float64:
+        b = x.astype(np.float64).view(np.uint8)
+    else:
+        b = rng.integers(0, 256, layout.block_nbytes, dtype=np.uint8)
+    return torch.from_numpy(np.ascontiguousarray(b))
+
+
+def writes(keys: Sequence[bytes], ns: Namespace, parent: bytes | None = None) -> list[DiskWrite]:
+    """DiskWrite items for a chain of keys (each key's parent is the previous one)."""
+    out = []
+    prev = parent
+    for k in keys:
+        out.append(DiskWrite(k, prev, ns.id, block_data(k, ns.layout)))
+        prev = k
+    return out
+
+
+def verify_all(tier: DiskTier, layout: KVLayout) -> tuple[int, list[bytes]]:
+    """Read every indexed block back; returns (number OK, keys that were not bit-exact)."""
+    dst = torch.empty(layout.block_nbytes, dtype=torch.uint8)
+    bad = []
+    ok = 0
+    for r in list(tier.records()):
+        st = tier.read_into(r.key, dst)
+        if st is ReadStatus.OK and torch.equal(dst, block_data(r.key, layout)):
+            ok += 1
+        else:
+            bad.append(r.key)
+    return ok, bad
+
+
+def populate_fake_index(path: str, n: int, ns: Namespace, *, txn_size: int = 250_000) -> None:
+    """Create a disk tier whose index holds ``n`` records pointing at fake segments (no
+    payload files), inserted directly in a few big LMDB transactions: chains of 16 blocks,
+    leaves in the LRU index, consistent totals. For reopen-time measurements only."""
+    from kvstore.tiers import disk_index as di
+
+    t = DiskTier(path, capacity_bytes=1 << 50)
+    t.register_namespace(ns)
+    sh = t._sh
+    nb = ns.layout.block_nbytes
+    seg_blocks = 128
+    done = 0
+    rng = np.random.default_rng(0)
+    while done < n:
+        m = min(txn_size, n - done)
+        keys = rng.integers(0, 256, (m, 32), dtype=np.uint8)
+        keys[:, 0] = rng.integers(0, 256, m)  # random: inserted unsorted below, sorted first
+        kb = sorted(bytes(r) for r in keys)
+        first = done
+
+        def fn(txn, kb=kb, first=first, m=m):
+            blocks, children, lru, segs, meta = (sh.dbs[di.DB_BLOCKS], sh.dbs[di.DB_CHILDREN],
+                                                 sh.dbs[di.DB_LRU], sh.dbs[di.DB_SEGS],
+                                                 sh.dbs[di.DB_META])
+            recs = []
+            kids = []
+            leaves = []
+            for j, k in enumerate(kb):
+                i = first + j
+                parent = kb[j - 1] if j % 16 else None
+                if parent is not None:
+                    kids.append((parent, di.U32.pack(1)))
+                if j % 16 == 15 or j == m - 1:
+                    leaves.append((di.lru_key(1_700_000_000_000_000 + i, k), b""))
+                recs.append((k, di.encode_record(di.Rec(
+                    0, 0, 1 + i // seg_blocks, 4096 + (i % seg_blocks) * nb, nb, nb, 0,
+                    1_700_000_000_000_000 + i, 1_700_000_000_000_000 + i, ns.id, parent))))
+            txn.cursor(db=blocks).putmulti(recs, append=False)
+            txn.cursor(db=children).putmulti(kids)
+            txn.cursor(db=lru).putmulti(leaves)
+            nseg0 = first // seg_blocks
+            nseg1 = (first + m - 1) // seg_blocks
+            for s in range(nseg0, nseg1 + 1):
+                cnt = min(seg_blocks, first + m - s * seg_blocks)
+                txn.put(di.BE64.pack(1 + s), di.encode_seginfo(di.SegInfo(
+                    cnt, 4096 + seg_blocks * nb, seg_blocks * nb, cnt * nb, 0)), db=segs)
+            tot = list(di.TOTALS.unpack(txn.get(di.META_TOTALS, db=meta)))
+            tot[0] += m
+            tot[1] += m * nb
+            tot[2] += m * nb
+            nsegs = (first + m + seg_blocks - 1) // seg_blocks
+            tot[3] = nsegs
+            tot[4] = nsegs * (4096 + seg_blocks * nb)
+            tot[5] = nsegs * seg_blocks * nb
+            txn.put(di.META_TOTALS, di.TOTALS.pack(*tot), db=meta)
+            txn.put(di.META_NEXT_SEGMENT, di.U64.pack(nsegs + 1), db=meta)
+
+        t._write_raw(fn)
+        done += m
+    t.close()
+
+
+# -- crash rounds ------------------------------------------------------------------------------
+
+@dataclass
+class CrashLog:
+    """What the killed child acknowledged, and what may have been in flight."""
+
+    present: set[bytes] = field(default_factory=set)  # acked written and not acked removed
+    maybe_removed_all: bool = False  # an eviction was in flight at the kill
+    maybe_removed: set[bytes] = field(default_factory=set)  # a delete was in flight
+
+
+def _child_loop(path: str, layout: KVLayout, wfd: int, seed: int) -> None:
+    rnd = random.Random(seed)
+    ns = namespace(layout)
+    tier = DiskTier(path, capacity_bytes=48 * layout.block_nbytes, orphan_grace_s=0.0,
+                    max_segment_bytes=4 * layout.block_nbytes,
+                    codec="zstd" if seed % 3 == 0 else "none")
+    tier.register_namespace(ns)
+
+    def ack(line: str) -> None:
+        data = (line + "\n").encode()
+        while data:
+            n = os.write(wfd, data)
+            data = data[n:]
+
+    ack("open")
+    heads: list[bytes | None] = [None]
+    n = 0
+    while True:
+        n += 1
+        op = rnd.random()
+        if op < 0.7:
+            parent = rnd.choice(heads)
+            keys = chain(f"{seed}-{n}", rnd.randint(1, 8), parent)
+            done = tier.write_blocks(writes(keys, ns, parent))
+            ack("W " + " ".join(k.hex() for k in done))
+            heads.append(keys[-1])
+            if len(heads) > 8:
+                heads.pop(1)
+        elif op < 0.8:
+            recs = [r.key for r in tier.records()]
+            victims = rnd.sample(recs, min(len(recs), rnd.randint(1, 3)))
+            ack("D? " + " ".join(k.hex() for k in victims))
+            tier.delete(victims)
+            ack("D " + " ".join(k.hex() for k in victims))
+        elif op < 0.9:
+            ack("E?")
+            gone = tier.evict_to_budget()
+            ack("E " + " ".join(k.hex() for k in gone))
+        else:
+            tier.compact(threshold=0.9)
+            tier.touch([r.key for r in tier.records()][:4])
+            ack("C")
+
+
+def parse_acks(text: str, baseline: set[bytes]) -> CrashLog:
+    """Replay the child's acknowledgements over ``baseline`` (what was on disk before)."""
+    log = CrashLog(present=set(baseline))
+    complete = text.split("\n")[:-1]  # a line without its newline was cut by the kill
+    for i, line in enumerate(complete):
+        if not line:
+            continue
+        tag, _, rest = line.partition(" ")
+        keys = [bytes.fromhex(h) for h in rest.split()] if tag in ("W", "D?", "D", "E") else []
+        last = i == len(complete) - 1
+        if tag == "X":
+            raise AssertionError(f"writer child failed: {rest}")
+        if tag == "W":
+            log.present.update(keys)
+        elif tag in ("D", "E"):
+            log.present.difference_update(keys)
+        elif tag == "D?" and last:
+            log.maybe_removed.update(keys)
+        elif tag == "E?" and last:
+            log.maybe_removed_all = True
+    return log
+
+
+def crash_round(path: str, layout: KVLayout, *, seed: int, kill_after: float,
+                baseline: set[bytes] | None = None) -> dict:
+    """Fork a writer child on ``path``, SIGKILL it after ``kill_after`` seconds, then reopen
+    and verify: the reopen works, ``check`` finds nothing but temp files / orphan segments
+    (which ``fix`` removes), every indexed block reads back bit-exact, and every block whose
+    ``write_blocks`` had returned (acknowledged through a pipe) is present unless a delete or
+    eviction of it was acknowledged or in flight. ``baseline``: the blocks on disk before the
+    round. Returns a summary with ``present`` (the new baseline); raises AssertionError."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        code = 0
+        try:
+            os.close(r)
+            _child_loop(path, layout, w, seed)
+        except BaseException as e:  # report, so the parent fails loudly
+            import traceback
+
+            msg = "".join(traceback.format_exception(e)).replace("\n", " | ")
+            os.write(w, f"X {msg}\n".encode())
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(w)
+    time.sleep(kill_after)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    chunks = []
+    while True:
+        b = os.read(r, 1 << 16)
+        if not b:
+            break
+        chunks.append(b)
+    os.close(r)
+    log = parse_acks(b"".join(chunks).decode(), baseline or set())
+    must = set() if log.maybe_removed_all else log.present - log.maybe_removed
+    t0 = time.perf_counter()
+    tier = DiskTier(path, capacity_bytes=48 * layout.block_nbytes, orphan_grace_s=0.0)
+    reopen_s = time.perf_counter() - t0
+    try:
+        findings = tier.check(grace_s=0.0)
+        bad = [f for f in findings if f.kind not in ("temp_file", "orphan_segment")]
+        assert not bad, f"check found corruption after a kill: {bad}"
+        if findings:
+            fixed = tier.check(fix=True, grace_s=0.0)
+            assert all(f.fixed for f in fixed), fixed
+            assert tier.check(grace_s=0.0) == [], "check still finds problems after fix"
+        ok, wrong = verify_all(tier, layout)
+        assert not wrong, f"{len(wrong)} indexed blocks do not read back bit-exact"
+        held = {rec.key for rec in tier.records()}
+        lost = must - held
+        assert not lost, f"{len(lost)} acknowledged blocks are missing after the kill"
+    finally:
+        tier.close()
+    return {"blocks": ok, "findings": [f.kind for f in findings], "must": len(must),
+            "reopen_s": reopen_s, "present": held}

@@ -1,0 +1,332 @@
+"""Segment files of the disk tier: append-only safetensors files (``docs/format.md``).
+
+A segment is written once, by one ``write_blocks`` batch or one compaction pass, under a
+temporary name, fsynced and renamed into place; it is never modified afterwards and is
+unlinked only after the index no longer references it. Tensor name = key hex.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import struct
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+SEGMENT_SUFFIX = ".safetensors"
+TEMP_SUFFIX = ".tmp"
+SEGMENT_RE = re.compile(r"^([0-9a-f]{16})\.safetensors$")
+TEMP_RE = re.compile(r"^([0-9a-f]{16})\.tmp$")
+#: Header + data of a segment is aligned like safetensors does it: header padded with spaces
+#: so that the data section starts at a multiple of 8.
+HEADER_ALIGN = 8
+#: Headers larger than this are refused when parsing (safetensors' own limit is 100 MB).
+MAX_HEADER_BYTES = 100_000_000
+SEGMENT_FORMAT = "1"
+
+# torch dtype name (kvstore.layout.dtype_name) -> safetensors dtype
+ST_DTYPES: dict[str, str] = {
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "float64": "F64",
+    "int8": "I8",
+    "uint8": "U8",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+}
+_U64 = struct.Struct("<Q")
+_IOV_MAX = 512
+_MAX_WRITE = 1 << 30
+
+
+class SegmentFormatError(ValueError):
+    """A segment file's header is not a valid kvstore safetensors header."""
+
+
+def segment_name(segment_id: int) -> str:
+    return f"{segment_id:016x}{SEGMENT_SUFFIX}"
+
+
+def temp_name(segment_id: int) -> str:
+    return f"{segment_id:016x}{TEMP_SUFFIX}"
+
+
+@dataclass(slots=True)
+class SegmentEntry:
+    """One tensor of a segment: a block's stored bytes and how safetensors should see them."""
+
+    name: str  # key hex
+    dtype: str  # safetensors dtype ("BF16", ..., "U8")
+    shape: list[int]
+    payload: object  # buffer with the stored bytes (memoryview, bytes, numpy array)
+    nbytes: int
+    meta: str  # per-block metadata value (see block_meta)
+
+
+def block_meta(codec: str, raw_nbytes: int, checksum: int, namespace_id: bytes,
+               parent: bytes | None) -> str:
+    """``"<codec>;<raw_nbytes>;<xxh3_64 16 hex>;<namespace 64 hex>;<parent 64 hex or empty>"``."""
+    return f"{codec};{raw_nbytes};{checksum:016x};{namespace_id.hex()};{parent.hex() if parent else ''}"
+
+
+def encode_header(segment_id: int, entries: Sequence[SegmentEntry]) -> tuple[bytes, list[int]]:
+    """The first ``8 + N`` bytes of a segment and each entry's absolute file offset."""
+    meta: dict[str, str] = {"kvstore.format": SEGMENT_FORMAT, "kvstore.segment": f"{segment_id:016x}"}
+    for e in entries:
+        meta[e.name] = e.meta
+    parts = ['"__metadata__":' + json.dumps(meta, separators=(",", ":"), ensure_ascii=True)]
+    begin = 0
+    rel = []
+    for e in entries:
+        end = begin + e.nbytes
+        parts.append(
+            json.dumps(e.name) + ":" + json.dumps(
+                {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": [begin, end]},
+                separators=(",", ":"))
+        )
+        rel.append(begin)
+        begin = end
+    body = ("{" + ",".join(parts) + "}").encode("ascii")
+    pad = (-(8 + len(body))) % HEADER_ALIGN
+    body += b" " * pad
+    start = 8 + len(body)
+    return _U64.pack(len(body)) + body, [start + r for r in rel]
+
+
+def parse_header(head: bytes) -> tuple[dict, int]:
+    """Parse a header body (without the 8-byte length). Returns (json dict, data start)."""
+    try:
+        obj = json.loads(head.decode("ascii"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise SegmentFormatError(f"segment header is not ASCII JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise SegmentFormatError("segment header is not a JSON object")
+    return obj, 8 + len(head)
+
+
+def read_header(path: str) -> tuple[dict, int, int]:
+    """Read and parse a segment's header. Returns (json dict, data start, file size)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        first = os.pread(fd, 8, 0)
+        if len(first) < 8:
+            raise SegmentFormatError(f"{path}: shorter than the 8-byte header length")
+        (n,) = _U64.unpack(first)
+        if n > MAX_HEADER_BYTES or 8 + n > size:
+            raise SegmentFormatError(f"{path}: header length {n} is out of range")
+        head = os.pread(fd, n, 8)
+        if len(head) != n:
+            raise SegmentFormatError(f"{path}: truncated header")
+    finally:
+        os.close(fd)
+    obj, start = parse_header(head)
+    return obj, start, size
+
+
+def header_tensors(obj: dict, data_start: int) -> dict[str, tuple[int, int]]:
+    """``name -> (absolute offset, nbytes)`` of every tensor in a parsed header."""
+    out = {}
+    for name, info in obj.items():
+        if name == "__metadata__":
+            continue
+        try:
+            b, e = info["data_offsets"]
+            b, e = int(b), int(e)
+        except (KeyError, TypeError, ValueError):
+            raise SegmentFormatError(f"tensor {name!r} has no valid data_offsets") from None
+        if e < b or b < 0:
+            raise SegmentFormatError(f"tensor {name!r} has invalid data_offsets")
+        out[name] = (data_start + b, e - b)
+    return out
+
+
+def _write_all(fd: int, bufs: list) -> None:
+    """writev every buffer completely (handles short writes and the per-call limits)."""
+    views = [memoryview(b).cast("B") for b in bufs]
+    views = [v for v in views if len(v)]
+    i = 0
+    while i < len(views):
+        chunk = []
+        total = 0
+        j = i
+        while j < len(views) and len(chunk) < _IOV_MAX and total < _MAX_WRITE:
+            chunk.append(views[j])
+            total += len(views[j])
+            j += 1
+        n = os.writev(fd, chunk)
+        if n <= 0:
+            raise OSError(5, "writev wrote nothing")  # EIO
+        # advance past n bytes
+        while n and i < len(views):
+            if n >= len(views[i]):
+                n -= len(views[i])
+                i += 1
+            else:
+                views[i] = views[i][n:]
+                n = 0
+
+
+def write_segment(segdir: str, segment_id: int, entries: Sequence[SegmentEntry]) -> tuple[str, int, list[int]]:
+    """Write a segment durably: temp file, fsync, rename. The caller fsyncs the directory.
+
+    Returns ``(final path, file size, absolute data offset of each entry)``. On any error the
+    temp file is removed and the OSError propagates; nothing is left under the final name.
+    """
+    header, offsets = encode_header(segment_id, entries)
+    tmp = os.path.join(segdir, temp_name(segment_id))
+    final = os.path.join(segdir, segment_name(segment_id))
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+    try:
+        fd = os.open(tmp, flags, 0o644)
+    except FileExistsError:  # a leftover of a crashed writer holding the same id: not ours
+        os.unlink(tmp)
+        fd = os.open(tmp, flags, 0o644)
+    try:
+        try:
+            _write_all(fd, [header, *(e.payload for e in entries)])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, final)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    size = len(header) + sum(e.nbytes for e in entries)
+    return final, size, offsets
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def pread_into(fd: int, buf: memoryview, offset: int) -> int:
+    """Read up to ``len(buf)`` bytes at ``offset`` straight into ``buf``; returns bytes read
+    (less than ``len(buf)`` only at end of file)."""
+    total = 0
+    n_all = len(buf)
+    while total < n_all:
+        n = os.preadv(fd, [buf[total:]], offset + total)
+        if n == 0:
+            break
+        total += n
+    return total
+
+
+def preadv_all(fd: int, bufs: list[memoryview], offset: int) -> int:
+    """Read consecutive file bytes at ``offset`` into ``bufs`` in order (scatter read); returns
+    the bytes read (less than the total only at end of file)."""
+    views = list(bufs)
+    total = 0
+    while views:
+        n = os.preadv(fd, views, offset + total)
+        if n == 0:
+            break
+        total += n
+        while n and views:
+            if n >= len(views[0]):
+                n -= len(views[0])
+                views.pop(0)
+            else:
+                views[0] = views[0][n:]
+                n = 0
+    return total
+
+
+class _FdEntry:
+    __slots__ = ("fd", "refs", "dead")
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.refs = 0
+        self.dead = False
+
+
+class FdCache:
+    """Bounded LRU of read-only fds of segment files, refcounted so that an fd is never closed
+    while a read is using it. Segment ids are never reused and segments are immutable, so a
+    cached fd always reads the bytes that were written under its id."""
+
+    def __init__(self, segdir: str, capacity: int = 256) -> None:
+        self.segdir = segdir
+        self.capacity = max(1, capacity)
+        self._lock = threading.Lock()
+        self._map: OrderedDict[int, _FdEntry] = OrderedDict()
+
+    def acquire(self, segment_id: int) -> _FdEntry:
+        """An open fd for the segment (raises FileNotFoundError when the file is gone)."""
+        with self._lock:
+            e = self._map.get(segment_id)
+            if e is not None:
+                # a file unlinked by another process (compaction) is reopened by name, which
+                # frees its space and makes the caller re-read the index record
+                try:
+                    gone = os.fstat(e.fd).st_nlink == 0
+                except OSError:
+                    gone = True
+                if not gone:
+                    self._map.move_to_end(segment_id)
+                    e.refs += 1
+                    return e
+                self._drop_locked(segment_id)
+        fd = os.open(os.path.join(self.segdir, segment_name(segment_id)), os.O_RDONLY | os.O_CLOEXEC)
+        e = _FdEntry(fd)
+        e.refs = 1
+        with self._lock:
+            old = self._map.get(segment_id)
+            if old is not None:  # another thread opened it meanwhile: use that one
+                os.close(fd)
+                old.refs += 1
+                self._map.move_to_end(segment_id)
+                return old
+            self._map[segment_id] = e
+            while len(self._map) > self.capacity:
+                sid = next(iter(self._map))
+                self._drop_locked(sid)
+        return e
+
+    def release(self, e: _FdEntry) -> None:
+        with self._lock:
+            e.refs -= 1
+            if e.dead and e.refs == 0:
+                os.close(e.fd)
+                e.fd = -1
+
+    def _drop_locked(self, segment_id: int) -> None:
+        e = self._map.pop(segment_id, None)
+        if e is None:
+            return
+        e.dead = True
+        if e.refs == 0:
+            os.close(e.fd)
+            e.fd = -1
+
+    def invalidate(self, segment_id: int) -> None:
+        with self._lock:
+            self._drop_locked(segment_id)
+
+    def close(self) -> None:
+        with self._lock:
+            for sid in list(self._map):
+                self._drop_locked(sid)
+
+    def abandon(self) -> None:
+        """After fork: close the inherited fds without touching the (maybe held) lock."""
+        for e in list(self._map.values()):
+            with contextlib.suppress(OSError):
+                os.close(e.fd)
+        self._map = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._map)

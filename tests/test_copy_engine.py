@@ -1,0 +1,192 @@
+"""The copy engine: queue ordering, concurrency, failures and close with work in flight."""
+
+import threading
+import time
+
+import pytest
+import torch
+from conftest import random_kv
+
+from kvstore import KVLayout, StoreClosedError, Transfer, open_store
+from kvstore.copy_engine import CopyEngine, Job
+
+LAY = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype=torch.float32, block_tokens=4)
+BN = LAY.block_nbytes
+
+
+def store(tmp_path=None, hot=8, warm=16, **kw):
+    return open_store(tmp_path, layout=LAY, model_id="ce", device="cpu", gpu_capacity=hot * BN,
+                      cpu_capacity=warm * BN, **kw)
+
+
+def test_engine_runs_jobs_in_submission_order_per_path():
+    eng = CopyEngine(torch.device("cpu"))
+    order = []
+    ts = []
+    for i in range(20):
+        t = Transfer()
+
+        def run(stream, i=i):
+            time.sleep(0.001 * (i % 3))
+            order.append(i)
+            return []
+
+        def finish(ok, err, t=t, i=i):
+            t.set_result(i)
+
+        ts.append(eng.submit("h2d", Job(t, run, finish)))
+    assert [t.wait(5) for t in ts] == list(range(20))
+    assert order == list(range(20))
+    eng.close()
+    with pytest.raises(StoreClosedError):
+        eng.submit("h2d", Job(Transfer(), lambda s: [], lambda ok, e: None))
+
+
+def test_engine_reports_job_errors_through_the_transfer():
+    eng = CopyEngine(torch.device("cpu"))
+    t = Transfer()
+
+    def run(stream):
+        raise OSError("device fell off the bus")
+
+    def finish(ok, err):
+        assert not ok
+        t.set_error(err)
+
+    eng.submit("d2h", Job(t, run, finish))
+    with pytest.raises(Exception, match="fell off"):
+        t.wait(5)
+    assert eng.counters()["d2h"] == (1, 0, 1)
+    eng.close()
+
+
+def test_cancel_on_close_fails_queued_jobs_cleanly():
+    eng = CopyEngine(torch.device("cpu"))
+    gate = threading.Event()
+    first = Transfer()
+    eng.submit("h2d", Job(first, lambda s: gate.wait(5) and [], lambda ok, e: first.set_result(ok)))
+    queued = [Transfer() for _ in range(5)]
+    finished = []
+    for t in queued:
+        eng.submit("h2d", Job(t, lambda s: [], lambda ok, e, t=t: (finished.append(ok), t.set_error(e) if e else t.set_result(1))))
+    closer = threading.Thread(target=eng.close, kwargs={"cancel": True})
+    closer.start()
+    time.sleep(0.05)
+    gate.set()
+    closer.join(5)
+    assert first.wait(1) is True
+    assert finished == [False] * 5
+    for t in queued:
+        with pytest.raises(Exception, match="closed"):
+            t.wait(1)
+
+
+def test_fetch_after_put_sees_the_bytes():
+    with store() as s:
+        for i in range(30):
+            keys = s.block_keys([i] * 4 + list(range(8)))
+            kv = random_kv(LAY, 3, seed=i)
+            s.put(keys, kv)  # no wait: the fetch queued after it must still see its bytes
+            got = s.fetch(keys).wait(5)
+            assert got.shape[0] == 3 and torch.equal(got, kv)
+
+
+def test_fetch_layerwise_readiness():
+    with store() as s:
+        keys = s.block_keys(list(range(12)))
+        kv = random_kv(LAY, 3)
+        s.put(keys, kv).wait()
+        t = s.fetch(keys)
+        for layer in range(LAY.num_layers):
+            t.wait_layer(layer, timeout=5)
+        assert torch.equal(t.wait(), kv)
+
+
+def test_failed_put_copy_leaves_nothing_visible(monkeypatch):
+    with store(hot=0) as s:
+        keys = s.block_keys(list(range(12)))
+        real = s._warm.slab.write
+
+        def broken(slots, src, non_blocking=False):
+            real(slots[:1], src[:1])  # part of the bytes land, then the copy fails
+            raise RuntimeError("DMA error (injected)")
+
+        monkeypatch.setattr(s._warm.slab, "write", broken)
+        t = s.put(keys, random_kv(LAY, 3))
+        f = s.fetch(keys)  # queued behind the failing put
+        assert t.wait(5) == 0
+        assert f.wait(5).shape[0] == 0  # a miss, never the partial bytes
+        assert s.lookup(keys) == 0
+        st = s.stats()
+        assert st.put_dropped == 3 and st.pinned_blocks == 0 and st.blocks == 0
+        monkeypatch.undo()
+        assert s.put(keys, random_kv(LAY, 3)).wait(5) == 3
+
+
+def test_failing_disk_read_in_the_middle_of_a_batch(tmp_path, monkeypatch):
+    from kvstore.tiers.disk import ReadStatus
+
+    with store(tmp_path, hot=0, warm=16) as s:
+        keys = s.block_keys(list(range(24)))
+        kv = random_kv(LAY, 6)
+        s.put(keys, kv).wait()
+        s.flush()
+        s.evict(tier="warm")
+        real = s._disk.read_many
+
+        def flaky(ks, dsts):
+            out = real(ks, dsts)
+            out[3] = ReadStatus.DAMAGED
+            dsts[3].fill_(0xAB)  # garbage where the bad block would be
+            return out
+
+        monkeypatch.setattr(s._disk, "read_many", flaky)
+        got = s.fetch(keys).wait(5)
+        assert got.shape[0] == 3 and torch.equal(got, kv[:3])
+        st = s.stats()
+        assert st.damaged == 1 and st.pinned_blocks == 0
+        # only the valid leading run entered memory (prefix-closed)
+        assert st.tier("warm").blocks == 3
+
+
+def test_concurrent_fetch_put_evict_from_threads(tmp_path):
+    errors = []
+    with store(tmp_path, hot=4, warm=6) as s:
+        def worker(w):
+            try:
+                for i in range(40):
+                    toks = [w * 100 + i % 7] * 4 + list(range(8))
+                    keys = s.block_keys(toks)
+                    kv = random_kv(LAY, 3, seed=w * 100 + i % 7)
+                    s.put(keys, kv)
+                    got = s.fetch(keys).wait(10)
+                    assert torch.equal(got, kv[: got.shape[0]])
+                    if i % 9 == 0:
+                        s.evict(keys[1:], tier="hot")
+            except Exception as e:  # noqa: BLE001
+                errors.append(e)
+
+        threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors[:3]
+        s.flush()
+        st = s.stats()
+        assert st.pinned_blocks == 0 and st.dirty_blocks == 0
+
+
+def test_close_with_transfers_in_flight(tmp_path):
+    s = store(tmp_path)
+    ts = []
+    for i in range(50):
+        keys = s.block_keys([i] * 4 + list(range(8)))
+        ts.append(s.put(keys, random_kv(LAY, 3, seed=i)))
+        ts.append(s.fetch(keys))
+    s.close()
+    for t in ts:
+        assert t.done()  # everything queued completed (or failed) before close returned
+    with store(tmp_path) as s2:
+        keys = s2.block_keys([49] * 4 + list(range(8)))
+        assert s2.lookup(keys) == 3
