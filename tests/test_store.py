@@ -350,3 +350,32 @@ def test_float32_and_mla_layouts():
             kv = random_kv(lay, 3)
             s.put(keys, kv).wait()
             assert torch.equal(s.fetch(keys).wait(), kv)
+
+
+def test_shared_memory_lease_and_granted_put(small_layout, tmp_path):
+    shm = f"/dev/shm/kvstore-test-{os.getpid()}-{id(tmp_path)}"
+    s = open_store(tmp_path / "s", layout=small_layout, model_id="m", device="cpu",
+                   cpu_capacity=8 * small_layout.block_nbytes, warm_shared_memory=shm)
+    try:
+        keys = s.block_keys(list(range(16)))
+        kv = random_kv(small_layout, 4)
+        grant = s.grant_put(keys)
+        assert grant.positions == [0, 1, 2, 3] and s.lookup(keys) == 0  # nothing visible yet
+        assert s.grant_put(keys).keys == []  # granted keys count as held for a second put
+        flat = kv.reshape(4, -1).view(torch.uint8)
+        for p, slot in zip(grant.positions, grant.slots, strict=True):
+            s.warm_slab[slot].copy_(flat[p])
+        assert s.commit_put(grant) == 4 and s.lookup(keys) == 4
+        got, slots = s.lease_warm(keys)
+        assert got == list(keys) and s.stats().pinned_blocks == 4
+        assert torch.equal(s.warm_slab[slots].view(small_layout.dtype).view(kv.shape), kv)
+        s.release_lease(got)
+        assert s.stats().pinned_blocks == 0
+        other = s.block_keys(list(range(100, 108)))
+        g2 = s.grant_put(other)
+        s.abort_put(g2)  # a client died mid-put
+        assert s.lookup(other) == 0 and s.stats().pinned_blocks == 0
+        s.flush()
+    finally:
+        s.close()
+    assert not os.path.exists(shm)
