@@ -366,6 +366,7 @@ def test_shared_memory_lease_and_granted_put(small_layout, tmp_path):
         for p, slot in zip(grant.positions, grant.slots, strict=True):
             s.warm_slab[slot].copy_(flat[p])
         assert s.commit_put(grant) == 4 and s.lookup(keys) == 4
+        s.flush()  # the disk writer pins blocks while it writes them
         got, slots = s.lease_warm(keys)
         assert got == list(keys) and s.stats().pinned_blocks == 4
         assert torch.equal(s.warm_slab[slots].view(small_layout.dtype).view(kv.shape), kv)

@@ -29,6 +29,18 @@ def runs(slots: Sequence[int]) -> Iterator[tuple[int, int, int]]:
         i = j
 
 
+def paired_runs(items: Sequence[tuple[int, int]]) -> Iterator[tuple[int, int, int]]:
+    """Coalesce ``(a, b)`` pairs into ``(a, b, length)`` runs where both ``a`` and ``b`` are
+    consecutive (e.g. result positions and slab rows)."""
+    i, n = 0, len(items)
+    while i < n:
+        j = i + 1
+        while j < n and items[j][0] == items[j - 1][0] + 1 and items[j][1] == items[j - 1][1] + 1:
+            j += 1
+        yield items[i][0], items[i][1], j - i
+        i = j
+
+
 class SlotAllocator:
     """Hands out slot indices, preferring adjacent runs so that copies coalesce."""
 

@@ -1,0 +1,94 @@
+"""load_into / save_from: blocks to and from an engine's paged KV cache, on the copy engine."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvstore.copy_engine import Job
+from kvstore.kernels import gather_pages, scatter_pages
+from kvstore.keys import KeyChain
+from kvstore.paged import page_index, paged_geometry
+from kvstore.transfer import Transfer
+
+
+class PagedOps:
+    """``load_into``/``save_from`` (mixin of :class:`kvstore.store.Store`)."""
+
+    # -- paged engines --------------------------------------------------------------------
+    def load_into(
+        self, keys: Sequence[bytes], pages: Sequence[object], block_ids: object,
+        *, page_size: int | None = None,
+    ) -> Transfer[int]:
+        """Scatter the leading held blocks of ``keys`` into an engine's KV cache.
+
+        ``pages[l]`` is layer ``l``'s paged tensor ``[kv_planes, num_pages, page_size, H, D]``
+        (vLLM flash-attention layout) or a ``(key, value)`` pair of ``[batch, heads, seq,
+        head_dim]`` tensors (transformers; ``page_size`` defaults to ``block_tokens``).
+        ``block_ids`` names one page per ``page_size`` tokens, ``block_tokens // page_size``
+        per key, in token order. Pages not named, or past the loaded run, are never written.
+        The transfer yields the number of blocks loaded; ``wait_layer(i)`` returns once layer
+        ``i`` is in place.
+        """
+        ks = self._keys(keys)
+        lay = self.layout
+        geo = paged_geometry(lay, pages, page_size)
+        ids = page_index(block_ids, len(ks) * geo.pages_per_block, geo)
+        t: Transfer[int] = Transfer(lay.num_layers)
+
+        def run(stream: torch.cuda.Stream | None) -> list:
+            # queued by the fetch's completion: its bytes are in ``staged``
+            n = plan.valid
+            sel = ids[: n * geo.pages_per_block]
+            events = []
+            for layer in range(lay.num_layers):
+                if n:
+                    assert staged is not None
+                    scatter_pages(lay, geo, staged[:n, layer], pages[layer], sel)
+                if stream is None:
+                    t.set_layers_ready(layer + 1)
+                else:
+                    ev = torch.cuda.Event()
+                    ev.record(stream)
+                    events.append(ev)
+            return events
+
+        def finish(ok: bool, error: BaseException | None) -> None:
+            if ok:
+                t.set_result(plan.valid)
+            else:
+                t.set_error(error or RuntimeError("load_into failed"))
+
+        def scatter_after_fetch(ok: bool, error: BaseException | None) -> None:
+            if not ok:
+                t.set_error(error or RuntimeError("load_into's fetch failed"))
+                return
+            try:
+                assert self._engine is not None
+                self._engine.submit("h2d", Job(t, run, finish))
+            except BaseException as e:  # noqa: BLE001 - closing
+                t.set_error(e)
+
+        _, plan, staged = self._submit_fetch(
+            ks, self._chain_parent(keys), None, want_result=True, then=scatter_after_fetch
+        )
+        return t
+
+    def save_from(
+        self, pages: Sequence[object], block_ids: object, keys: Sequence[bytes],
+        *, page_size: int | None = None,
+    ) -> Transfer[int]:
+        """Gather the blocks for ``keys`` out of an engine's KV cache and ``put`` them.
+
+        Same ``pages``/``block_ids`` conventions as :meth:`load_into`. The gather is a copy
+        taken before this returns, so the engine may overwrite its pages right away.
+        """
+        ks = self._keys(keys)
+        lay = self.layout
+        geo = paged_geometry(lay, pages, page_size)
+        ids = page_index(block_ids, len(ks) * geo.pages_per_block, geo)
+        kv = torch.empty(lay.batch_shape(len(ks)), dtype=lay.dtype, device=geo.device)
+        for layer in range(lay.num_layers):
+            gather_pages(lay, geo, pages[layer], ids, kv[:, layer])
+        return self.put(keys if isinstance(keys, KeyChain) else ks, kv)

@@ -1,0 +1,223 @@
+"""put: validation, slot reservation across tiers, the asynchronous copy, overflow to disk."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvstore.copy_engine import Job
+from kvstore.errors import TensorMismatchError
+from kvstore.keys import BlockKey
+from kvstore.tiers.memory import MemoryTier
+from kvstore.transfer import Transfer
+
+log = logging.getLogger("kvstore.store")
+#: puts that find memory full of not-yet-written blocks may queue this much for disk
+OVERFLOW_BYTES = 256 << 20
+
+
+@dataclass(slots=True)
+class OverflowJob:
+    """Blocks of one put that go from the caller's tensor straight to disk."""
+
+    keys: list[BlockKey]
+    parents: list[BlockKey | None]
+    kv: torch.Tensor
+    positions: list[int]  # rows of kv
+    transfer: Transfer[int]
+    memory: Transfer[int] | None  # the same put's copy into memory, if any
+    base: int  # blocks of the same put stored in memory
+
+
+
+class PutOps:
+    """``put`` (mixin of :class:`kvstore.store.Store`)."""
+
+    # -- put ------------------------------------------------------------------------------
+    def put(self, keys: Sequence[bytes], kv: torch.Tensor) -> Transfer[int]:
+        """Store ``kv`` (``[len(keys), L, P, T, H, D]``) under ``keys``; held keys are skipped.
+
+        Validation is synchronous (raises before anything is queued); the copy completes
+        through the returned :class:`Transfer`, whose result is the number of blocks stored.
+        ``kv`` must not be modified until the transfer is done.
+        """
+        ks = self._keys(keys)
+        self._check_kv(kv, len(ks))
+        parent = self._chain_parent(keys)
+        with self._lock:
+            self._check_open()
+            return self._put_locked(ks, parent, kv)
+
+    def _check_kv(self, kv: torch.Tensor, n: int) -> None:
+        lay = self.layout
+        if not isinstance(kv, torch.Tensor):
+            raise TensorMismatchError(
+                f"kv must be a torch.Tensor [n, {', '.join(map(str, lay.block_shape))}], "
+                f"got {type(kv).__name__}"
+            )
+        if kv.dtype != lay.dtype:
+            raise TensorMismatchError(
+                f"kv has dtype {kv.dtype}; this store's layout holds {lay.dtype} "
+                "(convert with kv.to(layout.dtype) or open the store with the engine's dtype)"
+            )
+        if kv.dim() != 6 or tuple(kv.shape[1:]) != lay.block_shape:
+            raise TensorMismatchError(
+                f"kv must have shape [n, L, P, T, H, D] = [n, {', '.join(map(str, lay.block_shape))}]"
+                f", got {list(kv.shape)}"
+            )
+        if kv.shape[0] != n:
+            raise TensorMismatchError(
+                f"kv holds {kv.shape[0]} blocks but {n} keys were given; pass one key per block"
+            )
+        if kv.device.type not in ("cpu", self.device.type) or (
+            kv.device.type == self.device.type
+            and kv.device.index is not None
+            and self.device.index is not None
+            and kv.device.index != self.device.index
+        ):
+            raise TensorMismatchError(
+                f"kv is on {kv.device}; this store takes tensors on {self.device} or cpu"
+            )
+
+    def _put_locked(
+        self, ks: list[BlockKey], parent: BlockKey | None, kv: torch.Tensor
+    ) -> Transfer[int]:
+        c = self._counters
+        c.puts += 1
+        cat = self._catalog
+        new_pos: list[int] = []
+        new_parents: list[BlockKey | None] = []
+        prev = parent
+        on_disk = self._disk_run(ks)
+        for i, k in enumerate(ks):
+            if i < on_disk or self._held(k):
+                c.put_duplicates += 1
+            elif (
+                prev is None
+                or self._held(prev)
+                or (new_pos and ks[new_pos[-1]] == prev)
+                or (i and i - 1 < on_disk)
+                or (i == 0 and self._disk is not None and self._disk.contains(prev))
+            ):
+                new_pos.append(i)
+                new_parents.append(prev)
+            else:
+                # its prefix is no longer cached: lookup could never reach these blocks
+                c.put_dropped += len(ks) - i
+                break
+            prev = k
+        self._touch_chain(ks)
+        if not new_pos:
+            return Transfer.completed(0)
+        # Link every new block to its parent first: a parent with a child may be demoted but
+        # is never evicted as a leaf to make room for its own children.
+        for p, par in zip(new_pos, new_parents, strict=True):
+            cat.add(ks[p], par)
+        writes: list[tuple[MemoryTier, list[int], list[int]]] = []  # (tier, positions, slots)
+        rest = new_pos
+        for tier in (self._hot, self._warm):
+            if tier is None or not rest:
+                continue
+            slots = self._reserve(tier, len(rest))
+            if slots:
+                writes.append((tier, rest[: len(slots)], slots))
+                rest = rest[len(slots) :]
+        stored = len(new_pos) - len(rest)
+        overflow_ok = (
+            rest and self._disk is not None
+            and self._overflow_bytes + len(rest) * self.layout.block_nbytes <= OVERFLOW_BYTES
+        )
+        for p in reversed(rest):
+            cat.forget(ks[p])  # not in memory: the catalog tracks memory only
+        written: list[BlockKey] = []
+        for tier, pos, slots in writes:
+            for p, s in zip(pos, slots, strict=True):
+                k = ks[p]
+                tier.insert(k, s)
+                cat.pin(k)  # pending until the copy lands: not evicted, not read by the writer
+                written.append(k)
+            tier.counters.puts_in += len(pos)
+        c.put_blocks += stored
+        mem: Transfer[int] | None = None
+        if writes:
+            mem = self._submit_put_copy(kv, writes, written, stored)
+            for k in written:
+                self._pending[k] = mem
+        if overflow_ok:
+            # memory is full of blocks that may not go yet: the rest goes straight to disk
+            # from the caller's tensor (which must stay unmodified until the put is done)
+            overflow: Transfer[int] = Transfer()
+            self._overflow.append(OverflowJob(
+                [ks[p] for p in rest], [new_parents[new_pos.index(p)] for p in rest], kv, rest,
+                overflow, mem, stored,
+            ))
+            self._overflow_bytes += len(rest) * self.layout.block_nbytes
+            c.put_blocks += len(rest)
+            if self._writer is not None:
+                self._writer.notify()
+            return overflow
+        c.put_dropped += len(rest)
+        return mem if mem is not None else Transfer.completed(0)
+
+    def _submit_put_copy(
+        self, kv: torch.Tensor, writes: list[tuple[MemoryTier, list[int], list[int]]],
+        written: list[BlockKey], stored: int,
+    ) -> Transfer[int]:
+        def run(stream: torch.cuda.Stream | None) -> list:
+            src = kv.reshape(kv.shape[0], -1).view(torch.uint8) if kv.is_contiguous() else None
+            for tier, pos, slots in writes:
+                if src is not None and pos[-1] - pos[0] == len(pos) - 1:
+                    tier.slab.write(slots, src[pos[0] : pos[-1] + 1], non_blocking=stream is not None)
+                else:
+                    for p, s in zip(pos, slots, strict=True):
+                        tier.slab.block(s).copy_(kv[p], non_blocking=stream is not None)
+            if stream is None:
+                return []
+            ev = torch.cuda.Event()
+            ev.record(stream)
+            return [ev]
+
+        def finish(ok: bool, error: BaseException | None) -> None:
+            with self._lock:
+                self._finish_put(written, ok)
+            if ok:
+                t.set_result(stored)
+            else:
+                log.warning("a put's copy failed; its %d blocks were not stored: %s", stored, error)
+                t.set_result(0)  # a failed copy is a miss later, not an error for the engine
+            if ok and self._writer is not None:
+                self._writer.notify()
+
+        t: Transfer[int] = Transfer()
+        assert self._engine is not None
+        return self._engine.submit("h2d", Job(t, run, finish))
+
+    def _finish_put(self, written: list[BlockKey], ok: bool) -> None:
+        cat = self._catalog
+        for k in written:
+            self._pending.pop(k, None)
+            cat.unpin(k)
+        if self._closed:
+            return
+        if ok:
+            if self._writer is not None and self.config.admission == "always":
+                for k in written:
+                    cat.mark_dirty(k)
+            return
+        # Nothing of a failed copy may be visible: drop its blocks even if a fetch pinned them
+        # meanwhile (such a fetch depends on this put and stops before them). Blocks of later
+        # puts chained onto them become unreachable leaves and age out.
+        dropped = 0
+        for k in reversed(written):
+            if k not in cat:
+                continue
+            for t in (self._hot, self._warm):
+                if t is not None and k in t:
+                    t.remove(k)
+            cat.forget(k)
+            dropped += 1
+        self._counters.put_blocks -= dropped
+        self._counters.put_dropped += dropped

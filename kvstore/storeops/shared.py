@@ -1,0 +1,147 @@
+"""The shared-memory data plane of the sidecar daemon: leases on warm slots, granted puts."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvstore.errors import ConfigError
+from kvstore.keys import BlockKey
+
+
+@dataclass(slots=True)
+class PutGrant:
+    """Warm slots reserved for the new blocks of a put, filled by someone else."""
+
+    keys: list[BlockKey]  # the new keys, in order
+    parents: list[BlockKey | None]
+    positions: list[int]  # their positions in the keys the put was asked for
+    slots: list[int]  # warm slots to fill, one per key
+    duplicates: int
+
+
+
+class SharedMemoryOps:
+    """Leases and granted puts (mixin of :class:`kvstore.store.Store`)."""
+
+    # -- shared-memory data plane (used by the sidecar daemon) -------------------------------
+    def lease_warm(self, keys: Sequence[bytes]) -> tuple[list[BlockKey], list[int]]:
+        """Pin the leading held run of ``keys`` *in the warm tier* and return it with its slots.
+
+        Blocks only on disk are read into the warm tier first. The caller reads the slots
+        (e.g. through a shared-memory mapping of the warm slab) and must then call
+        :meth:`release_lease` with the returned keys. The run may be shorter than a lookup
+        said (damage, or no room to stage a block).
+        """
+        ks = self._keys(keys)
+        if self._warm is None:
+            raise ConfigError("leases need a warm tier (cpu_capacity > 0)")
+        self._fetch(ks, self._chain_parent(keys), None, want_result=False).wait()
+        with self._lock:
+            self._check_open()
+            warm, cat = self._warm, self._catalog
+            got: list[BlockKey] = []
+            slots: list[int] = []
+            for k in ks:
+                if k not in warm or k in self._pending:
+                    break
+                cat.pin(k)
+                got.append(k)
+                slots.append(warm.slot(k))
+            warm.touch(reversed(got))
+            c = self._counters
+            c.fetches += 1
+            c.fetched_blocks += len(got)
+            c.fetch_short += len(ks) - len(got)
+            return got, slots
+
+    def release_lease(self, keys: Sequence[bytes]) -> None:
+        """Release what :meth:`lease_warm` pinned."""
+        with self._lock:
+            for k in keys:
+                self._catalog.unpin(BlockKey(bytes(k)))
+
+    def grant_put(self, keys: Sequence[bytes]) -> PutGrant:
+        """Reserve warm slots for the blocks of ``keys`` not held yet (nothing visible yet).
+
+        Fill ``grant.slots`` with the blocks at ``grant.positions``, then call
+        :meth:`commit_put` (or :meth:`abort_put`). Blocks that find no room are left out.
+        """
+        ks = self._keys(keys)
+        parent = self._chain_parent(keys)
+        if self._warm is None:
+            raise ConfigError("granted puts need a warm tier (cpu_capacity > 0)")
+        with self._lock:
+            self._check_open()
+            c = self._counters
+            c.puts += 1
+            on_disk = self._disk_run(ks)
+            grant = PutGrant([], [], [], [], 0)
+            prev = parent
+            for i, k in enumerate(ks):
+                if i < on_disk or self._held(k) or k in self._granted:
+                    grant.duplicates += 1
+                elif prev is None or self._held(prev) or prev in self._granted or (
+                    grant.keys and grant.keys[-1] == prev) or (i and i - 1 < on_disk):
+                    grant.keys.append(k)
+                    grant.parents.append(prev)
+                    grant.positions.append(i)
+                else:
+                    c.put_dropped += len(ks) - i
+                    break
+                prev = k
+            c.put_duplicates += grant.duplicates
+            for k, par in zip(grant.keys, grant.parents, strict=True):
+                self._catalog.add(k, par)  # protects the parents while we make room
+            slots = self._reserve(self._warm, len(grant.keys)) if grant.keys else []
+            for k in reversed(grant.keys[len(slots):]):
+                self._catalog.forget(k)
+            c.put_dropped += len(grant.keys) - len(slots)
+            del grant.keys[len(slots):], grant.parents[len(slots):], grant.positions[len(slots):]
+            grant.slots = slots
+            for k in grant.keys:
+                self._granted.add(k)
+                self._catalog.pin(k)
+            return grant
+
+    def commit_put(self, grant: PutGrant) -> int:
+        """Publish a granted put whose slots were filled; returns the blocks stored."""
+        with self._lock:
+            if self._closed:
+                return 0
+            warm, cat = self._warm, self._catalog
+            assert warm is not None
+            for k, s in zip(grant.keys, grant.slots, strict=True):
+                self._granted.discard(k)
+                cat.unpin(k)
+                warm.insert(k, s)
+                if self._writer is not None and self.config.admission == "always":
+                    cat.mark_dirty(k)
+            warm.counters.puts_in += len(grant.keys)
+            self._counters.put_blocks += len(grant.keys)
+            self._touch_chain(grant.keys)
+        if grant.keys and self._writer is not None:
+            self._writer.notify()
+        return len(grant.keys)
+
+    def abort_put(self, grant: PutGrant) -> None:
+        """Give back a granted put's slots (a client died mid-put): nothing becomes visible."""
+        with self._lock:
+            if self._closed:
+                return
+            warm, cat = self._warm, self._catalog
+            assert warm is not None
+            for k, s in zip(grant.keys, grant.slots, strict=True):
+                self._granted.discard(k)
+                cat.unpin(k)
+                if k in cat and not self._held(k):
+                    cat.forget(k)
+                warm.release(s)
+            self._counters.put_dropped += len(grant.keys)
+
+    @property
+    def warm_slab(self) -> torch.Tensor | None:
+        """The warm tier's ``[slots, block_nbytes]`` bytes (for the daemon's shared memory)."""
+        return None if self._warm is None else self._warm.slab.data

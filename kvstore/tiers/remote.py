@@ -1,0 +1,640 @@
+"""The remote shared tier: KV blocks in Redis (one server) or a Redis Cluster, shared by many
+inference hosts (DESIGN.md §4, ``docs/scale-out.md``).
+
+A lower tier like the disk tier, with the same shapes: ``leading_run(keys)``,
+``read_many(keys, dsts) -> list[ReadStatus]``, ``write_blocks(items)``, ``delete(keys)``,
+``stats()``, ``close()``. One Redis string per block, ``key_prefix + key.hex()``, holding the
+header + payload of :mod:`kvstore.tiers.remote_format` (zstd with byte-shuffle by default: the
+network is the slow link).
+
+Guarantees:
+
+* Nothing here raises into the engine for Redis trouble. A slow, absent, hung or dead Redis
+  is a miss plus a warning on ``logging.getLogger("kvstore.remote")``. Every lookup and read
+  waits at most its budget (``budget_s``; reads add transfer time at ``min_read_rate``), then
+  returns misses for whatever has not arrived; socket timeouts (= ``budget_s``) bound the
+  worker threads too. After a failure the node is skipped for a short, growing interval
+  (circuit breaker), then one call probes it.
+* A value that is damaged or not what was asked (bad magic, truncated, other key or
+  namespace, size or checksum mismatch, undecodable) is ``DAMAGED``, counted as ``corrupt``
+  and deleted best-effort; the destination never reports ``OK`` with wrong bytes.
+* A lookup is one round trip: one pipeline of ``EXISTS`` per node holding any of the keys,
+  the pipelines in flight at once (cluster: the slowest master sets the latency). Reads and
+  writes are pipelined the same way.
+* Eviction is Redis's (``maxmemory`` + ``allkeys-lru``); TTLs (``ttl_s``) are set on write.
+
+Invalid arguments (keys not 32 bytes, destinations not CPU uint8 1-D contiguous tensors) raise
+``KeyFormatError`` / ``TensorMismatchError`` like the disk tier; a bad configuration raises
+``ConfigError`` at construction. Construction does not contact Redis.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import redis
+import torch
+
+from kvstore.errors import ConfigError, KeyFormatError, StoreClosedError, TensorMismatchError
+from kvstore.tiers import remote_format as fmt
+from kvstore.tiers.disk import ReadStatus
+from kvstore.tiers.remote_conn import (
+    Breaker,
+    ClusterTopology,
+    Node,
+    SingleTopology,
+    Topology,
+    parse_remote_url,
+    redact,
+)
+
+__all__ = ["ADMISSIONS", "RemoteConfig", "RemoteStats", "RemoteTier", "RemoteWrite", "ReadStatus"]
+
+log = logging.getLogger("kvstore.remote")
+
+ADMISSIONS = ("always", "second-hit")
+_KEY_BYTES = 32
+_WBUF_KEEP = 256 << 20  # write_blocks keeps its value buffer up to this size
+_NA = object()
+# cluster replies meaning "not here (now)": a miss, and the slot table is re-read
+_REDIRECTS = (redis.exceptions.AskError, redis.exceptions.TryAgainError,
+              redis.exceptions.ClusterDownError)  # MovedError is an AskError  # a key whose node was skipped, failed or did not answer in time
+_SSL_FIELDS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs")
+
+
+@dataclass(frozen=True, slots=True, repr=False)
+class RemoteConfig:
+    """Settings of the remote tier.
+
+    ``url``: ``redis://[user:pass@]host:port/db``, ``rediss://...`` (TLS),
+    ``redis+cluster://host:port[,host:port...]`` (startup nodes of a Redis Cluster) or
+    ``rediss+cluster://``. Query arguments are redis-py connection arguments
+    (``?ssl_cert_reqs=none&ssl_ca_certs=/etc/ca.pem``). ``username``/``password``/``ssl_*``
+    and ``connection_kwargs`` override the URL's.
+
+    ``codec``: ``"zstd"`` (byte-shuffled by the dtype's item size; default) or ``"none"``.
+    ``ttl_s``: expiry set on every write (None: no TTL; eviction is Redis's LRU).
+    ``budget_s``: the most a ``leading_run`` or ``read_many`` call waits for Redis; also the
+    socket connect/read timeout. Reads get ``budget_s + raw bytes / min_read_rate``.
+    ``write_budget_s``: the same for ``write_blocks``/``delete`` (writes run in the background).
+    ``backoff_s``/``backoff_max_s``: circuit breaker interval after a failure, doubling.
+    ``admission``: ``"always"`` or ``"second-hit"`` — recorded for the store, which applies it.
+    """
+
+    url: str
+    codec: str = "zstd"
+    ttl_s: float | None = None
+    budget_s: float = 0.05
+    key_prefix: str = "kvstore:"
+    admission: str = "always"
+    write_budget_s: float = 2.0
+    min_read_rate: float = 200e6
+    backoff_s: float = 0.5
+    backoff_max_s: float = 30.0
+    zstd_level: int = 1
+    workers: int = 8
+    username: str | None = None
+    password: str | None = None
+    ssl_ca_certs: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    ssl_cert_reqs: str | None = None
+    connection_kwargs: Mapping[str, Any] = field(default_factory=dict, hash=False)
+
+    def __post_init__(self) -> None:
+        parse_remote_url(self.url)  # raises ConfigError
+        if self.codec not in fmt.REMOTE_CODECS:
+            raise ConfigError(f"remote codec must be one of {fmt.REMOTE_CODECS}, got {self.codec!r}")
+        if self.admission not in ADMISSIONS:
+            raise ConfigError(f"remote admission must be one of {ADMISSIONS}, got {self.admission!r}")
+        for name in ("budget_s", "write_budget_s", "min_read_rate", "backoff_s", "backoff_max_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ConfigError(f"remote {name} must be a number > 0, got {v!r}")
+        if self.ttl_s is not None and (isinstance(self.ttl_s, bool)
+                                       or not isinstance(self.ttl_s, (int, float))
+                                       or not self.ttl_s > 0):
+            raise ConfigError(f"remote ttl_s must be None or a number of seconds > 0, "
+                              f"got {self.ttl_s!r}")
+        if not isinstance(self.key_prefix, str) or not self.key_prefix:
+            raise ConfigError(f"remote key_prefix must be a non-empty str, got {self.key_prefix!r}")
+        if not isinstance(self.zstd_level, int) or not 1 <= self.zstd_level <= 22:
+            raise ConfigError(f"remote zstd_level must be 1..22, got {self.zstd_level!r}")
+        if not isinstance(self.workers, int) or self.workers < 1:
+            raise ConfigError(f"remote workers must be an int >= 1, got {self.workers!r}")
+
+    @property
+    def cluster(self) -> bool:
+        return parse_remote_url(self.url)[0]
+
+    def __repr__(self) -> str:
+        return (f"RemoteConfig(url={redact(self.url)!r}, codec={self.codec!r}, "
+                f"ttl_s={self.ttl_s!r}, budget_s={self.budget_s!r}, "
+                f"key_prefix={self.key_prefix!r}, admission={self.admission!r})")
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteWrite:
+    """One block to write. ``data``: CPU, contiguous, uint8, 1-D (the raw block). ``itemsize``:
+    bytes per element of the KV dtype (2 for bf16/fp16: byte-shuffled before zstd); 0 = ask the
+    tier's ``itemsize_for(namespace_id)``, else no shuffle."""
+
+    key: bytes
+    namespace_id: bytes
+    data: torch.Tensor
+    itemsize: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteStats:
+    """Counters since the tier was opened (this process).
+
+    ``hits``/``misses``/``corrupt`` count blocks asked of ``read_many`` (a miss: absent, node
+    skipped or failed, no answer within the budget, written by a newer format); ``timeouts``
+    and ``errors`` count failed node calls; ``skipped`` counts blocks not asked because the
+    node's circuit breaker was open. ``bytes_sent``/``bytes_received`` are value bytes (header
+    + payload), not protocol overhead. ``available``: every known node answered its last call.
+    """
+
+    hits: int
+    misses: int
+    corrupt: int
+    timeouts: int
+    errors: int
+    skipped: int
+    lookups: int
+    lookup_blocks: int
+    blocks_written: int
+    write_failures: int
+    deleted: int
+    bytes_sent: int
+    bytes_received: int
+    raw_bytes_written: int
+    stored_bytes_written: int
+    available: bool
+    nodes: int
+    nodes_down: int
+
+    @property
+    def compression_ratio(self) -> float:
+        """Raw bytes / stored bytes (header included) of the blocks written; 1.0 before any."""
+        return self.raw_bytes_written / self.stored_bytes_written if self.stored_bytes_written else 1.0
+
+
+_COUNTERS = ("hits", "misses", "corrupt", "timeouts", "errors", "skipped", "lookups",
+             "lookup_blocks", "blocks_written", "write_failures", "deleted", "bytes_sent",
+             "bytes_received", "raw_bytes_written", "stored_bytes_written")
+
+
+class _Counters:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.v = dict.fromkeys(_COUNTERS, 0)
+
+    def add(self, **kw: int) -> None:
+        with self.lock:
+            for k, n in kw.items():
+                self.v[k] += n
+
+
+def _pipeline(client: redis.Redis, cmds: list[tuple]) -> list:
+    """Run ``cmds`` as one non-transactional pipeline (one write, then the replies)."""
+    pipe = client.pipeline(transaction=False)
+    for args, opts in cmds:
+        pipe.execute_command(*args, **opts)
+    return pipe.execute(raise_on_error=False)
+
+
+def _as_array(t: torch.Tensor, what: str) -> np.ndarray:
+    if not isinstance(t, torch.Tensor):
+        raise TensorMismatchError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu" or t.dtype != torch.uint8 or t.dim() != 1 or not t.is_contiguous():
+        raise TensorMismatchError(
+            f"{what} must be a CPU, contiguous, 1-D torch.uint8 tensor; got device={t.device}, "
+            f"dtype={t.dtype}, shape={tuple(t.shape)}, contiguous={t.is_contiguous()}")
+    return t.detach().numpy()
+
+
+def _check_key(k: object, what: str = "key") -> bytes:
+    if isinstance(k, bytes) and len(k) == _KEY_BYTES:
+        return k
+    if isinstance(k, (bytearray, memoryview)) and len(k) == _KEY_BYTES:
+        return bytes(k)
+    raise KeyFormatError(f"{what} must be 32 bytes, got {type(k).__name__}"
+                         + (f" of length {len(k)}" if isinstance(k, (bytes, bytearray)) else ""))
+
+
+class RemoteTier:
+    """Blocks in Redis / Redis Cluster, shared across hosts. See the module docstring."""
+
+    def __init__(self, config: RemoteConfig, *,
+                 itemsize_for: Callable[[bytes], int] | None = None) -> None:
+        if not isinstance(config, RemoteConfig):
+            raise ConfigError(f"RemoteTier needs a RemoteConfig, got {type(config).__name__}")
+        self.config = config
+        self._itemsize_for = itemsize_for
+        cluster, startup, kw = parse_remote_url(config.url)
+        if config.username is not None:
+            kw["username"] = config.username
+        if config.password is not None:
+            kw["password"] = config.password
+        for name in _SSL_FIELDS:
+            v = getattr(config, name)
+            if v is not None:
+                kw[name] = v
+        kw.update(config.connection_kwargs)
+        if cluster and "{" in config.key_prefix:
+            raise ConfigError("remote key_prefix must not hold a '{hash tag}' in cluster mode: "
+                              "it would put every block in one slot (one master)")
+        self._prefix = config.key_prefix.encode()
+        self._px = None if config.ttl_s is None else max(1, int(round(config.ttl_s * 1000)))
+        self._url = redact(config.url)
+        backoff = (float(config.backoff_s), float(config.backoff_max_s))
+
+        def make_node(host: str, port: int) -> Node:
+            return Node(host, port, kw, read_timeout=config.budget_s,
+                        write_timeout=config.write_budget_s, backoff=backoff)
+
+        self._topo: Topology = (ClusterTopology(startup, make_node) if cluster
+                                else SingleTopology(make_node(*startup[0])))
+        self._topo_breaker = Breaker(*backoff)  # cluster: reading the slot table
+        self._refreshing = False
+        self._refresh_lock = threading.Lock()
+        self._counters = _Counters()
+        self._wlock = threading.Lock()
+        self._wbuf: np.ndarray | None = None
+        self._pid = os.getpid()
+        self._pool = cf.ThreadPoolExecutor(config.workers, thread_name_prefix="kvstore-remote")
+        self._closed = False
+
+    # -- helpers --------------------------------------------------------------------------------
+    def _ensure(self) -> None:
+        if self._closed:
+            raise StoreClosedError("the remote tier is closed")
+        if self._pid != os.getpid():  # forked: threads (and locks they held) do not survive
+            self._pid = os.getpid()
+            self._pool = cf.ThreadPoolExecutor(self.config.workers,
+                                               thread_name_prefix="kvstore-remote")
+            self._wlock = threading.Lock()
+            self._refresh_lock = threading.Lock()
+            self._refreshing = False
+            self._counters.lock = threading.Lock()
+
+    def redis_key(self, key: bytes) -> bytes:
+        """The Redis key of a block key."""
+        return self._prefix + key.hex().encode()
+
+    def _fail(self, node: Node | None, what: str, why: object, *, timeout: bool) -> None:
+        self._counters.add(**{"timeouts" if timeout else "errors": 1})
+        if node is None:
+            interval = self._topo_breaker.failure()
+            where = "cluster slot table"
+        else:
+            interval = node.breaker.failure()
+            where = node.name
+            if self._topo.cluster:
+                self._topo.stale = True
+        log.warning("remote tier %s: %s on %s failed (%s); treating as misses, skipping it "
+                    "for %.3g s", self._url, what, where, why, interval)
+
+    def _ok(self, node: Node) -> None:
+        if node.breaker.success():
+            log.warning("remote tier %s: %s answers again", self._url, node.name)
+
+    def _routes(self, rkeys: Sequence[bytes], deadline: float) -> dict[Node | None, list[int]]:
+        topo = self._topo
+        if isinstance(topo, ClusterTopology):
+            if topo.slots is None:
+                # no slot table yet: read it now, within this call's budget
+                if self._topo_breaker.allow():
+                    fut = self._pool.submit(topo.refresh)
+                    try:
+                        fut.result(timeout=max(0.0, deadline - time.monotonic()))
+                        if self._topo_breaker.success():
+                            log.warning("remote tier %s: cluster slot table read again", self._url)
+                    except cf.TimeoutError:
+                        fut.cancel()
+                        self._fail(None, "reading the slot table", "no answer within the budget",
+                                   timeout=True)
+                    except Exception as e:  # noqa: BLE001 - never raise Redis trouble
+                        self._fail(None, "reading the slot table", e,
+                                   timeout=isinstance(e, redis.TimeoutError))
+            elif topo.stale:
+                self._refresh_later()
+        return topo.route(rkeys)
+
+    def _refresh_later(self) -> None:
+        """Re-read the slot table in the background (after a node failure or MOVED), at most
+        once per backoff interval."""
+        topo = self._topo
+        assert isinstance(topo, ClusterTopology)
+        with self._refresh_lock:
+            if self._refreshing or time.monotonic() - topo.refreshed_at < self.config.backoff_s:
+                return
+            self._refreshing = True
+            topo.refreshed_at = time.monotonic()
+
+        def run() -> None:
+            try:
+                topo.refresh()
+            except Exception as e:  # noqa: BLE001
+                log.debug("remote tier %s: slot table refresh failed: %s", self._url, e)
+            finally:
+                self._refreshing = False
+
+        try:
+            self._pool.submit(run)
+        except RuntimeError:  # shut down
+            self._refreshing = False
+
+    def _dispatch(self, rkeys: Sequence[bytes], build: Callable[[list[int]], list[tuple]],
+                  deadline: float, *, write: bool, what: str) -> tuple[list, bool]:
+        """One pipeline per node holding any of ``rkeys``, all in flight at once; wait until
+        ``deadline``. Returns one reply per key (``_NA`` where its node was skipped, failed or
+        late, or a ``ResponseError`` the server answered for that key), and whether every
+        pipeline sent has finished (none is still running in a worker)."""
+        out: list = [_NA] * len(rkeys)
+        futs: dict[cf.Future, tuple[Node, list[int]]] = {}
+        skipped = 0
+        for node, idx in self._routes(rkeys, deadline).items():
+            if node is None or not node.breaker.allow():
+                skipped += len(idx)
+                continue
+            client = node.write if write else node.read
+            try:
+                futs[self._pool.submit(_pipeline, client, build(idx))] = (node, idx)
+            except RuntimeError:  # pool shut down by a concurrent close()
+                skipped += len(idx)
+        if skipped:
+            self._counters.add(skipped=skipped)
+        if not futs:
+            return out, True
+        done, late = cf.wait(futs, timeout=max(0.0, deadline - time.monotonic()))
+        moved = False
+        for f in done:
+            node, idx = futs[f]
+            try:
+                replies = f.result()
+            except Exception as e:  # noqa: BLE001 - never raise Redis trouble into the engine
+                self._fail(node, what, f"{type(e).__name__}: {e}",
+                           timeout=isinstance(e, (redis.TimeoutError, TimeoutError)))
+                continue
+            self._ok(node)
+            for i, r in zip(idx, replies, strict=True):
+                if isinstance(r, _REDIRECTS):
+                    moved = True
+                out[i] = r
+        for f in late:
+            f.cancel()
+            node, _idx = futs[f]
+            self._fail(node, what, f"no reply within {deadline_budget(what, self.config)}",
+                       timeout=True)
+        if moved and isinstance(self._topo, ClusterTopology):
+            self._topo.stale = True
+            self._refresh_later()
+        return out, not late
+
+    # -- lookups --------------------------------------------------------------------------------
+    def leading_run(self, keys: Sequence[bytes]) -> int:
+        """Number of leading ``keys`` present, asked in one round trip (a pipeline of ``EXISTS``
+        per node, all nodes at once). Unreachable nodes count as absent."""
+        self._ensure()
+        keys = [_check_key(k) for k in keys]
+        if not keys:
+            return 0
+        rkeys = [self.redis_key(k) for k in keys]
+        deadline = time.monotonic() + self.config.budget_s
+        replies, _ = self._dispatch(rkeys, lambda idx: [(("EXISTS", rkeys[i]), {}) for i in idx],
+                                    deadline, write=False, what="lookup")
+        n = 0
+        for r in replies:
+            if r is _NA or isinstance(r, Exception) or not r:
+                break
+            n += 1
+        self._counters.add(lookups=1, lookup_blocks=n)
+        return n
+
+    def contains(self, key: bytes) -> bool:
+        return self.leading_run([key]) == 1
+
+    # -- reads ----------------------------------------------------------------------------------
+    def read_many(self, keys: Sequence[bytes], dsts: Sequence[torch.Tensor], *,
+                  namespace_id: bytes | None = None) -> list[ReadStatus]:
+        """Read blocks into ``dsts`` (CPU uint8 contiguous 1-D, raw block size each); one status
+        per key: ``OK`` (verified bytes in ``dst``), ``MISSING`` (absent, unreachable, late) or
+        ``DAMAGED`` (corrupt value; deleted). ``namespace_id``, when given, must match the
+        value's. A ``dst`` not ``OK`` may have been written."""
+        self._ensure()
+        if len(keys) != len(dsts):
+            raise TensorMismatchError(f"read_many got {len(keys)} keys but {len(dsts)} destinations")
+        keys = [_check_key(k) for k in keys]
+        arrs = [_as_array(d, f"dsts[{i}]") for i, d in enumerate(dsts)]
+        if namespace_id is not None:
+            namespace_id = _check_key(namespace_id, "namespace_id")
+        n = len(keys)
+        if not n:
+            return []
+        rkeys = [self.redis_key(k) for k in keys]
+        raw_total = sum(a.size for a in arrs)
+        deadline = time.monotonic() + self.config.budget_s + raw_total / self.config.min_read_rate
+        replies, _ = self._dispatch(rkeys, lambda idx: [(("GET", rkeys[i]), {}) for i in idx],
+                                    deadline, write=False, what="read")
+        out = [ReadStatus.MISSING] * n
+        hits = misses = received = 0
+        bad: list[bytes] = []
+        for i, r in enumerate(replies):
+            if r is _NA or r is None:
+                misses += 1
+                continue
+            if isinstance(r, Exception):
+                if "WRONGTYPE" in str(r):  # something else stored under our key
+                    bad.append(rkeys[i])
+                    out[i] = ReadStatus.DAMAGED
+                    log.warning("remote tier %s: block %s is corrupt (not a string); deleting it",
+                                self._url, keys[i].hex()[:16])
+                else:
+                    misses += 1
+                    self._counters.add(errors=1)
+                continue
+            received += len(r)
+            try:
+                fmt.decode_into(r, keys[i], arrs[i], namespace_id)
+            except fmt.UnsupportedValue as e:
+                misses += 1
+                log.debug("remote tier %s: block %s: %s", self._url, keys[i].hex()[:16], e)
+                continue
+            except fmt.CorruptValue as e:
+                bad.append(rkeys[i])
+                out[i] = ReadStatus.DAMAGED
+                log.warning("remote tier %s: block %s is corrupt (%s); deleting it", self._url,
+                            keys[i].hex()[:16], e)
+                continue
+            out[i] = ReadStatus.OK
+            hits += 1
+        self._counters.add(hits=hits, misses=misses, corrupt=len(bad), bytes_received=received)
+        if bad:
+            self._delete_later(bad)
+        return out
+
+    def read_into(self, key: bytes, dst: torch.Tensor, *,
+                  namespace_id: bytes | None = None) -> ReadStatus:
+        return self.read_many([key], [dst], namespace_id=namespace_id)[0]
+
+    def _delete_later(self, rkeys: list[bytes]) -> None:
+        """Best-effort DEL of corrupt values, not waited for (one worker, node after node)."""
+        topo = self._topo
+
+        def run() -> None:
+            for node, idx in topo.route(rkeys).items():
+                if node is None or not node.breaker.allow():
+                    continue
+                try:
+                    _pipeline(node.write, [(("DEL", rkeys[i]), {}) for i in idx])
+                except Exception as e:  # noqa: BLE001 - best effort
+                    log.debug("remote tier %s: deleting corrupt values on %s failed: %s",
+                              self._url, node.name, e)
+
+        with contextlib.suppress(RuntimeError):  # closed meanwhile
+            self._pool.submit(run)
+
+    # -- writes ---------------------------------------------------------------------------------
+    def _itemsize(self, w: RemoteWrite) -> int:
+        if w.itemsize:
+            return int(w.itemsize)
+        if self._itemsize_for is not None:
+            try:
+                return int(self._itemsize_for(w.namespace_id))
+            except Exception:  # noqa: BLE001 - unknown namespace: no shuffle
+                return 1
+        return 1
+
+    def write_blocks(self, items: Sequence[RemoteWrite]) -> int:
+        """Store blocks (``SET`` with ``PX`` when ``ttl_s``), one pipeline per node. Returns how
+        many Redis acknowledged; failures are counted and logged, never raised. Duplicates are
+        overwritten (same content: content-addressed keys)."""
+        self._ensure()
+        todo = []
+        for i, w in enumerate(items):
+            if not isinstance(w, RemoteWrite):
+                raise TypeError(f"items[{i}] must be a RemoteWrite, got {type(w).__name__}")
+            todo.append((_check_key(w.key), _check_key(w.namespace_id, "namespace_id"),
+                         _as_array(w.data, f"items[{i}].data"), self._itemsize(w)))
+        if not todo:
+            return 0
+        topo = self._topo
+        if isinstance(topo, SingleTopology) and topo.node.breaker.skipping:
+            # the only node is being skipped: do not compress for nothing
+            self._counters.add(skipped=len(todo), write_failures=len(todo))
+            return 0
+        cfg = self.config
+
+        def enc(t: tuple) -> tuple[bytes, bytes | memoryview]:
+            return fmt.encode_parts(t[0], t[1], t[2], codec=cfg.codec, itemsize=t[3],
+                                    level=cfg.zstd_level)
+
+        if cfg.codec == "zstd" and len(todo) > 1:
+            parts = list(self._pool.map(enc, todo))  # zstd releases the GIL
+        else:
+            parts = [enc(t) for t in todo]
+        rkeys = [self.redis_key(t[0]) for t in todo]
+        ttl = () if self._px is None else ("PX", self._px)
+        with self._wlock:
+            # values are assembled in one reused buffer: fresh multi-MiB bytes objects cost
+            # more in page faults than the copy itself
+            need = sum(len(h) + len(p) for h, p in parts)
+            buf = self._wbuf if self._wbuf is not None and self._wbuf.size >= need else None
+            if buf is None:
+                buf = np.empty(need, dtype=np.uint8)
+            values: list[memoryview] = []
+            off = 0
+            for h, p in parts:
+                end = off + len(h) + len(p)
+                buf[off:off + len(h)] = np.frombuffer(h, dtype=np.uint8)
+                np.copyto(buf[off + len(h):end], np.frombuffer(p, dtype=np.uint8))
+                values.append(memoryview(buf[off:end]))
+                off = end
+            del parts
+
+            def build(idx: list[int]) -> list[tuple]:
+                return [(("SET", rkeys[i], values[i], *ttl), {}) for i in idx]
+
+            replies, finished = self._dispatch(rkeys, build, time.monotonic() + cfg.write_budget_s,
+                                               write=True, what="write")
+            # a pipeline still running in a worker may still read the buffer: keep it only when
+            # none is, and only up to a size worth keeping
+            self._wbuf = buf if finished and buf.size <= _WBUF_KEEP else None
+        ok = raw = stored = 0
+        for i, r in enumerate(replies):
+            if r is True or r == b"OK":
+                ok += 1
+                raw += todo[i][2].size
+                stored += len(values[i])
+            elif isinstance(r, Exception):
+                log.log(logging.DEBUG if isinstance(r, _REDIRECTS) else logging.WARNING,
+                        "remote tier %s: write of %s refused: %s", self._url,
+                        todo[i][0].hex()[:16], r)
+        sent = sum(len(v) for v in values)
+        self._counters.add(blocks_written=ok, write_failures=len(todo) - ok, bytes_sent=sent,
+                           raw_bytes_written=raw, stored_bytes_written=stored)
+        return ok
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        """Delete blocks; returns how many existed (0 for unreachable nodes)."""
+        self._ensure()
+        keys = [_check_key(k) for k in keys]
+        if not keys:
+            return 0
+        rkeys = [self.redis_key(k) for k in keys]
+        replies, _ = self._dispatch(rkeys, lambda idx: [(("DEL", rkeys[i]), {}) for i in idx],
+                                    time.monotonic() + self.config.write_budget_s, write=True,
+                                    what="delete")
+        n = sum(int(r) for r in replies if isinstance(r, int))
+        self._counters.add(deleted=n)
+        return n
+
+    # -- stats, lifecycle -----------------------------------------------------------------------
+    def stats(self) -> RemoteStats:
+        with self._counters.lock:
+            v = dict(self._counters.v)
+        nodes = self._topo.nodes()
+        down = sum(1 for n in nodes if not n.breaker.closed)
+        known = not isinstance(self._topo, ClusterTopology) or self._topo.slots is not None
+        return RemoteStats(**v, available=known and down == 0 and self._topo_breaker.closed,
+                           nodes=len(nodes), nodes_down=down)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Stop the worker threads (not waiting for calls in flight) and drop connections.
+        Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._topo.close()
+
+    def __enter__(self) -> RemoteTier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"RemoteTier({self._url!r}, codec={self.config.codec!r})"
+
+
+def deadline_budget(what: str, cfg: RemoteConfig) -> str:
+    if what in ("write", "delete"):
+        return f"the write budget ({cfg.write_budget_s:g} s)"
+    return f"the budget ({cfg.budget_s * 1e3:g} ms{' + transfer time' if what == 'read' else ''})"

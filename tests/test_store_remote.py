@@ -1,0 +1,104 @@
+"""The store with a remote (Redis) tier: two hosts share blocks; Redis trouble is a miss."""
+
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvstore import KVLayout, open_store
+from kvstore.tiers.remote_testing import RedisProcess, redis_server_path
+
+redis = pytest.importorskip("redis")
+LAY = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16, block_tokens=4)
+
+
+@pytest.fixture(scope="module")
+def server():
+    if redis_server_path() is None:
+        pytest.skip("redis-server is not installed (tools/ci_redis.sh installs it)")
+    p = RedisProcess().start()
+    yield p
+    p.stop()
+    p.cleanup()
+
+
+def host(path, url, **kw):
+    return open_store(path, layout=LAY, model_id="remote/test", device="cpu",
+                      cpu_capacity=kw.pop("cpu", 16) * LAY.block_nbytes, remote=url, **kw)
+
+
+def kv_for(keys):
+    out = torch.empty(LAY.batch_shape(len(keys)), dtype=torch.int16)
+    for i, k in enumerate(keys):
+        g = torch.Generator().manual_seed(int.from_bytes(k[:8], "little"))
+        out[i] = torch.randint(-(2**15), 2**15, LAY.block_shape, generator=g, dtype=torch.int16)
+    return out.view(torch.bfloat16)
+
+
+def same(a, b):
+    return torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def test_block_put_on_one_host_is_fetched_bit_exact_on_another(server, tmp_path):
+    redis.Redis(port=server.port).flushall()
+    with host(tmp_path / "a", server.url) as a:
+        keys = a.block_keys(list(range(24)), salt="t")
+        a.put(keys, kv_for(keys)).wait()
+        a.flush()
+        assert a.stats().tier("remote").blocks == 6
+    code = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from test_store_remote import host, kv_for, same
+        with host({str(tmp_path / "b")!r}, {server.url!r}) as b:
+            keys = b.block_keys(list(range(24)), salt="t")
+            assert b.lookup(keys) == 6
+            got = b.fetch(keys).wait()
+            assert got.shape[0] == 6 and same(got, kv_for(keys))
+            b.flush()
+            st = b.stats()
+            assert st.tier("disk").blocks == 6, st  # host b keeps a local copy
+            print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr
+
+
+def test_corrupt_remote_value_is_a_counted_miss(server, tmp_path):
+    r = redis.Redis(port=server.port)
+    r.flushall()
+    with host(None, server.url) as a:
+        keys = a.block_keys(list(range(16)))
+        a.put(keys, kv_for(keys)).wait()
+        a.flush()
+    for k in r.keys("kvstore:*"):
+        v = bytearray(r.get(k))
+        v[-3] ^= 0xFF
+        r.set(k, bytes(v))
+    with host(None, server.url) as b:
+        got = b.fetch(keys).wait()
+        assert got.shape[0] == 0
+        assert b.stats().damaged >= 1
+
+
+def test_dead_redis_costs_at_most_the_budget(tmp_path):
+    if redis_server_path() is None:
+        pytest.skip("redis-server is not installed")
+    p = RedisProcess().start()
+    try:
+        with host(tmp_path / "s", p.url, remote_budget_s=0.05) as s:
+            keys = s.block_keys(list(range(16)))
+            p.pause()  # SIGSTOP: accepts nothing, answers nothing
+            t0 = time.perf_counter()
+            assert s.lookup(s.block_keys(list(range(100, 116)))) == 0
+            assert time.perf_counter() - t0 < 0.5
+            assert s.put(keys, kv_for(keys)).wait(5) == 4  # puts never wait for Redis
+            assert same(s.fetch(keys).wait(5), kv_for(keys))
+    finally:
+        p.resume()
+        p.stop()
+        p.cleanup()
