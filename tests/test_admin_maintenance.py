@@ -1,0 +1,212 @@
+"""``kvstore verify / prune / compact`` (and the library functions behind them) on stores built
+with ``open_store``, with planted damage."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import time
+
+import pytest
+
+from kvstore.admin import (
+    CompactReport,
+    FindingEntry,
+    PruneResult,
+    VerifyResult,
+    list_blocks,
+    verify,
+)
+from kvstore.admin.testing import build_store, check_disk_bytes, small_layout
+from kvstore.cli import main
+from kvstore.tiers import segments as seg
+from kvstore.tiers.disk import DiskTier
+
+LAY = small_layout()
+
+
+def _json(capsys, schema: str) -> dict:
+    data = json.loads(capsys.readouterr().out)
+    assert data.pop("schema") == schema
+    return data
+
+
+def _fields(cls) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def _records(p):
+    t = DiskTier(p, capacity_bytes=0, readonly=True)
+    try:
+        return list(t.records())
+    finally:
+        t.close()
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """6 prompts of 4 blocks, one segment per prompt (18 blocks in 6 segments)."""
+    p = tmp_path_factory.mktemp("maint") / "store"
+    chains = build_store(p, "meta/llama-a", prompts=6, blocks=4, flush_each=True)
+    return p, chains
+
+
+@pytest.fixture
+def store(base, tmp_path):
+    src, chains = base
+    dst = tmp_path / "store"
+    shutil.copytree(src, dst)
+    return dst, chains
+
+
+def _by_segment(p) -> dict[int, list]:
+    out: dict[int, list] = {}
+    for r in _records(p):
+        out.setdefault(r.segment, []).append(r)
+    for v in out.values():
+        v.sort(key=lambda r: r.offset)
+    return out
+
+
+def test_verify_clean_store(store, capsys):
+    p, _ = store
+    assert main(["verify", "--store", str(p)]) == 0
+    assert "Verified 18 block(s) (18.0 KiB) in 6 segment(s): no problems found." in \
+        capsys.readouterr().out
+    assert main(["verify", "--store", str(p), "--format", "json"]) == 0
+    data = _json(capsys, "kvstore.verify/1")
+    assert list(data) == _fields(VerifyResult)
+    assert data == {"store": str(p), "fix": False, "blocks_checked": 18,
+                    "bytes_checked": 18 * 1024, "segments_checked": 6, "findings": [],
+                    "unfixed": 0}
+
+
+def test_verify_finds_planted_damage_and_fix_removes_it(store, capsys):
+    p, _ = store
+    segs = _by_segment(p)
+    sids = sorted(segs)
+    # 1. flip a byte inside a block
+    flip = segs[sids[0]][1]
+    path0 = os.path.join(p, "segments", seg.segment_name(sids[0]))
+    with open(path0, "r+b") as f:
+        f.seek(flip.offset + 100)
+        b = f.read(1)
+        f.seek(flip.offset + 100)
+        f.write(bytes([b[0] ^ 0xFF]))
+    # 2. truncate a segment in the middle of its last block
+    cut = segs[sids[1]][-1]
+    os.truncate(os.path.join(p, "segments", seg.segment_name(sids[1])), cut.offset + 10)
+    # 3. delete a segment
+    gone = segs[sids[2]]
+    os.unlink(os.path.join(p, "segments", seg.segment_name(sids[2])))
+    bad_keys = {flip.key.hex(), cut.key.hex()} | {r.key.hex() for r in gone}
+
+    assert main(["verify", "--store", str(p), "--format", "json"]) == 1
+    data = _json(capsys, "kvstore.verify/1")
+    found = {f["key"]: f for f in data["findings"]}
+    assert set(found) == bad_keys
+    assert found[flip.key.hex()]["kind"] == "checksum_mismatch"
+    assert found[cut.key.hex()]["kind"] == "short_segment"
+    assert {found[r.key.hex()]["kind"] for r in gone} == {"missing_segment"}
+    assert not any(f["fixed"] for f in data["findings"]) and data["unfixed"] == len(bad_keys)
+    assert all(list(f) == _fields(FindingEntry) for f in data["findings"])
+    # the library gives the same answer (a read-only verify changed nothing)
+    lib = verify(p)
+    assert {f.key for f in lib.findings} == bad_keys and lib.unfixed == len(bad_keys)
+    # human output
+    assert main(["verify", "--store", str(p)]) == 1
+    out = capsys.readouterr().out
+    assert "checksum_mismatch" in out and "short_segment" in out and "missing_segment" in out
+    assert f"{len(bad_keys)} problem(s), 0 fixed" in out and "verify --fix" in out
+
+    assert main(["verify", "--store", str(p), "--fix", "--format", "json"]) == 0
+    data = _json(capsys, "kvstore.verify/1")
+    assert {f["key"] for f in data["findings"]} == bad_keys
+    assert all(f["fixed"] for f in data["findings"]) and data["unfixed"] == 0
+    assert main(["verify", "--store", str(p)]) == 0
+    left = {r.key.hex() for r in _records(p)}
+    assert not left & bad_keys and len(left) == 18 - len(bad_keys)
+    ok, bad = check_disk_bytes(p)
+    assert ok == len(left) and bad == []
+
+
+def test_prune(store, capsys):
+    p, _ = store
+    segdir = os.path.join(p, "segments")
+    segs = _by_segment(p)
+    sids = sorted(segs)
+    old = time.time() - 3600
+    orphan = os.path.join(segdir, seg.segment_name(0xABC))
+    shutil.copy(os.path.join(segdir, seg.segment_name(sids[0])), orphan)
+    os.utime(orphan, (old, old))
+    old_tmp = os.path.join(segdir, seg.temp_name(0xABD))
+    with open(old_tmp, "wb") as f:
+        f.write(b"x" * 1000)
+    os.utime(old_tmp, (old, old))
+    young_tmp = os.path.join(segdir, seg.temp_name(0xABE))  # a write in flight elsewhere
+    with open(young_tmp, "wb") as f:
+        f.write(b"y" * 500)
+    stray = os.path.join(segdir, "notes.txt")
+    with open(stray, "w") as f:
+        f.write("mine")
+    gone = segs[sids[3]]  # records without payload
+    os.unlink(os.path.join(segdir, seg.segment_name(sids[3])))
+
+    assert main(["prune", "--store", str(p), "--dry-run", "--format", "json"]) == 0
+    data = _json(capsys, "kvstore.prune/1")
+    assert list(data) == _fields(PruneResult) and data["dry_run"] is True
+    kinds = sorted((f["kind"], f["key"] or os.path.basename(f["path"])) for f in data["findings"])
+    assert kinds == sorted(
+        [("orphan_segment", os.path.basename(orphan)), ("temp_file", os.path.basename(old_tmp)),
+         ("unknown_file", "notes.txt")] + [("missing_segment", r.key.hex()) for r in gone])
+    assert data["removed"] == 0 and os.path.exists(orphan) and os.path.exists(old_tmp)
+    sizes = {f["kind"]: f["nbytes"] for f in data["findings"] if f["key"] is None}
+    assert sizes["orphan_segment"] == os.path.getsize(orphan) and sizes["temp_file"] == 1000
+    assert {f["nbytes"] for f in data["findings"] if f["kind"] == "missing_segment"} == {1024}
+
+    assert main(["prune", "--store", str(p)]) == 1  # no terminal, no -y: refused
+    assert "pass -y" in capsys.readouterr().err
+    assert os.path.exists(orphan)
+
+    assert main(["prune", "--store", str(p), "-y"]) == 0
+    out = capsys.readouterr().out
+    assert "orphan_segment" in out and f"Pruned {2 + len(gone)} item(s)" in out
+    assert not os.path.exists(orphan) and not os.path.exists(old_tmp)
+    assert os.path.exists(young_tmp) and os.path.exists(stray)  # in flight / not ours
+    assert not {r.key for r in gone} & {r.key for r in _records(p)}
+    assert main(["prune", "--store", str(p), "--dry-run"]) == 0
+    assert "Nothing to prune." in capsys.readouterr().out
+    # --grace 0: the young temp file goes too
+    assert main(["prune", "--store", str(p), "-y", "--grace", "0", "--format", "json"]) == 0
+    data = _json(capsys, "kvstore.prune/1")
+    assert [f["kind"] for f in data["findings"] if f["fixed"]] == ["temp_file"]
+    assert data["freed_bytes"] == 500 and not os.path.exists(young_tmp)
+    os.unlink(stray)
+    assert main(["verify", "--store", str(p)]) == 0
+
+
+def test_compact_after_rm_reclaims_dead_bytes(store, capsys):
+    p, chains = store
+    # drop the last block of every prompt: every segment keeps 1..3 of its blocks
+    tails = {c[-1].hex() for c in chains}
+    assert main(["rm", *tails, "--store", str(p), "-y", "--format", "json"]) == 0
+    data = _json(capsys, "kvstore.rm/1")
+    assert data["removed_blocks"] == 6 and data["dead_bytes"] == 6 * 1024
+    before = {e.key for e in list_blocks(p).items}
+    assert main(["compact", "--store", str(p), "--threshold", "0.5"]) == 0
+    assert "Nothing to compact" in capsys.readouterr().out  # every segment >= 50% live
+    assert main(["compact", "--store", str(p), "--threshold", "1.0", "--format", "json"]) == 0
+    data = _json(capsys, "kvstore.compact/1")
+    assert list(data) == _fields(CompactReport)
+    assert data["segments_rewritten"] == 6 and data["blocks_moved"] == 12
+    assert data["dead_bytes_before"] == 6 * 1024 and data["dead_bytes_after"] == 0
+    assert data["reclaimed_bytes"] > 6 * 1024 and data["segment_bytes_after"] < \
+        data["segment_bytes_before"]
+    assert {e.key for e in list_blocks(p).items} == before
+    ok, bad = check_disk_bytes(p)
+    assert ok == 12 and bad == []
+    assert main(["compact", "--store", str(p), "--threshold", "2"]) == 2
+    assert "threshold" in capsys.readouterr().err
+    assert main(["verify", "--store", str(p)]) == 0
