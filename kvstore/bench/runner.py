@@ -17,9 +17,11 @@ from kvstore.bench import BenchOptions, BenchRow
 SECTIONS = {
     "hashing": "kvstore.bench.hashing",
     "memory": "kvstore.bench.memory",
+    "promotion": "kvstore.bench.promotion",
     "disk": "kvstore.bench.disk",
     "remote": "kvstore.bench.remote",
     "prefill": "kvstore.bench.prefill",
+    "daemon": "kvstore.bench.daemon",
 }
 
 
