@@ -10,6 +10,7 @@ Embedded use::
         store.put(keys[n:], kv_new)
 """
 
+from kvstore.client import connect
 from kvstore.errors import (
     ConfigError,
     DiskError,
@@ -56,6 +57,7 @@ __all__ = [
     "TokenError",
     "Transfer",
     "TransferError",
+    "connect",
     "format_size",
     "open_store",
     "parse_size",

@@ -337,7 +337,8 @@ def plan_batch(
     chains = _chains_for(prompts, T, store, salt)
     root = _build_tree(chains)
 
-    # depth-first: a node's own prompts (ending there) first, then children in arrival order
+    # depth-first: a node's own prompts (those whose full blocks end there) first, then its
+    # children in arrival order
     order: list[int] = []
     group_nodes: list[tuple[_Node, int]] = []  # (node, parent group)
     innermost: dict[int, int] = {}
@@ -351,7 +352,9 @@ def plan_batch(
         if node.depth >= min_shared_blocks and len(node.prompts) >= 2 and branching:
             g = len(group_nodes)
             group_nodes.append((node, parent_group))
-        for i in node.ends:
+        # prompts that end here on a block boundary first: one that ran after the block was
+        # cached would recompute it anyway (its last token must be computed)
+        for i in sorted(node.ends, key=lambda i: lengths[i] % T != 0):
             order.append(i)
             innermost[i] = g
         for child in reversed(node.children.values()):

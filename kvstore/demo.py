@@ -62,17 +62,23 @@ _SPECS = {
     "docqa": WorkloadSpec(system=64, groups=3, per_group=5, body=640, user=(12, 40), answer=4),
     "batch": WorkloadSpec(system=64, groups=4, per_group=5, body=512, user=(12, 40), answer=4),
 }
+#: ``--quick``: the same shapes, smaller (smoke tests)
+_QUICK_SPECS = {
+    "chat": WorkloadSpec(system=96, groups=2, per_group=3, body=0, user=(12, 40), answer=4),
+    "docqa": WorkloadSpec(system=32, groups=2, per_group=3, body=160, user=(8, 24), answer=3),
+    "batch": WorkloadSpec(system=32, groups=3, per_group=3, body=160, user=(8, 24), answer=3),
+}
 
 
-def workload_size(kind: str) -> int:
+def workload_size(kind: str, quick: bool = False) -> int:
     """Number of requests in ``kind``."""
-    s = _spec(kind)
+    s = _spec(kind, quick)
     return s.groups * s.per_group
 
 
-def _spec(kind: str) -> WorkloadSpec:
+def _spec(kind: str, quick: bool = False) -> WorkloadSpec:
     try:
-        return _SPECS[kind]
+        return (_QUICK_SPECS if quick else _SPECS)[kind]
     except KeyError:
         raise ValueError(f"unknown workload {kind!r}; choose {', '.join(WORKLOADS)}") from None
 
@@ -81,9 +87,9 @@ def _toks(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(VOCAB) for _ in range(n)]
 
 
-def qa_prompts(kind: str, seed: int) -> list[list[int]]:
+def qa_prompts(kind: str, seed: int, quick: bool = False) -> list[list[int]]:
     """The prompts of ``docqa`` (document-major) or ``batch`` (shuffled arrival order)."""
-    s = _spec(kind)
+    s = _spec(kind, quick)
     rng = random.Random(seed)
     system = _toks(rng, s.system)
     docs = [_toks(rng, s.body) for _ in range(s.groups)]
@@ -180,7 +186,7 @@ class _ToyGeneration:
 class ToyEngine:
     """:class:`TinyTransformer` behind the same ``prefill``/``generate`` calls as the bridge."""
 
-    name = "toy torch decoder (transformers not installed)"
+    name = "toy torch decoder"
 
     def __init__(self, store: Store, seed: int = 0) -> None:
         self.store = store
@@ -266,10 +272,14 @@ def open_engine(path: Path | None, *, engine: str = "auto", size: str = "tiny",
     """
     if size not in MODEL_SIZES:
         raise ValueError(f"unknown model size {size!r}; choose {', '.join(MODEL_SIZES)}")
+    why = ""
     if engine == "auto":
-        from kvstore.integrations import transformers_available
-
-        engine = "transformers" if transformers_available() else "toy"
+        try:
+            import kvstore.integrations.transformers  # noqa: F401
+        except ImportError:
+            engine, why = "toy", ", transformers not installed"
+        else:
+            engine = "transformers"
     if engine == "transformers":
         from kvstore.integrations.transformers import PrefixCachedModel, open_store_for
 
@@ -281,7 +291,7 @@ def open_engine(path: Path | None, *, engine: str = "auto", size: str = "tiny",
         raise ValueError(f"unknown engine {engine!r}; choose auto, transformers or toy")
     store = open_store(path, layout=toy_layout(size), model_id=f"kvstore/toy-causal-{size}",
                        model_revision=f"seed-{seed}", **_STORE_ARGS)
-    return store, ToyEngine(store, seed), f"{ToyEngine.name} ({size})"
+    return store, ToyEngine(store, seed), f"{ToyEngine.name} ({size}{why})"
 
 
 # -- running -----------------------------------------------------------------------------------
@@ -331,14 +341,18 @@ def _account(res: PhaseResult, prompt: Sequence[int], got: Any, ref: Any) -> Non
 
 
 def run_workload(store: Store, engine: Any, workload: str, seed: int = 0,
-                 progress: Callable[[], object] | None = None) -> PhaseResult:
+                 progress: Callable[[], object] | None = None, quick: bool = False) -> PhaseResult:
     """Run ``workload`` through ``engine`` (cached) and again uncached, and compare.
 
     Flushes the store at the end, so the disk figures count every block of the run.
     """
-    spec = _spec(workload)
+    spec = _spec(workload, quick)
     res = PhaseResult(engine=getattr(engine, "name", type(engine).__name__))
     tick = progress or (lambda: None)
+    # warm-up: the process's first forward passes pay one-time costs that would otherwise
+    # land on whichever path ran first
+    for n in (3 * BLOCK_TOKENS + 1, 2):
+        engine.generate(_toks(random.Random(-1), n), 2, use_cache=False)
     if workload == "chat":
         rng = random.Random(seed)
         system = _toks(rng, spec.system)
@@ -352,13 +366,13 @@ def run_workload(store: Store, engine: Any, workload: str, seed: int = 0,
                 h += list(got.tokens)
                 tick()
     elif workload == "docqa":
-        for p in qa_prompts(workload, seed):
+        for p in qa_prompts(workload, seed, quick):
             got = engine.generate(p, spec.answer)
             ref = engine.generate(p, spec.answer, use_cache=False)
             _account(res, p, got, ref)
             tick()
     elif workload == "batch":
-        _run_batch(store, engine, spec, seed, res, tick)
+        _run_batch(store, engine, spec, qa_prompts(workload, seed, quick), res, tick)
     else:
         raise ValueError(f"unknown workload {workload!r}; choose {', '.join(WORKLOADS)}")
     store.flush()
@@ -370,11 +384,10 @@ def run_workload(store: Store, engine: Any, workload: str, seed: int = 0,
     return res
 
 
-def _run_batch(store: Store, engine: Any, spec: WorkloadSpec, seed: int, res: PhaseResult,
-               tick: Callable[[], object]) -> None:
+def _run_batch(store: Store, engine: Any, spec: WorkloadSpec, prompts: list[list[int]],
+               res: PhaseResult, tick: Callable[[], object]) -> None:
     from kvstore.batch import BatchRunner, plan_batch
 
-    prompts = qa_prompts("batch", seed)
     T = store.layout.block_tokens
     # a memory budget of about two documents: arrival order thrashes it, the plan does not
     longest = max(-(-len(p) // T) for p in prompts)
@@ -398,13 +411,13 @@ def _run_batch(store: Store, engine: Any, spec: WorkloadSpec, seed: int, res: Ph
 
 
 def run_phase(path: Path | None, workload: str, *, seed: int = 0, size: str = "tiny",
-              engine: str = "auto", cold: bool = False,
+              engine: str = "auto", cold: bool = False, quick: bool = False,
               progress: Callable[[], object] | None = None) -> PhaseResult:
     """Open the store, run ``workload`` once, close the store (everything durable on disk)."""
     store, eng, label = open_engine(path, engine=engine, size=size, seed=seed)
     with store:
         if cold:
             store.evict()  # start from an empty cache (this demo's namespace only)
-        res = run_workload(store, eng, workload, seed=seed, progress=progress)
+        res = run_workload(store, eng, workload, seed=seed, progress=progress, quick=quick)
     res.engine = label
     return res

@@ -197,6 +197,12 @@ class Store(FetchOps, PutOps, SharedMemoryOps, RoomOps, PagedOps, DiskWriteOps):
             self._catalog = Catalog()
 
     @property
+    def warm_free_slots(self) -> int:
+        """Free slots of the warm tier (0 without one): for leak accounting."""
+        with self._lock:
+            return 0 if self._warm is None else self._warm.slab.allocator.free_count
+
+    @property
     def closed(self) -> bool:
         return self._closed
 
@@ -226,7 +232,11 @@ class Store(FetchOps, PutOps, SharedMemoryOps, RoomOps, PagedOps, DiskWriteOps):
                 "these keys were computed for another namespace (model, revision, layout, "
                 "tensor-parallel shard or store); compute them with this store's block_keys()"
             )
-        return [check_key(k) for k in keys]
+        ks = list(keys)
+        # the common case checked by C-level loops: every key a 32-byte bytes object
+        if not ks or (set(map(type, ks)) == {bytes} and set(map(len, ks)) == {32}):
+            return ks  # type: ignore[return-value]
+        return [check_key(k) for k in ks]
 
     @staticmethod
     def _chain_parent(keys: Sequence[bytes]) -> BlockKey | None:

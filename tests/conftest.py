@@ -1,7 +1,27 @@
+import itertools
+
 import pytest
 import torch
 
 from kvstore import KVLayout, open_store
+
+#: ``make_store`` runs every store test against these implementations
+STORE_KINDS = ("embedded", "daemon")
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "embedded_only: a make_store test that only makes sense for the embedded store "
+        "(hot tier, internals); not run against the daemon",
+    )
+
+
+def pytest_generate_tests(metafunc):
+    # parity: a test using make_store runs against the embedded store and a daemon client
+    if "make_store" in metafunc.fixturenames:
+        embedded_only = metafunc.definition.get_closest_marker("embedded_only") is not None
+        metafunc.parametrize("store_kind", STORE_KINDS[:1] if embedded_only else STORE_KINDS)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -18,18 +38,55 @@ def small_layout() -> KVLayout:
     return KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.bfloat16, block_tokens=4)
 
 
+@pytest.fixture(scope="session")
+def store_daemon(tmp_path_factory):
+    """One memory-only ``kvstore serve`` for the session's parity tests (each test gets a
+    namespace of its own through a unique model id)."""
+    from kvstore.server.testing import DaemonProcess
+
+    d = tmp_path_factory.mktemp("daemon")
+    daemon = DaemonProcess(d / "store", d / "run" / "kvstore.sock", "--cpu-capacity", "64MiB",
+                           "--disk-capacity", "0", "--max-namespaces", "8")
+    daemon.start()
+    yield daemon
+    rc = daemon.stop()
+    assert rc == 0, daemon.log()
+
+
+_unique = itertools.count()
+
+
 @pytest.fixture
-def make_store(small_layout):
-    """Open in-memory stores with capacities in blocks; closes them at teardown."""
+def make_store(small_layout, store_kind, request):
+    """Open stores with capacities in blocks; closes them at teardown.
+
+    ``store_kind`` "embedded": an in-memory ``open_store``. "daemon": ``kvstore.connect`` to
+    the session's daemon, in a fresh namespace, whose warm tier gets the memory of both of
+    the embedded store's tiers (the daemon has no hot tier).
+    """
     opened = []
 
-    def _make(hot_blocks=4, warm_blocks=8, layout=None, **kw):
+    def _embedded(hot_blocks=4, warm_blocks=8, layout=None, **kw):
         lay = layout or small_layout
-        s = open_store(
+        return open_store(
             kw.pop("path", None), layout=lay, model_id=kw.pop("model_id", "test/model"),
             device="cpu", gpu_capacity=hot_blocks * lay.block_nbytes,
             cpu_capacity=warm_blocks * lay.block_nbytes, **kw,
         )
+
+    def _daemon(hot_blocks=4, warm_blocks=8, layout=None, **kw):
+        from kvstore import connect
+
+        daemon = request.getfixturevalue("store_daemon")
+        lay = layout or small_layout
+        model_id = f"{kw.pop('model_id', 'test/model')}#{next(_unique)}"
+        if kw:
+            pytest.skip(f"daemon parity: {sorted(kw)} are daemon-wide settings")
+        return connect(daemon.socket_path, layout=lay, model_id=model_id, device="cpu",
+                       warm_capacity=(hot_blocks + warm_blocks) * lay.block_nbytes, timeout=30)
+
+    def _make(*args, **kw):
+        s = (_daemon if store_kind == "daemon" else _embedded)(*args, **kw)
         opened.append(s)
         return s
 
@@ -41,3 +98,22 @@ def make_store(small_layout):
 def random_kv(layout: KVLayout, n: int, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(layout.batch_shape(n), generator=g).to(layout.dtype)
+
+
+@pytest.fixture
+def serve(tmp_path):
+    """Start ``kvstore serve`` subprocesses: ``serve(*args)`` -> a started ``DaemonProcess``
+    on ``tmp_path/run/kvstore.sock`` with its store in ``tmp_path/store``; stopped at teardown."""
+    from kvstore.server.testing import DaemonProcess
+
+    started = []
+
+    def _serve(*args, path=None, socket=None):
+        d = DaemonProcess(path or tmp_path / "store", socket or tmp_path / "run" / "kvstore.sock",
+                          *args)
+        started.append(d)
+        return d.start()
+
+    yield _serve
+    for d in started:
+        d.stop()

@@ -71,14 +71,16 @@ def test_cancel_on_close_fails_queued_jobs_cleanly():
         eng.submit("h2d", Job(t, lambda s: [], lambda ok, e, t=t: (finished.append(ok), t.set_error(e) if e else t.set_result(1))))
     closer = threading.Thread(target=eng.close, kwargs={"cancel": True})
     closer.start()
-    time.sleep(0.05)
+    deadline = time.monotonic() + 5
+    while not eng._workers["h2d"]._closing and time.monotonic() < deadline:
+        time.sleep(0.001)  # close() has marked the queue before the running job finishes
     gate.set()
-    closer.join(5)
-    assert first.wait(1) is True
+    closer.join(30)
+    assert first.wait(30) is True
     assert finished == [False] * 5
     for t in queued:
         with pytest.raises(Exception, match="closed"):
-            t.wait(1)
+            t.wait(30)
 
 
 def test_fetch_after_put_sees_the_bytes():

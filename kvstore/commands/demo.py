@@ -23,18 +23,18 @@ def _phase(args: argparse.Namespace, path: Path, *, cold: bool, console: Any) ->
 
         def tick() -> None:
             bar.update(task, description=f"kvstore demo {args.workload}: {label}",
-                       total=workload_size(args.workload))
+                       total=workload_size(args.workload, args.quick))
             bar.advance(task)
 
         res = run_phase(path, args.workload, seed=args.seed, size=args.model_size,
-                        engine=args.engine, cold=cold, progress=tick)
+                        engine=args.engine, cold=cold, quick=args.quick, progress=tick)
     return res.as_dict()
 
 
 def _rerun_cmd(args: argparse.Namespace, path: Path) -> list[str]:
     return [sys.executable, "-m", "kvstore.cli", "demo", "--store", str(path), "--workload",
             args.workload, "--model-size", args.model_size, "--engine", args.engine,
-            "--seed", str(args.seed), "--phase", "rerun"]
+            "--seed", str(args.seed), "--phase", "rerun", *(["--quick"] if args.quick else [])]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -117,6 +117,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="auto: a transformers Llama-style model when transformers is "
                         "installed, else a toy torch decoder")
     d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--quick", action="store_true", help="a smaller workload (smoke test)")
     d.add_argument("--format", choices=["table", "json"], default="table")
     d.add_argument("--phase", choices=["all", "rerun"], default="all", help=argparse.SUPPRESS)
     d.set_defaults(func=run)

@@ -425,11 +425,17 @@ class PrefixCachedModel:
         self.salt = salt
         self.store_generated = store_generated
         self.layout = lay
+        p = next(model.parameters())
+        if p.dtype != lay.dtype:
+            raise ConfigError(
+                f"the model computes in {p.dtype} but the store holds {lay.dtype} blocks: a "
+                "prefix stored in another precision would not give the model's own outputs; "
+                "open the store with the model's dtype (open_store_for does)"
+            )
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._cache_position = "cache_position" in params
         self._logits_kw = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in params), None)
-        p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         # put takes tensors on the store's device or the CPU
         sd = store.device

@@ -124,6 +124,16 @@ class FetchOps:
             return self._copy_fetch(plan, result, t, stream)
 
         copy_job = Job(t, run_copy, finish)
+        if want_result and not engine.cuda and not plan.disk and not plan.deps:
+            # Host memory only, nothing in flight that these bytes wait for: copying right
+            # here in whole-block runs beats a hand-off to the worker (the blocks are pinned).
+            try:
+                self._copy_fetch(plan, result, t, None, whole_blocks=True)
+            except BaseException as e:  # noqa: BLE001 - reported through the transfer
+                finish(False, e)
+            else:
+                finish(True, None)
+            return t, plan, result
         try:
             self._queue_fetch(engine, plan, copy_job, result, finish, want_result)
         except BaseException:
@@ -267,7 +277,7 @@ class FetchOps:
 
     def _copy_fetch(
         self, plan: FetchPlan, result: torch.Tensor | None, t: Transfer,
-        stream: torch.cuda.Stream | None,
+        stream: torch.cuda.Stream | None, *, whole_blocks: bool = False,
     ) -> list:
         """Copy every block into ``result`` layer by layer, then promote into hot.
 
@@ -298,9 +308,12 @@ class FetchOps:
             if rows:
                 sources.append((plan.staging, list(paired_runs(rows))))
         events: list = []
-        if not layerwise_supported(stream):  # whole blocks at once; every layer ready together
+        if whole_blocks or not layerwise_supported(stream):  # every layer ready together
             for data, runs in sources:
                 copy_block_runs(dst, data, runs, layer=None, layer_nbytes=lb, stream=stream)
+            if stream is None:
+                t.set_layers_ready(L)
+                return []
             ev = torch.cuda.Event()
             ev.record(stream)
             return [ev] * L

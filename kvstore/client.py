@@ -1,0 +1,604 @@
+"""``kvstore.connect``: the embedded store's API, served by a ``kvstore serve`` daemon.
+
+The control plane is the daemon's Unix socket (:mod:`kvstore.server`); the data plane is
+the namespace's warm tier, a shared-memory slab this process maps. A fetch leases the
+blocks' slots, copies them into the caller's tensor (on its device; the mapping is
+registered as pinned memory where CUDA exists, so those copies are DMA) and releases the
+lease without waiting; a put asks for slots, writes them, then commits. Keys are computed
+here, with the daemon's namespace id.
+
+If the daemon is down, or goes away, nothing raises into the engine: lookups and fetches
+miss, puts are dropped, a warning is logged once, and the client reconnects (with backoff)
+when the daemon is back. Only configuration errors raise: a daemon that refuses this uid,
+speaks another protocol version or cannot serve the namespace.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from kvstore.errors import (
+    NamespaceMismatchError,
+    StoreClosedError,
+    TensorMismatchError,
+)
+from kvstore.kernels import gather_pages, scatter_pages
+from kvstore.keys import KEY_BYTES, BlockKey, KeyChain, check_key
+from kvstore.keys import block_keys as _block_keys
+from kvstore.layout import KVLayout
+from kvstore.namespace import Namespace
+from kvstore.paged import page_index, paged_geometry
+from kvstore.server import messages as m
+from kvstore.server.channel import Channel, ChannelClosed
+from kvstore.server.messages import PermissionDeniedError, ProtocolVersionError, ServerError
+from kvstore.server.protocol import PROTOCOL_VERSION, derive_namespace, make_hello
+from kvstore.stats import StoreStats
+from kvstore.store import PinReceipt, _resolve_device
+from kvstore.tiers.slab import map_shared, register_pinned, runs, unregister_pinned
+from kvstore.transfer import Transfer
+
+log = logging.getLogger("kvstore.client")
+
+_TIERS = (None, "hot", "warm", "disk")
+#: raised at connect (and logged, not raised, on a later reconnect): the setup is wrong
+_CONFIG_ERRORS = (ProtocolVersionError, PermissionDeniedError)
+#: error replies that are the daemon's trouble, not the caller's: a miss and a warning
+_SOFT_CODES = frozenset({m.ErrorCode.LIMIT, m.ErrorCode.SHUTTING_DOWN, m.ErrorCode.INTERNAL,
+                         m.ErrorCode.UNKNOWN_ID, m.ErrorCode.FRAME_TOO_LARGE})
+_WARN_EVERY = 10.0  # seconds between two warnings about the same error code
+
+
+def _pairs(a: Sequence[int], b: Sequence[int]):
+    """``(a_first, b_first, length)`` runs where both ``a`` and ``b`` are consecutive."""
+    i, n = 0, len(a)
+    while i < n:
+        j = i + 1
+        while j < n and a[j] == a[j - 1] + 1 and b[j] == b[j - 1] + 1:
+            j += 1
+        yield a[i], b[i], j - i
+        i = j
+
+
+class _Session:
+    """One live connection and the mapping of its namespace's slab.
+
+    Copies into or out of slots this connection holds (leases, granted puts) run inside
+    :meth:`copying`; the socket is closed only when none is in flight, because the daemon
+    frees a connection's slots as soon as it sees the connection go.
+    """
+
+    __slots__ = ("channel", "hello", "slab", "pinned", "_active", "_idle")
+
+    def __init__(self, channel: Channel, hello: m.HelloReply, slab: torch.Tensor,
+                 pinned: bool) -> None:
+        self.channel = channel
+        self.hello = hello
+        self.slab = slab  # [slots, block_nbytes] uint8, shared with the daemon
+        self.pinned = pinned
+        self._active = 0
+        self._idle = threading.Condition()
+
+    @contextlib.contextmanager
+    def copying(self):  # noqa: ANN201
+        with self._idle:
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._idle:
+                self._active -= 1
+                if not self._active:
+                    self._idle.notify_all()
+
+    def close(self) -> None:
+        with self._idle:
+            self._idle.wait_for(lambda: not self._active, timeout=60)
+        self.channel.close()
+        if self.pinned:
+            with contextlib.suppress(Exception):  # best effort
+                unregister_pinned(self.slab)
+
+
+class Client:
+    """A store served by a daemon; the same API as :class:`kvstore.store.Store`.
+
+    Create with :func:`connect`. Thread-safe: requests from several threads share one
+    connection (each round trip holds it briefly; copies run outside it).
+    """
+
+    def __init__(
+        self, socket_path: str | os.PathLike[str], *, layout: KVLayout, model_id: str,
+        model_revision: str | None = None, device: str | torch.device | None = None,
+        tp_rank: int = 0, tp_size: int = 1, namespace_extras: Mapping[str, object] | None = None,
+        timeout: float | None = 30.0, salt_policy: str = "shared",
+        warm_capacity: int | None = None, backoff: tuple[float, float] = (0.05, 5.0),
+    ) -> None:
+        if not isinstance(layout, KVLayout):
+            from kvstore.errors import ConfigError
+
+            raise ConfigError(f"layout must be a KVLayout, got {type(layout).__name__}")
+        self.socket_path = os.fspath(socket_path)
+        self.layout = layout
+        self.device = _resolve_device(device)
+        self.timeout = timeout
+        self._hello = make_hello(
+            layout, model_id, model_revision=model_revision, tp_rank=tp_rank, tp_size=tp_size,
+            namespace_extras=namespace_extras, salt_policy=salt_policy,
+            warm_capacity=warm_capacity, client=f"pid {os.getpid()}",
+        )
+        # what the daemon will derive; its hello reply has the final word
+        self.namespace: Namespace = derive_namespace(self._hello, os.getuid())
+        self.namespace_id: bytes = self.namespace.id
+        self._closed = False
+        self._session: _Session | None = None
+        self._lock = threading.Lock()  # connecting / swapping the session
+        self._backoff_min, self._backoff_max = backoff
+        self._backoff = self._backoff_min
+        self._next_attempt = 0.0
+        self._down = False
+        self._warned: dict[int, float] = {}
+
+    # -- connection ------------------------------------------------------------------------------
+    def _open(self) -> _Session:
+        ch = Channel.connect(self.socket_path, self.timeout)
+        try:
+            reply = ch.call(self._hello)
+            assert isinstance(reply, m.HelloReply)
+            if reply.version != PROTOCOL_VERSION:
+                raise ProtocolVersionError(m.ErrorCode.VERSION_MISMATCH,
+                                           f"daemon answered with protocol {reply.version}")
+            if reply.block_nbytes != self.layout.block_nbytes:
+                raise ServerError(m.ErrorCode.CONFIG, "daemon disagrees on the block size")
+            ch.max_frame = reply.max_frame
+            nbytes = reply.slots * reply.block_nbytes
+            mapping = map_shared(reply.shm_path, nbytes, create=False)
+            slab = torch.frombuffer(mapping, dtype=torch.uint8).view(reply.slots, reply.block_nbytes)
+            del mapping  # the tensor keeps the mapping alive for as long as it is used
+            pinned = False
+            if self.device.type == "cuda":
+                try:
+                    register_pinned(slab)
+                    pinned = True
+                except OSError as e:
+                    log.warning("could not register the shared slab as pinned memory (%s); "
+                                "copies to the GPU will be staged", e)
+        except BaseException:
+            ch.close()
+            raise
+        if reply.namespace_id != self.namespace_id:
+            log.warning("the daemon derived namespace %s, not %s (its salt policy?); keys "
+                        "computed before now are rejected", reply.namespace_id.hex()[:16],
+                        self.namespace_id.hex()[:16])
+            self.namespace_id = reply.namespace_id
+        return _Session(ch, reply, slab, pinned)
+
+    def _connect_first(self) -> None:
+        """At ``connect``: configuration errors raise; an absent daemon only warns."""
+        try:
+            with self._lock:
+                self._session = self._open()
+        except _CONFIG_ERRORS:
+            raise
+        except ServerError as e:
+            if e.code in (m.ErrorCode.CONFIG, m.ErrorCode.BAD_REQUEST):
+                raise
+            self._mark_down(e)
+        except (OSError, ChannelClosed) as e:
+            self._mark_down(e)
+
+    def _mark_down(self, e: BaseException) -> None:
+        now = time.monotonic()
+        if not self._down:
+            self._down = True
+            self._backoff = self._backoff_min
+            self._next_attempt = now  # the next call tries again at once, then backs off
+            log.warning("kvstore daemon at %s is unavailable (%s): lookups miss and puts are "
+                        "dropped until it is back; reconnecting with backoff", self.socket_path, e)
+        else:
+            self._next_attempt = now + self._backoff
+            self._backoff = min(self._backoff * 2, self._backoff_max)
+
+    def _get(self) -> _Session | None:
+        """The live session, reconnecting if it is time to; ``None`` while the daemon is down."""
+        if self._closed:
+            raise StoreClosedError("this client is closed; connect again with kvstore.connect() "
+                                   "(or use an embedded store from open_store())")
+        s = self._session
+        if s is not None and not s.channel.broken:
+            return s
+        with self._lock:
+            s = self._session
+            if s is not None and not s.channel.broken:
+                return s
+            if s is not None:
+                self._drop(s, ChannelClosed("connection lost"))
+            if time.monotonic() < self._next_attempt:
+                return None
+            try:
+                s = self._session = self._open()
+            except _CONFIG_ERRORS as e:
+                log.error("kvstore daemon at %s refused us: %s", self.socket_path, e)
+                self._mark_down(e)
+                return None
+            except (OSError, ChannelClosed, ServerError) as e:
+                self._mark_down(e)
+                return None
+            if self._down:
+                log.warning("reconnected to the kvstore daemon at %s", self.socket_path)
+                self._down = False
+            return s
+
+    def _drop(self, s: _Session, e: BaseException) -> None:
+        """Forget a broken session (caller holds ``_lock``)."""
+        s.close()
+        if self._session is s:
+            self._session = None
+        self._mark_down(e)
+
+    def _lost(self, s: _Session, e: BaseException) -> None:
+        with self._lock:
+            if self._session is s:
+                self._drop(s, e)
+
+    def _request(self, s: _Session, req: m.Request, timeout: float | None | bool = True) -> object | None:
+        """A round trip on ``s``; ``None`` when it could not be answered (a miss for the
+        caller). Only errors that are the caller's to fix raise (bad arguments)."""
+        try:
+            return s.channel.call(req, timeout)
+        except ChannelClosed as e:
+            self._lost(s, e)
+            return None
+        except ServerError as e:
+            if e.code == m.ErrorCode.TIMEOUT:
+                raise TimeoutError(e.message) from None
+            if e.code not in _SOFT_CODES:
+                raise
+            now = time.monotonic()
+            if now - self._warned.get(e.code, -_WARN_EVERY) >= _WARN_EVERY:
+                self._warned[e.code] = now
+                log.warning("kvstore daemon: %s failed (%s); answered as a miss", req.OP, e)
+            if s.channel.broken:
+                self._lost(s, e)
+            return None
+
+    def _call(self, req: m.Request, timeout: float | None | bool = True) -> object | None:
+        """A round trip; ``None`` when the daemon is not there (the caller reports a miss)."""
+        s = self._get()
+        return None if s is None else self._request(s, req, timeout)
+
+    # -- keys and validation -------------------------------------------------------------------
+    def block_keys(
+        self, token_ids: object, salt: str | bytes | None = None, *,
+        extras: Sequence[bytes | None] | None = None,
+    ) -> KeyChain:
+        """Keys of every full block of ``token_ids`` (computed here, no round trip)."""
+        self._check_open()
+        return _block_keys(self.namespace_id, token_ids, self.layout.block_tokens, salt=salt,
+                           extras=extras)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError("this client is closed; connect again with kvstore.connect() "
+                                   "(or use an embedded store from open_store())")
+
+    def _keys(self, keys: Sequence[bytes]) -> tuple[bytes, int, bytes | None]:
+        """``keys`` as one ``n * 32``-byte blob, ``n`` and the chain's parent key."""
+        if isinstance(keys, (bytes, bytearray, str)) or not isinstance(keys, Sequence):
+            raise TypeError("keys must be a list of block keys from block_keys()")
+        parent = None
+        if isinstance(keys, KeyChain):
+            if keys.namespace_id not in (None, self.namespace_id):
+                raise NamespaceMismatchError(
+                    "these keys were computed for another namespace (model, revision, layout, "
+                    "tensor-parallel shard or store); compute them with this store's block_keys()"
+                )
+            parent = keys.parent
+        n = len(keys)
+        try:
+            blob = b"".join(keys)
+            ok = len(blob) == KEY_BYTES * n and (not n or set(map(len, keys)) == {KEY_BYTES})
+        except TypeError:
+            ok = False
+        if not ok:
+            blob = b"".join([check_key(k) for k in keys])  # raises KeyFormatError, naming why
+        return blob, n, parent
+
+    def _check_kv(self, kv: torch.Tensor, n: int) -> None:
+        lay = self.layout
+        shape = ", ".join(map(str, lay.block_shape))
+        if not isinstance(kv, torch.Tensor):
+            raise TensorMismatchError(f"kv must be a torch.Tensor [n, {shape}], got {type(kv).__name__}")
+        if kv.dtype != lay.dtype:
+            raise TensorMismatchError(
+                f"kv has dtype {kv.dtype}; this store's layout holds {lay.dtype} "
+                "(convert with kv.to(layout.dtype) or open the store with the engine's dtype)")
+        if kv.dim() != 6 or tuple(kv.shape[1:]) != lay.block_shape:
+            raise TensorMismatchError(
+                f"kv must have shape [n, L, P, T, H, D] = [n, {shape}], got {list(kv.shape)}")
+        if kv.shape[0] != n:
+            raise TensorMismatchError(
+                f"kv holds {kv.shape[0]} blocks but {n} keys were given; pass one key per block")
+        dev = self.device
+        if kv.device.type not in ("cpu", dev.type) or (
+            kv.device.type == dev.type and kv.device.index is not None
+            and dev.index is not None and kv.device.index != dev.index
+        ):
+            raise TensorMismatchError(f"kv is on {kv.device}; this store takes tensors on {dev} or cpu")
+
+    def _check_out(self, out: torch.Tensor, n: int) -> None:
+        lay = self.layout
+        if not isinstance(out, torch.Tensor):
+            raise TensorMismatchError("out must be a torch.Tensor [n, L, P, T, H, D]")
+        if out.dtype != lay.dtype:
+            raise TensorMismatchError(f"out has dtype {out.dtype}; the layout needs {lay.dtype}")
+        if out.dim() != 6 or tuple(out.shape[1:]) != lay.block_shape:
+            raise TensorMismatchError(
+                f"out must have shape [n, {', '.join(map(str, lay.block_shape))}], got "
+                f"{list(out.shape)}")
+        if out.shape[0] < n:
+            raise TensorMismatchError(f"out holds {out.shape[0]} blocks, {n} keys were asked for")
+        if not out.is_contiguous():
+            raise TensorMismatchError("out must be contiguous")
+
+    # -- lookup / fetch / prefetch ---------------------------------------------------------------
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        """Number of leading ``keys`` held by the daemon (0 while it is down)."""
+        blob, n, parent = self._keys(keys)
+        self._check_open()
+        if not n:
+            return 0
+        step = KEY_BYTES * (self._session.hello.max_keys if self._session else 65536)
+        found = 0
+        for off in range(0, len(blob), step):  # chunks of the daemon's per-request limit
+            chunk = blob[off : off + step]
+            r = self._call(m.Lookup(chunk, parent if off == 0 else blob[off - KEY_BYTES : off]))
+            if r is None:
+                return 0
+            found += r.n  # type: ignore[attr-defined]
+            if r.n < len(chunk) // KEY_BYTES:  # type: ignore[attr-defined]
+                break
+        return found
+
+    def fetch(self, keys: Sequence[bytes], *, out: torch.Tensor | None = None) -> Transfer[torch.Tensor]:
+        """Copy the leading held blocks into ``out`` (or a new tensor on the client's device).
+
+        The result ``[n, L, P, T, H, D]`` may hold fewer blocks than keys (misses, damage,
+        or the daemon being down); callers check its length.
+        """
+        blob, n, parent = self._keys(keys)
+        if out is not None:
+            self._check_out(out, n)
+        self._check_open()
+        result = self._fetch(blob, n, parent, out, self.device)
+        return Transfer.completed(result, self.layout.num_layers)
+
+    def _fetch(self, blob: bytes, n: int, parent: bytes | None, out: torch.Tensor | None,
+               device: torch.device) -> torch.Tensor:
+        lease: m.Lease | None = None
+        s = self._get() if n else None
+        if s is not None:
+            lease = self._request(s, m.Fetch(blob, parent))  # type: ignore[assignment]
+        got = len(lease.slots) if lease is not None else 0
+        lay = self.layout
+        if out is None:
+            out = torch.empty(lay.batch_shape(got), dtype=lay.dtype, device=device)
+        result = out[:got]
+        if not got:
+            return result
+        assert s is not None and lease is not None
+        try:
+            with s.copying():
+                if s.channel.broken:  # the lease may already be gone
+                    return out[:0]
+                dst = result.view(got, -1).view(torch.uint8)
+                cuda = dst.is_cuda
+                for pos, first, length in runs(lease.slots):
+                    dst[pos : pos + length].copy_(s.slab[first : first + length], non_blocking=cuda)
+                if cuda:
+                    torch.cuda.current_stream(dst.device).synchronize()  # before the slots go back
+        finally:
+            try:
+                s.channel.send(m.Release(lease.lease_id))  # pipelined: not waited for
+            except ChannelClosed as e:
+                self._lost(s, e)  # the daemon releases a dead connection's leases itself
+        return result
+
+    def prefetch(self, keys: Sequence[bytes]) -> Transfer[int]:
+        """Have the daemon read the leading blocks from disk into its warm tier."""
+        blob, n, parent = self._keys(keys)
+        self._check_open()
+        r = self._call(m.Prefetch(blob, parent), None) if n else None
+        return Transfer.completed(0 if r is None else r.n)  # type: ignore[attr-defined]
+
+    # -- put -------------------------------------------------------------------------------------
+    def put(self, keys: Sequence[bytes], kv: torch.Tensor) -> Transfer[int]:
+        """Store ``kv`` (``[len(keys), L, P, T, H, D]``); validation raises synchronously.
+
+        The blocks are copied into the daemon's shared memory and committed before this
+        returns (the transfer is already done); its result is the number of blocks stored
+        (0 while the daemon is down: the put is dropped).
+        """
+        blob, n, parent = self._keys(keys)
+        self._check_kv(kv, n)
+        self._check_open()
+        s = self._get() if n else None
+        if s is None:
+            return Transfer.completed(0)
+        grant: m.Grant | None = self._request(s, m.Put(blob, parent))  # type: ignore[assignment]
+        if grant is None or not grant.slots:
+            return Transfer.completed(0)
+        try:
+            with s.copying():
+                if s.channel.broken:  # the grant may already be gone: never write its slots
+                    return Transfer.completed(0)
+                self._write_slots(s.slab, kv, grant.positions, grant.slots)
+        except BaseException:
+            try:
+                s.channel.send(m.Abort(grant.grant_id))
+            except ChannelClosed as e:
+                self._lost(s, e)
+            raise
+        # a connection lost here: the daemon aborts its granted puts itself
+        stored = self._request(s, m.Commit(grant.grant_id))
+        return Transfer.completed(0 if stored is None else stored.n)  # type: ignore[attr-defined]
+
+    def _write_slots(self, slab: torch.Tensor, kv: torch.Tensor, positions: list[int],
+                     slots: list[int]) -> None:
+        lay = self.layout
+        if kv.is_contiguous():
+            src = kv.reshape(kv.shape[0], -1).view(torch.uint8)
+            for p, s, length in _pairs(positions, slots):
+                slab[s : s + length].copy_(src[p : p + length])
+        else:
+            for p, s in zip(positions, slots, strict=True):
+                slab[s].view(lay.dtype).view(lay.block_shape).copy_(kv[p])
+
+    # -- paged engines ---------------------------------------------------------------------------
+    def load_into(self, keys: Sequence[bytes], pages: Sequence[object], block_ids: object, *,
+                  page_size: int | None = None) -> Transfer[int]:
+        """Scatter the leading held blocks into an engine's paged KV cache (see
+        :meth:`kvstore.store.Store.load_into`); the transfer yields the blocks loaded."""
+        blob, n, parent = self._keys(keys)
+        lay = self.layout
+        geo = paged_geometry(lay, pages, page_size)
+        ids = page_index(block_ids, n * geo.pages_per_block, geo)
+        self._check_open()
+        staged = self._fetch(blob, n, parent, None, geo.device)
+        got = staged.shape[0]
+        if got:
+            sel = ids[: got * geo.pages_per_block]
+            for layer in range(lay.num_layers):
+                scatter_pages(lay, geo, staged[:, layer], pages[layer], sel)
+        return Transfer.completed(got, lay.num_layers)
+
+    def save_from(self, pages: Sequence[object], block_ids: object, keys: Sequence[bytes], *,
+                  page_size: int | None = None) -> Transfer[int]:
+        """Gather the blocks for ``keys`` out of an engine's paged cache and ``put`` them."""
+        _blob, n, _parent = self._keys(keys)
+        lay = self.layout
+        geo = paged_geometry(lay, pages, page_size)
+        ids = page_index(block_ids, n * geo.pages_per_block, geo)
+        kv = torch.empty(lay.batch_shape(n), dtype=lay.dtype, device=geo.device)
+        for layer in range(lay.num_layers):
+            gather_pages(lay, geo, pages[layer], ids, kv[:, layer])
+        return self.put(keys, kv)
+
+    # -- pins / evict ------------------------------------------------------------------------
+    def pin(self, keys: Sequence[bytes]) -> PinReceipt:
+        """Pin the leading held blocks (for this connection: a dropped client's pins go)."""
+        blob, n, parent = self._keys(keys)
+        self._check_open()
+        r = self._call(m.Pin(blob, parent)) if n else None
+        got = 0 if r is None else r.n  # type: ignore[attr-defined]
+        ks = [BlockKey(blob[i * KEY_BYTES : (i + 1) * KEY_BYTES]) for i in range(got)]
+        return PinReceipt(self, ks)  # type: ignore[arg-type]
+
+    def unpin(self, keys: Sequence[bytes]) -> int:
+        """Drop one of this client's pins from each of ``keys``; returns how many were pinned."""
+        blob, n, _parent = self._keys(keys)
+        if self._closed or not n:
+            return 0
+        r = self._call(m.Unpin(blob))
+        return 0 if r is None else r.n  # type: ignore[attr-defined]
+
+    def evict(self, keys: Sequence[bytes] | None = None, *, tier: str | None = None) -> int:
+        """Evict ``keys`` (default: every unpinned block of the namespace); see
+        :meth:`kvstore.store.Store.evict`."""
+        if tier not in _TIERS:
+            from kvstore.errors import ConfigError
+
+            raise ConfigError(f"tier must be None, 'hot', 'warm' or 'disk', got {tier!r}")
+        blob = None if keys is None else self._keys(keys)[0]
+        self._check_open()
+        r = self._call(m.Evict(blob, tier), None)
+        return 0 if r is None else r.n  # type: ignore[attr-defined]
+
+    # -- stats / flush / close ---------------------------------------------------------------------
+    def _stats_reply(self) -> m.StatsReply | None:
+        self._check_open()
+        return self._call(m.Stats())  # type: ignore[return-value]
+
+    def stats(self) -> StoreStats:
+        """The namespace's counters in the daemon (all its clients together); zeros while the
+        daemon is down."""
+        r = self._stats_reply()
+        if r is None:
+            z = {f: 0 for f in StoreStats.__dataclass_fields__ if f != "tiers"}
+            z["block_nbytes"] = self.layout.block_nbytes
+            return StoreStats(**z, tiers=())
+        return r.store
+
+    def server_stats(self) -> m.ServerStats | None:
+        """The daemon's own counters (leases, granted puts, free slots...); ``None`` if down."""
+        r = self._stats_reply()
+        return None if r is None else r.server
+
+    def ping(self) -> bool:
+        """True if the daemon answers."""
+        self._check_open()
+        return self._call(m.Ping()) is not None
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Return once every earlier put is durable in the daemon's disk tier."""
+        self._check_open()
+        self._call(m.Flush(timeout), None)
+
+    @property
+    def connected(self) -> bool:
+        s = self._session
+        return s is not None and not s.channel.broken and not self._closed
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Close the connection (the daemon gives back whatever it still holds for us)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            s, self._session = self._session, None
+        if s is not None:
+            s.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("connected" if self.connected else "down")
+        return f"<kvstore.Client {self.socket_path} namespace {self.namespace_id.hex()[:16]} {state}>"
+
+
+def connect(
+    socket_path: str | os.PathLike[str], *, layout: KVLayout, model_id: str,
+    model_revision: str | None = None, device: str | torch.device | None = None,
+    tp_rank: int = 0, tp_size: int = 1, namespace_extras: Mapping[str, object] | None = None,
+    timeout: float | None = 30.0, salt_policy: str = "shared", warm_capacity: int | str | None = None,
+) -> Client:
+    """Connect to a ``kvstore serve`` daemon; the client has the embedded store's API.
+
+    ``salt_policy="per-uid"`` asks for a namespace of this uid's own. ``warm_capacity`` asks
+    for the namespace's warm tier size when this client is the one to open it (capped by the
+    daemon's ``--cpu-capacity``). A daemon that is not running is not an error: the client
+    misses until it comes up. A daemon that refuses us (uid, protocol version, namespace) is.
+    """
+    from kvstore.sizes import parse_size
+
+    cap = None if warm_capacity is None else parse_size(warm_capacity, what="warm_capacity")
+    c = Client(socket_path, layout=layout, model_id=model_id, model_revision=model_revision,
+               device=device, tp_rank=tp_rank, tp_size=tp_size,
+               namespace_extras=namespace_extras, timeout=timeout, salt_policy=salt_policy,
+               warm_capacity=cap)
+    c._connect_first()
+    return c

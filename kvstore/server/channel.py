@@ -1,0 +1,124 @@
+"""The client's end of one connection: blocking request/reply with pipelined requests.
+
+``call`` sends a request and reads replies until its own arrives; ``send`` sends a request
+whose reply is not waited for (``release``, ``abort``) - the daemon answers in order, so that
+reply is read, and any error in it logged, by the next ``call``. One lock serialises the
+socket; a round trip holds it, so the calling thread does the I/O itself (no hand-off to a
+reader thread on the latency-critical path). Any socket, framing or decoding failure breaks
+the channel (:class:`ChannelClosed`); the client then reconnects.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+
+from kvstore.server import messages as m
+from kvstore.server.codec import CodecError, CodecLimits, pack, unpack
+from kvstore.server.framing import DEFAULT_MAX_FRAME, FrameError, recv_frame, send_frame
+
+log = logging.getLogger("kvstore.client")
+
+#: bound on the daemon's replies (a 65,536-block lease reply is well under this)
+MAX_REPLY_FRAME = 16 << 20
+
+
+class ChannelClosed(ConnectionError):
+    """The connection to the daemon is gone (or was never there)."""
+
+
+class Channel:
+    def __init__(self, sock: socket.socket, timeout: float | None) -> None:
+        self._sock = sock
+        self._timeout = timeout
+        self._sock_timeout: float | None = timeout
+        sock.settimeout(timeout)
+        self._lock = threading.Lock()
+        self._rid = 0
+        self._deferred: set[int] = set()
+        self._codec = CodecLimits.for_frames(MAX_REPLY_FRAME, 1 << 20)
+        self.max_frame = DEFAULT_MAX_FRAME  # the daemon's cap; updated from its hello reply
+        self.broken = False
+
+    @classmethod
+    def connect(cls, path: str, timeout: float | None) -> Channel:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(timeout)
+            sock.connect(path)
+        except BaseException:
+            sock.close()
+            raise
+        return cls(sock, timeout)
+
+    def close(self) -> None:
+        self.broken = True
+        with contextlib.suppress(OSError):
+            self._sock.close()
+
+    def _fail(self, e: BaseException) -> ChannelClosed:
+        # Marked broken, not closed: the owner closes the socket once no copy into or out of
+        # this connection's leased/granted slots is in flight (the daemon frees those slots
+        # when it sees the connection go, and may hand them to someone else right away).
+        self.broken = True
+        return ChannelClosed(f"connection to the kvstore daemon lost: {e}")
+
+    def _send(self, req: m.Request) -> int:
+        self._rid += 1
+        body = pack(m.encode_request(self._rid, req))
+        if len(body) > self.max_frame:
+            raise m.ServerError(m.ErrorCode.LIMIT, f"a {req.OP} request of {len(body)} bytes "
+                                f"exceeds the daemon's frame cap ({self.max_frame} B)")
+        send_frame(self._sock, body)
+        return self._rid
+
+    def send(self, req: m.Request) -> None:
+        """Send without waiting for the reply (read, and logged if an error, later)."""
+        with self._lock:
+            if self.broken:
+                raise ChannelClosed("not connected")
+            try:
+                self._deferred.add(self._send(req))
+            except OSError as e:
+                raise self._fail(e) from e
+
+    def call(self, req: m.Request, timeout: float | None | bool = True) -> object:
+        """Send ``req`` and return its typed reply; an error reply raises ``ServerError``.
+
+        ``timeout=True`` uses the channel's default; ``None`` waits as long as it takes.
+        """
+        t = self._timeout if timeout is True else timeout
+        with self._lock:
+            if self.broken:
+                raise ChannelClosed("not connected")
+            try:
+                if t != self._sock_timeout:
+                    self._sock.settimeout(t)
+                    self._sock_timeout = t
+                rid = self._send(req)
+                while True:
+                    body = recv_frame(self._sock, MAX_REPLY_FRAME)
+                    if body is None:
+                        raise ConnectionError("the daemon closed the connection")
+                    r_rid, status, rbody = m.decode_reply(unpack(body, self._codec))
+                    if r_rid == rid or (r_rid == 0 and status == m.ERROR):
+                        break
+                    if r_rid in self._deferred:
+                        self._deferred.discard(r_rid)
+                        if status == m.ERROR:
+                            log.warning("kvstore daemon: request %d failed: %s", r_rid, rbody[1])
+                        continue
+                    raise FrameError(f"reply to unknown request {r_rid}")
+            except (OSError, FrameError, CodecError, m.BadRequest) as e:
+                raise self._fail(e) from e
+        if status == m.ERROR:
+            err = m.error_for(rbody[0], rbody[1])
+            if rbody[0] in m.FATAL_CODES or r_rid == 0:
+                self.close()
+            raise err
+        try:
+            return m.REPLIES[type(req)].from_wire(rbody)
+        except m.BadRequest as e:
+            raise self._fail(e) from e

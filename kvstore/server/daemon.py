@@ -1,0 +1,172 @@
+"""The sidecar daemon: an asyncio server on a Unix socket that alone owns the stores.
+
+``Daemon.start()`` removes leftovers of a killed daemon, creates the private shared-memory
+directory and the socket, and starts accepting. ``request_stop()`` (SIGTERM/SIGINT) begins a
+graceful shutdown: stop accepting, let in-flight requests finish (idle connections are closed
+at once), give back every connection's leases and granted puts, flush and close the stores,
+remove the socket and the shared-memory files.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import os
+import signal
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from kvstore.server.config import DaemonConfig
+from kvstore.server.connection import Connection
+from kvstore.server.metrics import DaemonMetrics
+from kvstore.server.namespaces import NamespaceRegistry
+from kvstore.server.protocol import PROTOCOL_VERSION
+from kvstore.server.security import (
+    PeerPolicy,
+    bind_unix_socket,
+    make_shm_dir,
+    peer_credentials,
+    remove_path,
+    remove_stale_shm,
+)
+
+log = logging.getLogger("kvstore.server")
+
+
+class Daemon:
+    def __init__(self, config: DaemonConfig) -> None:
+        from kvstore import __version__
+
+        self.config = config
+        self.policy = PeerPolicy(config.allow_uids)
+        self.server_name = f"kvstore {__version__} protocol {PROTOCOL_VERSION} pid {os.getpid()}"
+        self.connections: set[Connection] = set()
+        self.stopping = False
+        self.metrics_port: int | None = None
+        self._executor = ThreadPoolExecutor(config.workers, thread_name_prefix="kvstore-serve")
+        self._server: asyncio.base_events.Server | None = None
+        self._stopped = asyncio.Event()
+        self._shm_dir: Path | None = None
+        self._metrics_task: asyncio.Task | None = None
+        self.registry: NamespaceRegistry
+        self.metrics: DaemonMetrics
+
+    async def run_blocking(self, fn, *args):  # noqa: ANN001, ANN201
+        """Run ``fn(*args)`` on the daemon's thread pool."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, functools.partial(fn, *args))
+
+    # -- start -------------------------------------------------------------------------------
+    async def start(self) -> None:
+        cfg = self.config
+        for p in remove_stale_shm(cfg.shm_base):
+            log.info("removed %s, left behind by a daemon that died", p)
+        self._shm_dir = make_shm_dir(cfg.shm_base)
+        try:
+            self.registry = NamespaceRegistry(cfg, self._shm_dir, self.run_blocking)
+            self.metrics = DaemonMetrics(self.registry.snapshot)
+            sock = bind_unix_socket(cfg.socket_path)
+            self._server = await asyncio.start_unix_server(
+                self._accept, sock=sock, limit=64 << 10)
+            if cfg.metrics_port is not None:
+                self.metrics_port = self.metrics.start_http(cfg.metrics_port)
+                log.info("metrics on http://127.0.0.1:%d/metrics", self.metrics_port)
+            if cfg.metrics_path is not None:
+                self._metrics_task = asyncio.create_task(self._write_metrics_forever())
+        except BaseException:
+            remove_path(self._shm_dir)
+            raise
+        log.info("serving %s on %s (store %s, warm %d B per namespace, disk %d B)",
+                 self.server_name, cfg.socket_path, cfg.path, cfg.cpu_capacity, cfg.disk_capacity)
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        sock = writer.get_extra_info("socket")
+        try:
+            cred = peer_credentials(sock)
+        except OSError:
+            writer.close()
+            return
+        if self.stopping:
+            writer.close()
+            return
+        conn = Connection(self, reader, writer, cred)
+        conn.task = asyncio.current_task()
+        self.connections.add(conn)
+        self.metrics.connections.inc()
+        try:
+            await conn.serve()
+        finally:
+            self.connections.discard(conn)
+            self.metrics.connections.dec()
+
+    async def _write_metrics_forever(self) -> None:
+        path = self.config.metrics_path
+        assert path is not None
+        while True:
+            try:
+                await self.run_blocking(self.metrics.write_file, path)
+            except Exception:
+                log.exception("writing metrics to %s failed", path)
+            await asyncio.sleep(self.config.metrics_interval)
+
+    # -- stop --------------------------------------------------------------------------------
+    def request_stop(self) -> None:
+        if not self.stopping:
+            log.info("shutting down: no new connections; finishing in-flight requests")
+        self.stopping = True
+        self._stopped.set()
+
+    async def serve_until_stopped(self) -> None:
+        await self._stopped.wait()
+        await self.shutdown()
+
+    async def shutdown(self) -> None:
+        self.stopping = True
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self.connections):
+            if conn.idle and conn.task is not None:
+                conn.task.cancel()  # waiting for a request: nothing in flight
+        tasks = [c.task for c in self.connections if c.task is not None]
+        if tasks:
+            _done, pending = await asyncio.wait(tasks, timeout=self.config.shutdown_timeout)
+            for t in pending:
+                t.cancel()
+            if pending:
+                log.warning("%d connections did not finish in time; closing them", len(pending))
+                await asyncio.wait(pending, timeout=5)
+        if self._metrics_task is not None:
+            self._metrics_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._metrics_task
+        await self.registry.close_all()
+        if self.config.metrics_path is not None:
+            with contextlib.suppress(Exception):
+                self.metrics.write_file(self.config.metrics_path)
+        self.metrics.stop_http()
+        remove_path(self.config.socket_path)
+        if self._shm_dir is not None:
+            remove_path(self._shm_dir)
+        self._executor.shutdown(wait=True)
+        log.info("stopped")
+
+
+async def _main(config: DaemonConfig) -> None:
+    daemon = Daemon(config)
+    await daemon.start()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, daemon.request_stop)
+    try:
+        await daemon.serve_until_stopped()
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+
+def run_daemon(config: DaemonConfig) -> int:
+    """Serve until SIGTERM/SIGINT; returns the process exit status (0 after a clean stop)."""
+    asyncio.run(_main(config))
+    return 0

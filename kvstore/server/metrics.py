@@ -1,0 +1,139 @@
+"""The daemon's metrics in Prometheus text format (``prometheus_client``, own registry).
+
+Request counts and latencies, errors by code, lookup hits and misses, blocks and bytes moved
+through shared memory are counted as they happen; per-namespace tier occupancy, evictions
+and store counters are read from ``Store.stats()`` at scrape time. Exposed on an HTTP port
+bound to 127.0.0.1, or written to a file periodically (atomically: temp file + rename), and
+summarised in every ``stats`` reply.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, write_to_textfile
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvstore.stats import StoreStats
+
+log = logging.getLogger("kvstore.server.metrics")
+_LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3,
+                    50e-3, 100e-3, 250e-3, 1.0, 5.0)
+
+#: (namespace label, model id, stats) for every open namespace
+Snapshot = Callable[[], Iterable[tuple[str, str, StoreStats]]]
+
+
+class _StoreCollector(Collector):
+    def __init__(self, snapshot: Snapshot) -> None:
+        self._snapshot = snapshot
+
+    def collect(self):  # noqa: ANN201 - prometheus_client's protocol
+        labels = ["namespace", "model"]
+        tier_labels = [*labels, "tier"]
+        used = GaugeMetricFamily("kvstore_tier_used_bytes", "Bytes held by a tier", labels=tier_labels)
+        cap = GaugeMetricFamily("kvstore_tier_capacity_bytes", "Capacity of a tier", labels=tier_labels)
+        blocks = GaugeMetricFamily("kvstore_tier_blocks", "Blocks held by a tier", labels=tier_labels)
+        evict = CounterMetricFamily("kvstore_tier_evictions", "Blocks evicted from a tier",
+                                    labels=tier_labels)
+        counters = {
+            name: CounterMetricFamily(f"kvstore_store_{name}", help_, labels=labels)
+            for name, help_ in (
+                ("hits", "Blocks lookup found"), ("misses", "Blocks lookup did not find"),
+                ("fetched_blocks", "Blocks fetched"), ("put_blocks", "Blocks stored by put"),
+                ("put_dropped", "Blocks a put could not store"),
+                ("damaged", "Damaged blocks found (served as misses)"),
+                ("dirty_dropped", "Blocks evicted before they reached disk"),
+                ("disk_write_dropped", "Disk writes that failed or were dropped"),
+            )
+        }
+        pinned = GaugeMetricFamily("kvstore_store_pinned_blocks", "Pinned blocks", labels=labels)
+        try:
+            snap = list(self._snapshot())
+        except Exception:  # a scrape must not fail because a store is closing
+            log.debug("metrics snapshot failed", exc_info=True)
+            snap = []
+        for ns, model, st in snap:
+            for t in st.tiers:
+                lv = [ns, model, t.name]
+                used.add_metric(lv, t.used_bytes)
+                cap.add_metric(lv, t.capacity_bytes)
+                blocks.add_metric(lv, t.blocks)
+                evict.add_metric(lv, t.evictions)
+            for name, fam in counters.items():
+                fam.add_metric([ns, model], getattr(st, name))
+            pinned.add_metric([ns, model], st.pinned_blocks)
+        yield from (used, cap, blocks, evict, pinned, *counters.values())
+
+
+class DaemonMetrics:
+    """Every metric of one daemon, in its own registry."""
+
+    def __init__(self, snapshot: Snapshot | None = None) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("kvstore_requests", "Requests answered", ["op"], registry=r)
+        self.latency = Histogram("kvstore_request_seconds",
+                                 "Time from a request's arrival to its reply being queued",
+                                 ["op"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.errors = Counter("kvstore_errors", "Error replies sent", ["code"], registry=r)
+        self.lookup_blocks = Counter("kvstore_lookup_blocks", "Blocks asked for by lookups",
+                                     ["result"], registry=r)
+        self.leased_blocks = Counter("kvstore_fetch_blocks", "Blocks leased to clients by fetch",
+                                     registry=r)
+        self.leased_bytes = Counter("kvstore_fetch_bytes",
+                                    "Bytes leased to clients through shared memory", registry=r)
+        self.put_blocks = Counter("kvstore_put_blocks", "Blocks committed by clients' puts",
+                                  registry=r)
+        self.put_bytes = Counter("kvstore_put_bytes",
+                                 "Bytes committed through shared memory", registry=r)
+        self.aborted_blocks = Counter("kvstore_put_aborted_blocks",
+                                      "Granted blocks given back (abort or client gone)",
+                                      registry=r)
+        self.connections = Gauge("kvstore_connections", "Open client connections", registry=r)
+        self.refused = Counter("kvstore_connections_refused",
+                               "Connections refused (uid, version, limits)", ["reason"], registry=r)
+        self.namespaces = Gauge("kvstore_namespaces", "Open namespaces (stores)", registry=r)
+        self._by_op: dict[str, tuple] = {}
+        self.lookup_hit = self.lookup_blocks.labels("hit")
+        self.lookup_miss = self.lookup_blocks.labels("miss")
+        self.total_requests = 0
+        self.total_errors = 0
+        if snapshot is not None:
+            r.register(_StoreCollector(snapshot))
+        self._http = None
+        self._stop = threading.Event()
+
+    # -- recording ----------------------------------------------------------------------------
+    def observe(self, op: str, seconds: float) -> None:
+        self.total_requests += 1
+        children = self._by_op.get(op)
+        if children is None:  # ops are the known ones: the dict stays small
+            children = self._by_op[op] = (self.requests.labels(op), self.latency.labels(op))
+        children[0].inc()
+        children[1].observe(seconds)
+
+    def error(self, code: int) -> None:
+        self.total_errors += 1
+        self.errors.labels(str(int(code))).inc()
+
+    # -- exposition ---------------------------------------------------------------------------
+    def write_file(self, path: Path) -> None:
+        write_to_textfile(str(path), self.registry)
+
+    def start_http(self, port: int, addr: str = "127.0.0.1") -> int:
+        """Serve ``/metrics`` on ``addr:port`` (port 0: any free one); returns the port."""
+        from prometheus_client import start_http_server
+
+        server, _thread = start_http_server(port, addr=addr, registry=self.registry)
+        self._http = server
+        return server.server_port
+
+    def stop_http(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None

@@ -1,0 +1,169 @@
+"""The daemon's stores: one embedded ``Store`` per namespace, opened on first use.
+
+Each store runs with ``gpu_capacity=0`` (the daemon owns no GPU; clients copy to their own
+devices) and its warm tier in a ``0600`` file of the daemon's private shared-memory
+directory, which clients map. A namespace stays open after its last client leaves (the
+cache outlives engines); when ``max_namespaces`` are open, the least recently used idle one
+is flushed and closed to make room (its blocks stay on disk).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvstore.errors import KVStoreError
+from kvstore.namespace import Namespace
+from kvstore.server.config import DaemonConfig
+from kvstore.server.messages import BadRequest, ErrorCode
+from kvstore.stats import StoreStats
+from kvstore.store import Store, open_store
+
+log = logging.getLogger("kvstore.server")
+
+RunBlocking = Callable[..., Awaitable]
+
+
+@dataclass(eq=False, slots=True)
+class NamespaceEntry:
+    namespace: Namespace
+    store: Store
+    shm_path: Path
+    slots: int
+    memory_only: bool  # no disk tier: store calls never block on I/O
+    connections: set = field(default_factory=set)
+    last_used: float = field(default_factory=time.monotonic)
+
+    @property
+    def label(self) -> str:
+        return self.namespace.id.hex()[:16]
+
+
+def free_warm_slots(store: Store) -> int:
+    """Warm slots neither holding a block nor granted to a put."""
+    return store.warm_free_slots
+
+
+def _reserve(path: Path, nbytes: int) -> None:
+    """Allocate the slab file's pages now: a tmpfs that runs out of room later would kill
+    whoever touches the missing page (SIGBUS), daemon or client; here it is an error."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
+        raise BadRequest(
+            f"no room for a {nbytes}-byte warm tier in {path.parent.parent} ({e.strerror}); "
+            "lower --cpu-capacity or grow /dev/shm", ErrorCode.CONFIG) from None
+    finally:
+        os.close(fd)
+
+
+class NamespaceRegistry:
+    def __init__(self, config: DaemonConfig, shm_dir: Path, run_blocking: RunBlocking) -> None:
+        self._config = config
+        self._shm_dir = shm_dir
+        self._run = run_blocking
+        self._entries: dict[bytes, NamespaceEntry] = {}
+        self._lock = asyncio.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def entries(self) -> list[NamespaceEntry]:
+        return list(self._entries.values())
+
+    def snapshot(self) -> list[tuple[str, str, StoreStats]]:
+        """Stats of every open store (thread-safe; for the metrics collector)."""
+        out = []
+        for e in list(self._entries.values()):
+            try:
+                out.append((e.label, e.namespace.model_id, e.store.stats()))
+            except KVStoreError:
+                continue  # closing
+        return out
+
+    async def acquire(self, ns: Namespace, warm_capacity: int | None, conn: object) -> NamespaceEntry:
+        async with self._lock:
+            entry = self._entries.get(ns.id)
+            if entry is None:
+                if len(self._entries) >= self._config.limits.max_namespaces:
+                    await self._close_idle()
+                entry = await self._open(ns, warm_capacity)
+                self._entries[ns.id] = entry
+            entry.connections.add(conn)
+            entry.last_used = time.monotonic()
+            return entry
+
+    async def release(self, entry: NamespaceEntry, conn: object) -> None:
+        entry.connections.discard(conn)
+        entry.last_used = time.monotonic()
+
+    async def _open(self, ns: Namespace, warm_capacity: int | None) -> NamespaceEntry:
+        cfg = self._config
+        bn = ns.layout.block_nbytes
+        cap = cfg.cpu_capacity if not warm_capacity else min(warm_capacity, cfg.cpu_capacity)
+        if cap < bn:
+            raise BadRequest(
+                f"a block of this layout is {bn} bytes but the namespace's warm tier would be "
+                f"{cap} bytes (the daemon's --cpu-capacity is {cfg.cpu_capacity}); raise it",
+                ErrorCode.CONFIG,
+            )
+        shm = self._shm_dir / f"ns-{ns.id.hex()[:32]}.slab"
+
+        def _open_store() -> Store:
+            store = open_store(
+                cfg.path, layout=ns.layout, model_id=ns.model_id,
+                model_revision=ns.model_revision or None, device="cpu", gpu_capacity=0,
+                cpu_capacity=cap - cap % bn, disk_capacity=cfg.disk_capacity,
+                tp_rank=ns.tp_rank, tp_size=ns.tp_size, namespace_extras=dict(ns.extras),
+                admission=cfg.admission, disk_codec=cfg.disk_codec,
+                warm_shared_memory=str(shm),
+            )
+            try:
+                _reserve(shm, cap - cap % bn)
+            except BaseException:
+                store.close()
+                raise
+            return store
+
+        try:
+            store = await self._run(_open_store)
+        except BadRequest:
+            raise
+        except (KVStoreError, OSError) as e:
+            raise BadRequest(f"cannot open a store for this namespace: {e}", ErrorCode.CONFIG) from None
+        if store.namespace_id != ns.id:  # pragma: no cover - a namespace derivation bug
+            await self._run(store.close)
+            raise BadRequest("namespace derivation mismatch", ErrorCode.INTERNAL)
+        slab = store.warm_slab
+        assert slab is not None
+        memory_only = not (cfg.disk_capacity and cfg.path is not None)
+        log.info("opened namespace %s (model %s): %d warm slots of %d B, shm %s",
+                 ns.id.hex()[:16], ns.model_id, slab.shape[0], bn, shm)
+        return NamespaceEntry(ns, store, shm, int(slab.shape[0]), memory_only)
+
+    async def _close_idle(self) -> None:
+        idle = sorted((e for e in self._entries.values() if not e.connections),
+                      key=lambda e: e.last_used)
+        if not idle:
+            raise BadRequest(
+                f"the daemon already serves {len(self._entries)} namespaces, each with clients "
+                "(--max-namespaces); try again later or raise the limit", ErrorCode.LIMIT)
+        victim = idle[0]
+        del self._entries[victim.namespace.id]
+        log.info("closing idle namespace %s to make room", victim.label)
+        await self._run(victim.store.close)
+
+    async def close_all(self) -> None:
+        async with self._lock:
+            entries, self._entries = list(self._entries.values()), {}
+        for e in entries:
+            try:
+                await self._run(e.store.close)  # flushes what is dirty to disk
+            except Exception:
+                log.exception("closing namespace %s failed", e.label)

@@ -1,0 +1,157 @@
+"""``kvstore.connect`` beyond parity with the embedded store: a daemon that is down, comes
+back, or goes away; paged engines; what a connection holds when it closes."""
+
+import logging
+import time
+
+import pytest
+import torch
+
+from kvstore import KVLayout, StoreStats, connect
+from kvstore.store import PinReceipt
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.bfloat16, block_tokens=4)
+MEMORY = ("--cpu-capacity", "1MiB", "--disk-capacity", "0")
+
+
+def _kv(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(LAYOUT.batch_shape(n), generator=g).to(LAYOUT.dtype)
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """A memory-only daemon for the tests here that need nothing special (one namespace each)."""
+    from kvstore.server.testing import DaemonProcess
+
+    d = tmp_path_factory.mktemp("client")
+    proc = DaemonProcess(d / "store", d / "run" / "kvstore.sock", *MEMORY).start()
+    yield proc
+    assert proc.stop() == 0, proc.log()
+
+
+def _until(cond, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_daemon_down_means_misses_and_a_warning_then_reconnect(serve, tmp_path, caplog):
+    sock = tmp_path / "run" / "kvstore.sock"
+    with caplog.at_level(logging.WARNING, logger="kvstore.client"):
+        c = connect(sock, layout=LAYOUT, model_id="m", device="cpu", timeout=5)
+    assert "unavailable" in caplog.text and "reconnecting" in caplog.text
+    keys = c.block_keys(list(range(16)))  # computed locally, no daemon needed
+    kv = _kv(4)
+    assert not c.connected
+    assert c.lookup(keys) == 0
+    assert c.fetch(keys).wait().shape == LAYOUT.batch_shape(0)
+    assert c.put(keys, kv).wait() == 0  # dropped
+    assert c.prefetch(keys).wait() == 0 and len(c.pin(keys)) == 0 and c.unpin(keys) == 0
+    assert c.evict() == 0 and isinstance(c.stats(), StoreStats) and c.stats().blocks == 0
+    c.flush()
+    assert caplog.text.count("unavailable") == 1  # one warning per outage, not per call
+
+    d = serve(*MEMORY)
+    assert _until(lambda: c.put(keys, kv).wait() == 4)  # reconnected (with backoff)
+    assert c.connected and "reconnected" in caplog.text
+    assert torch.equal(c.fetch(keys).wait(), kv)
+
+    d.kill()  # gone mid-session: the next calls miss, nothing raises
+    assert c.lookup(keys) == 0 and c.fetch(keys).wait().shape[0] == 0
+    assert c.put(keys, kv).wait() == 0
+    serve(*MEMORY)
+    assert _until(lambda: c.put(keys, kv).wait() == 4)  # a fresh daemon: memory-only, empty
+    assert c.lookup(keys) == 4
+    c.close()
+
+
+def test_leases_grants_and_pins_go_back_when_the_client_closes(shared):
+    d = shared
+    a = connect(d.socket_path, layout=LAYOUT, model_id="pins", device="cpu")
+    b = connect(d.socket_path, layout=LAYOUT, model_id="pins", device="cpu")
+    keys = a.block_keys(list(range(16)))
+    a.put(keys, _kv(4)).wait()
+    receipt = a.pin(keys)
+    assert isinstance(receipt, PinReceipt) and len(receipt) == 4
+    assert b.stats().pinned_blocks == 4 and b.server_stats().pinned_blocks == 4
+    assert b.unpin(keys) == 0  # b cannot drop a's pins
+    assert b.evict(keys) == 0
+    a.close()  # without releasing
+    assert _until(lambda: b.stats().pinned_blocks == 0)
+    assert b.evict(keys) == 4
+    srv = b.server_stats()
+    assert srv.leases == srv.grants == srv.pinned_blocks == 0
+    assert srv.free_warm_slots == srv.warm_slots
+    b.close()
+
+
+def test_fetch_into_buffer_and_partial_results(shared):
+    with connect(shared.socket_path, layout=LAYOUT, model_id="partial", device="cpu") as c:
+        keys = c.block_keys(list(range(40)))
+        kv = _kv(10, seed=4)
+        assert c.put(keys[:6], kv[:6]).wait() == 6
+        out = torch.zeros(LAYOUT.batch_shape(10), dtype=LAYOUT.dtype)
+        res = c.fetch(keys, out=out).wait()
+        assert res.data_ptr() == out.data_ptr() and res.shape[0] == 6
+        assert torch.equal(out[:6], kv[:6]) and not out[6:].any()
+        assert c.put(keys, kv).wait() == 4  # the 6 held ones are duplicates
+        t = c.fetch(keys)
+        assert t.done() and t.wait_layer(LAYOUT.num_layers - 1) is None
+        assert torch.equal(t.wait(), kv)
+        nc = kv.transpose(3, 4).contiguous().transpose(3, 4)  # a non-contiguous source
+        k2 = c.block_keys(list(range(1000, 1040)))
+        assert c.put(k2, nc).wait() == 10 and torch.equal(c.fetch(k2).wait(), kv)
+
+
+def test_load_into_and_save_from_paged_cache(shared):
+    P, H, D, T = LAYOUT.kv_planes, LAYOUT.num_kv_heads, LAYOUT.head_dim, LAYOUT.block_tokens
+    page = 2
+    pages = [torch.randn(P, 16, page, H, D).to(LAYOUT.dtype) for _ in range(LAYOUT.num_layers)]
+    with connect(shared.socket_path, layout=LAYOUT, model_id="paged", device="cpu") as c:
+        keys = c.block_keys(list(range(3 * T)))
+        ids = [5, 6, 1, 2, 9, 10]
+        assert c.save_from(pages, ids, keys).wait() == 3
+        dst = [torch.zeros_like(p) for p in pages]
+        new_ids = [0, 3, 4, 7, 8, 11]
+        t = c.load_into(keys, dst, new_ids)
+        assert t.wait() == 3
+        for src, got in zip(pages, dst, strict=True):
+            assert torch.equal(got[:, new_ids], src[:, ids])
+            untouched = [i for i in range(16) if i not in new_ids]
+            assert not got[:, untouched].any()
+        assert c.load_into(c.block_keys(list(range(100, 112))), dst, new_ids).wait() == 0
+
+
+def test_lookup_longer_than_one_request(serve, caplog):
+    d = serve(*MEMORY, "--max-keys", "64")
+    with connect(d.socket_path, layout=LAYOUT, model_id="m", device="cpu") as c:
+        keys = c.block_keys(list(range(4 * 150)))
+        assert c.put(keys[:50], _kv(50)).wait() == 50
+        assert c.lookup(keys) == 50  # one request is enough
+        assert c.put(keys[50:100], _kv(50)).wait() == 50
+        assert c.lookup(keys) == 100  # two requests of <= 64 keys
+        with caplog.at_level(logging.WARNING, logger="kvstore.client"):
+            # fetches are not split (the limit is the daemon's to set): a miss and a warning,
+            # not an exception in the engine
+            assert c.fetch(keys).wait().shape[0] == 0
+            assert c.put(keys, _kv(150)).wait() == 0
+        assert "at most 64" in caplog.text and caplog.text.count("answered as a miss") == 1
+        assert c.connected and torch.equal(c.fetch(keys[:64]).wait()[:50], _kv(50))
+
+
+@pytest.mark.cuda
+def test_cuda_client_copies_through_pinned_shared_memory(shared):
+    with connect(shared.socket_path, layout=LAYOUT, model_id="cuda", device="cuda") as c:
+        assert c._session.pinned  # the mapping is registered: host<->GPU copies are DMA
+        keys = c.block_keys(list(range(16)))
+        kv = _kv(4).cuda()
+        assert c.put(keys, kv).wait() == 4
+        got = c.fetch(keys).wait()
+        assert got.is_cuda and torch.equal(got, kv)
+        out = torch.zeros(LAYOUT.batch_shape(6), dtype=LAYOUT.dtype, device="cuda")
+        assert c.fetch(keys, out=out).wait().shape[0] == 4 and torch.equal(out[:4], kv)
+        assert not out[4:].any()
