@@ -27,7 +27,6 @@ import torch
 from kvstore.errors import (
     NamespaceMismatchError,
     StoreClosedError,
-    TensorMismatchError,
 )
 from kvstore.kernels import gather_pages, scatter_pages
 from kvstore.keys import KEY_BYTES, BlockKey, KeyChain, check_key
@@ -43,6 +42,7 @@ from kvstore.stats import StoreStats
 from kvstore.store import PinReceipt, _resolve_device
 from kvstore.tiers.slab import map_shared, register_pinned, runs, unregister_pinned
 from kvstore.transfer import Transfer
+from kvstore.validate import check_kv, check_out
 
 log = logging.getLogger("kvstore.client")
 
@@ -311,41 +311,10 @@ class Client:
         return blob, n, parent
 
     def _check_kv(self, kv: torch.Tensor, n: int) -> None:
-        lay = self.layout
-        shape = ", ".join(map(str, lay.block_shape))
-        if not isinstance(kv, torch.Tensor):
-            raise TensorMismatchError(f"kv must be a torch.Tensor [n, {shape}], got {type(kv).__name__}")
-        if kv.dtype != lay.dtype:
-            raise TensorMismatchError(
-                f"kv has dtype {kv.dtype}; this store's layout holds {lay.dtype} "
-                "(convert with kv.to(layout.dtype) or open the store with the engine's dtype)")
-        if kv.dim() != 6 or tuple(kv.shape[1:]) != lay.block_shape:
-            raise TensorMismatchError(
-                f"kv must have shape [n, L, P, T, H, D] = [n, {shape}], got {list(kv.shape)}")
-        if kv.shape[0] != n:
-            raise TensorMismatchError(
-                f"kv holds {kv.shape[0]} blocks but {n} keys were given; pass one key per block")
-        dev = self.device
-        if kv.device.type not in ("cpu", dev.type) or (
-            kv.device.type == dev.type and kv.device.index is not None
-            and dev.index is not None and kv.device.index != dev.index
-        ):
-            raise TensorMismatchError(f"kv is on {kv.device}; this store takes tensors on {dev} or cpu")
+        check_kv(self.layout, self.device, kv, n)
 
     def _check_out(self, out: torch.Tensor, n: int) -> None:
-        lay = self.layout
-        if not isinstance(out, torch.Tensor):
-            raise TensorMismatchError("out must be a torch.Tensor [n, L, P, T, H, D]")
-        if out.dtype != lay.dtype:
-            raise TensorMismatchError(f"out has dtype {out.dtype}; the layout needs {lay.dtype}")
-        if out.dim() != 6 or tuple(out.shape[1:]) != lay.block_shape:
-            raise TensorMismatchError(
-                f"out must have shape [n, {', '.join(map(str, lay.block_shape))}], got "
-                f"{list(out.shape)}")
-        if out.shape[0] < n:
-            raise TensorMismatchError(f"out holds {out.shape[0]} blocks, {n} keys were asked for")
-        if not out.is_contiguous():
-            raise TensorMismatchError("out must be contiguous")
+        check_out(self.layout, out, n)
 
     # -- lookup / fetch / prefetch ---------------------------------------------------------------
     def lookup(self, keys: Sequence[bytes]) -> int:

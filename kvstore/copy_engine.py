@@ -251,3 +251,13 @@ def copy_block_runs(
 def layerwise_supported(stream: torch.cuda.Stream | None) -> bool:
     """Whether copies can be split per layer here (always on CPU; with CuPy on CUDA)."""
     return stream is None or _cupy_memcpy2d() is not None
+
+
+def mark_layer_done(t: Transfer, stream: torch.cuda.Stream | None, layer: int, events: list) -> None:
+    """Layer ``layer`` is copied (CPU: ready now) or queued (CUDA: record its event)."""
+    if stream is None:
+        t.set_layers_ready(layer + 1)
+    else:
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        events.append(ev)

@@ -117,3 +117,17 @@ def serve(tmp_path):
     yield _serve
     for d in started:
         d.stop()
+
+
+def keyed_kv(layout: KVLayout, keys) -> torch.Tensor:
+    """Block content derived from each key, so any process can check bytes without shared state."""
+    flat = torch.empty((len(keys), layout.block_nbytes), dtype=torch.uint8)
+    for i, k in enumerate(keys):
+        g = torch.Generator().manual_seed(int.from_bytes(k[:8], "little"))
+        flat[i] = torch.randint(0, 256, (layout.block_nbytes,), generator=g, dtype=torch.uint8)
+    return flat.view(layout.dtype).view(layout.batch_shape(len(keys)))
+
+
+def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bytes (NaN patterns included)."""
+    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import bit_equal, keyed_kv
 
 from kvstore import ConfigError, DiskError, KVLayout, open_store
 
@@ -25,16 +26,11 @@ def opened(path, *, warm=8, hot=0, **kw):
 
 
 def kv_for(keys):
-    """Deterministic content per key, so any reader can check bytes without shared state."""
-    out = torch.empty(LAY.batch_shape(len(keys)), dtype=torch.int16)
-    for i, k in enumerate(keys):
-        g = torch.Generator().manual_seed(int.from_bytes(k[:8], "little"))
-        out[i] = torch.randint(-(2**15), 2**15, LAY.block_shape, generator=g, dtype=torch.int16)
-    return out.view(torch.bfloat16)
+    return keyed_kv(LAY, keys)
 
 
 def same(a, b):
-    return torch.equal(a.view(torch.int16), b.view(torch.int16))
+    return bit_equal(a, b)
 
 
 def segment_files(path):

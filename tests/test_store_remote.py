@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import bit_equal, keyed_kv
 
 from kvstore import KVLayout, open_store
 from kvstore.tiers.remote_testing import RedisProcess, redis_server_path
@@ -32,15 +33,11 @@ def host(path, url, **kw):
 
 
 def kv_for(keys):
-    out = torch.empty(LAY.batch_shape(len(keys)), dtype=torch.int16)
-    for i, k in enumerate(keys):
-        g = torch.Generator().manual_seed(int.from_bytes(k[:8], "little"))
-        out[i] = torch.randint(-(2**15), 2**15, LAY.block_shape, generator=g, dtype=torch.int16)
-    return out.view(torch.bfloat16)
+    return keyed_kv(LAY, keys)
 
 
 def same(a, b):
-    return torch.equal(a.view(torch.int16), b.view(torch.int16))
+    return bit_equal(a, b)
 
 
 def test_block_put_on_one_host_is_fetched_bit_exact_on_another(server, tmp_path):

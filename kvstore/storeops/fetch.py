@@ -7,11 +7,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvstore.copy_engine import Job, copy_block_runs, layerwise_supported
-from kvstore.errors import TensorMismatchError
+from kvstore.copy_engine import Job, copy_block_runs, layerwise_supported, mark_layer_done
 from kvstore.keys import BlockKey
 from kvstore.tiers.slab import paired_runs
 from kvstore.transfer import Transfer
+from kvstore.validate import check_out
 
 
 @dataclass(slots=True)
@@ -166,20 +166,7 @@ class FetchOps:
             finish(True, None)
 
     def _check_out(self, out: torch.Tensor, n: int) -> None:
-        lay = self.layout
-        if not isinstance(out, torch.Tensor):
-            raise TensorMismatchError("out must be a torch.Tensor [n, L, P, T, H, D]")
-        if out.dtype != lay.dtype:
-            raise TensorMismatchError(f"out has dtype {out.dtype}; the layout needs {lay.dtype}")
-        if out.dim() != 6 or tuple(out.shape[1:]) != lay.block_shape:
-            raise TensorMismatchError(
-                f"out must have shape [n, {', '.join(map(str, lay.block_shape))}], got "
-                f"{list(out.shape)}"
-            )
-        if out.shape[0] < n:
-            raise TensorMismatchError(f"out holds {out.shape[0]} blocks, {n} keys were asked for")
-        if not out.is_contiguous():
-            raise TensorMismatchError("out must be contiguous")
+        check_out(self.layout, out, n)
 
     def _plan_fetch(
         self, ks: list[BlockKey], parent: BlockKey | None, *, want_result: bool
@@ -320,12 +307,7 @@ class FetchOps:
         for layer in range(L):
             for data, runs in sources:
                 copy_block_runs(dst, data, runs, layer=layer, layer_nbytes=lb, stream=stream)
-            if stream is None:
-                t.set_layers_ready(layer + 1)
-            else:
-                ev = torch.cuda.Event()
-                ev.record(stream)
-                events.append(ev)
+            mark_layer_done(t, stream, layer, events)
         return events
 
     def _promote_copy(self, plan: FetchPlan, stream: torch.cuda.Stream | None) -> list:

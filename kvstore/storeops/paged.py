@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvstore.copy_engine import Job
+from kvstore.copy_engine import Job, mark_layer_done
 from kvstore.kernels import gather_pages, scatter_pages
 from kvstore.keys import KeyChain
 from kvstore.paged import page_index, paged_geometry
@@ -46,12 +46,7 @@ class PagedOps:
                 if n:
                     assert staged is not None
                     scatter_pages(lay, geo, staged[:n, layer], pages[layer], sel)
-                if stream is None:
-                    t.set_layers_ready(layer + 1)
-                else:
-                    ev = torch.cuda.Event()
-                    ev.record(stream)
-                    events.append(ev)
+                mark_layer_done(t, stream, layer, events)
             return events
 
         def finish(ok: bool, error: BaseException | None) -> None:

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 import torch
 
 from kvstore.copy_engine import Job
-from kvstore.errors import TensorMismatchError
 from kvstore.keys import BlockKey
 from kvstore.tiers.memory import MemoryTier
 from kvstore.transfer import Transfer
+from kvstore.validate import check_kv
 
 log = logging.getLogger("kvstore.store")
 #: puts that find memory full of not-yet-written blocks may queue this much for disk
@@ -52,35 +52,7 @@ class PutOps:
             return self._put_locked(ks, parent, kv)
 
     def _check_kv(self, kv: torch.Tensor, n: int) -> None:
-        lay = self.layout
-        if not isinstance(kv, torch.Tensor):
-            raise TensorMismatchError(
-                f"kv must be a torch.Tensor [n, {', '.join(map(str, lay.block_shape))}], "
-                f"got {type(kv).__name__}"
-            )
-        if kv.dtype != lay.dtype:
-            raise TensorMismatchError(
-                f"kv has dtype {kv.dtype}; this store's layout holds {lay.dtype} "
-                "(convert with kv.to(layout.dtype) or open the store with the engine's dtype)"
-            )
-        if kv.dim() != 6 or tuple(kv.shape[1:]) != lay.block_shape:
-            raise TensorMismatchError(
-                f"kv must have shape [n, L, P, T, H, D] = [n, {', '.join(map(str, lay.block_shape))}]"
-                f", got {list(kv.shape)}"
-            )
-        if kv.shape[0] != n:
-            raise TensorMismatchError(
-                f"kv holds {kv.shape[0]} blocks but {n} keys were given; pass one key per block"
-            )
-        if kv.device.type not in ("cpu", self.device.type) or (
-            kv.device.type == self.device.type
-            and kv.device.index is not None
-            and self.device.index is not None
-            and kv.device.index != self.device.index
-        ):
-            raise TensorMismatchError(
-                f"kv is on {kv.device}; this store takes tensors on {self.device} or cpu"
-            )
+        check_kv(self.layout, self.device, kv, n)
 
     def _put_locked(
         self, ks: list[BlockKey], parent: BlockKey | None, kv: torch.Tensor

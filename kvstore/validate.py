@@ -1,0 +1,57 @@
+"""Synchronous checks of the tensors callers hand to a store (embedded or client).
+
+Each raises :class:`~kvstore.errors.TensorMismatchError` saying what to change.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvstore.errors import TensorMismatchError
+from kvstore.layout import KVLayout
+
+
+def _shape(lay: KVLayout) -> str:
+    return ", ".join(map(str, lay.block_shape))
+
+
+def check_kv(lay: KVLayout, device: torch.device, kv: object, n: int) -> None:
+    """``kv`` must be ``[n, L, P, T, H, D]`` of the layout's dtype, on ``device`` or the CPU."""
+    if not isinstance(kv, torch.Tensor):
+        raise TensorMismatchError(
+            f"kv must be a torch.Tensor [n, {_shape(lay)}], got {type(kv).__name__}"
+        )
+    if kv.dtype != lay.dtype:
+        raise TensorMismatchError(
+            f"kv has dtype {kv.dtype}; this store's layout holds {lay.dtype} "
+            "(convert with kv.to(layout.dtype) or open the store with the engine's dtype)"
+        )
+    if kv.dim() != 6 or tuple(kv.shape[1:]) != lay.block_shape:
+        raise TensorMismatchError(
+            f"kv must have shape [n, L, P, T, H, D] = [n, {_shape(lay)}], got {list(kv.shape)}"
+        )
+    if kv.shape[0] != n:
+        raise TensorMismatchError(
+            f"kv holds {kv.shape[0]} blocks but {n} keys were given; pass one key per block"
+        )
+    if kv.device.type not in ("cpu", device.type) or (
+        kv.device.type == device.type
+        and kv.device.index is not None
+        and device.index is not None
+        and kv.device.index != device.index
+    ):
+        raise TensorMismatchError(f"kv is on {kv.device}; this store takes tensors on {device} or cpu")
+
+
+def check_out(lay: KVLayout, out: object, n: int) -> None:
+    """``out`` must be a contiguous ``[>= n, L, P, T, H, D]`` tensor of the layout's dtype."""
+    if not isinstance(out, torch.Tensor):
+        raise TensorMismatchError("out must be a torch.Tensor [n, L, P, T, H, D]")
+    if out.dtype != lay.dtype:
+        raise TensorMismatchError(f"out has dtype {out.dtype}; the layout needs {lay.dtype}")
+    if out.dim() != 6 or tuple(out.shape[1:]) != lay.block_shape:
+        raise TensorMismatchError(f"out must have shape [n, {_shape(lay)}], got {list(out.shape)}")
+    if out.shape[0] < n:
+        raise TensorMismatchError(f"out holds {out.shape[0]} blocks, {n} keys were asked for")
+    if not out.is_contiguous():
+        raise TensorMismatchError("out must be contiguous")
