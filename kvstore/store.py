@@ -255,8 +255,11 @@ class Store(FetchOps, PutOps, SharedMemoryOps, RoomOps, PagedOps, DiskWriteOps):
         Positions only the remote tier holds are appended to ``remote_at``.
         """
         i, n = 0, len(ks)
+        hot = self._hot._slots if self._hot is not None else {}
+        warm = self._warm._slots if self._warm is not None else {}
         while i < n:
-            if self._held(ks[i]):
+            k = ks[i]
+            if k in warm or k in hot:  # the hot loop of every lookup: plain dict probes
                 i += 1
                 continue
             m = self._disk.leading_run(ks[i:]) if self._disk is not None else 0
