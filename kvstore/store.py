@@ -262,7 +262,7 @@ class Store(FetchOps, PutOps, SharedMemoryOps, RoomOps, PagedOps, DiskWriteOps):
             if k in warm or k in hot:  # the hot loop of every lookup: plain dict probes
                 i += 1
                 continue
-            m = self._disk.leading_run(ks[i:]) if self._disk is not None else 0
+            m = self._disk.leading_run(ks[i:], self.namespace_id) if self._disk is not None else 0
             if m == 0 and self._remote is not None:
                 j = i
                 while j < n and not self._held(ks[j]):

@@ -270,3 +270,15 @@ def test_memory_only_store_when_disk_capacity_zero(tmp_path):
         assert [t.name for t in s.stats().tiers] == ["warm"]
     assert not segment_files(tmp_path)
     os.listdir(tmp_path)
+
+
+def test_keys_of_another_namespace_on_a_shared_disk_are_a_miss(tmp_path):
+    with opened(tmp_path) as a, open_store(tmp_path, layout=LAY, model_id="disk/other",
+                                           device="cpu", cpu_capacity=8 * BN) as b:
+        keys = a.block_keys(list(range(16)))
+        a.put(keys, kv_for(keys)).wait()
+        a.flush()
+        a.evict(tier="warm")
+        assert a.lookup(keys) == 4
+        # stripped of their namespace tag, a's keys must still never hit in b's namespace
+        assert b.lookup(list(keys)) == 0 and b.fetch(list(keys)).wait().shape[0] == 0

@@ -18,7 +18,7 @@ class RoomOps:
         """Leading ``ks`` already on disk (so a put need not keep them)."""
         if self._disk is None or not ks or self._held(ks[0]):
             return 0
-        return self._disk.leading_run(ks)
+        return self._disk.leading_run(ks, self.namespace_id)
 
     def _reserve(self, tier: MemoryTier, n: int) -> list[int]:
         """Up to ``n`` free slots of ``tier``, evicting or demoting LRU blocks as needed.

@@ -430,8 +430,12 @@ class DiskTier:
         with sh.read() as txn:
             return txn.get(key, db=sh.dbs[DB_BLOCKS]) is not None
 
-    def leading_run(self, keys: Sequence[bytes]) -> int:
-        """Number of leading ``keys`` held on disk (one short read transaction)."""
+    def leading_run(self, keys: Sequence[bytes], namespace_id: bytes | None = None) -> int:
+        """Number of leading ``keys`` held on disk (one short read transaction).
+
+        With ``namespace_id``, a record of another namespace ends the run too (keys embed
+        their namespace, so this only guards against keys passed to the wrong store).
+        """
         sh = self._ensure()
         db = sh.dbs[DB_BLOCKS]
         with sh.read() as txn:
@@ -439,7 +443,11 @@ class DiskTier:
             for i, k in enumerate(keys):
                 if len(k) != _KEY_BYTES:
                     _check_key(k)
-                if get(bytes(k), db=db) is None:
+                raw = get(bytes(k), db=db)
+                if raw is None:
+                    return i
+                # the record ends with namespace id (32 bytes) and parent key (32 bytes)
+                if namespace_id is not None and bytes(raw[-64:-32]) != namespace_id:
                     return i
         return len(keys)
 
