@@ -139,3 +139,15 @@ def test_gather_scatter_reference_round_trip_random():
         scatter_layer(LAY, geo, out, fresh, ids)
         assert torch.equal(fresh[:, ids], pages[1][:, ids])
         assert not fresh[:, [i for i in range(20) if i not in set(ids.tolist())]].any()
+
+
+def test_load_into_right_after_put_many_times():
+    """load_into's scatter may be queued before load_into returns (a fast fetch): no race."""
+    with open_store(None, layout=LAY, model_id="race", device="cpu", cpu_capacity="1MiB") as s:
+        keys = s.block_keys(list(range(16)))
+        kv = random_kv(LAY, 2)
+        s.put(keys, kv).wait()
+        for _ in range(200):
+            pages = pages_for(4, 8)
+            assert s.load_into(keys, pages, [3, 1]).wait(10) == 2
+            assert torch.equal(pages[2][:, 3], kv[0, 2])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -36,9 +37,15 @@ class PagedOps:
         geo = paged_geometry(lay, pages, page_size)
         ids = page_index(block_ids, len(ks) * geo.pages_per_block, geo)
         t: Transfer[int] = Transfer(lay.num_layers)
+        # The fetch may complete (and queue the scatter) before _submit_fetch has returned
+        # its plan: the scatter waits for it.
+        handed: dict[str, object] = {}
+        planned = threading.Event()
 
         def run(stream: torch.cuda.Stream | None) -> list:
             # queued by the fetch's completion: its bytes are in ``staged``
+            planned.wait()
+            plan, staged = handed["plan"], handed["staged"]
             n = plan.valid
             sel = ids[: n * geo.pages_per_block]
             events = []
@@ -51,7 +58,7 @@ class PagedOps:
 
         def finish(ok: bool, error: BaseException | None) -> None:
             if ok:
-                t.set_result(plan.valid)
+                t.set_result(handed["plan"].valid)
             else:
                 t.set_error(error or RuntimeError("load_into failed"))
 
@@ -65,9 +72,12 @@ class PagedOps:
             except BaseException as e:  # noqa: BLE001 - closing
                 t.set_error(e)
 
-        _, plan, staged = self._submit_fetch(
-            ks, self._chain_parent(keys), None, want_result=True, then=scatter_after_fetch
-        )
+        try:
+            _, handed["plan"], handed["staged"] = self._submit_fetch(
+                ks, self._chain_parent(keys), None, want_result=True, then=scatter_after_fetch
+            )
+        finally:
+            planned.set()
         return t
 
     def save_from(

@@ -84,7 +84,8 @@ class SharedMemoryOps:
                 if i < on_disk or self._held(k) or k in self._granted:
                     grant.duplicates += 1
                 elif prev is None or self._held(prev) or prev in self._granted or (
-                    grant.keys and grant.keys[-1] == prev) or (i and i - 1 < on_disk):
+                    grant.keys and grant.keys[-1] == prev) or (i and i - 1 < on_disk) or (
+                    i == 0 and self._disk is not None and self._disk.contains(prev)):
                     grant.keys.append(k)
                     grant.parents.append(prev)
                     grant.positions.append(i)
