@@ -63,8 +63,16 @@ def test_engine_reports_job_errors_through_the_transfer():
 def test_cancel_on_close_fails_queued_jobs_cleanly():
     eng = CopyEngine(torch.device("cpu"))
     gate = threading.Event()
+    started = threading.Event()
     first = Transfer()
-    eng.submit("h2d", Job(first, lambda s: gate.wait(5) and [], lambda ok, e: first.set_result(ok)))
+
+    def run_first(stream):
+        started.set()
+        gate.wait(30)
+        return []
+
+    eng.submit("h2d", Job(first, run_first, lambda ok, e: first.set_result(ok)))
+    assert started.wait(30)  # the first job is running, the next ones stay queued
     queued = [Transfer() for _ in range(5)]
     finished = []
     for t in queued:
