@@ -131,3 +131,42 @@ def keyed_kv(layout: KVLayout, keys) -> torch.Tensor:
 def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal bytes (NaN patterns included)."""
     return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+MEMORY_DAEMON_ARGS = ("--cpu-capacity", "1MiB", "--disk-capacity", "0")
+
+
+@pytest.fixture(scope="module")
+def memory_daemon(tmp_path_factory):
+    """A memory-only ``kvstore serve`` for a test module (give each test its own namespace)."""
+    from kvstore.server.testing import DaemonProcess
+
+    d = tmp_path_factory.mktemp("daemon")
+    proc = DaemonProcess(d / "store", d / "run" / "kvstore.sock", *MEMORY_DAEMON_ARGS).start()
+    yield proc
+    assert proc.stop() == 0, proc.log()
+
+
+def wait_until(cond, timeout: float = 10.0) -> bool:
+    """Poll ``cond()`` every 50 ms; False if it is still false after ``timeout`` seconds."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    """A ``redis-server`` on a free loopback port for a test module (skips without one)."""
+    from kvstore.tiers.remote_testing import RedisProcess, redis_server_path
+
+    if redis_server_path() is None:
+        pytest.skip("redis-server is not installed (tools/ci_redis.sh installs it)")
+    p = RedisProcess().start()
+    yield p
+    p.stop()
+    p.cleanup()

@@ -2,10 +2,10 @@
 back, or goes away; paged engines; what a connection holds when it closes."""
 
 import logging
-import time
 
 import pytest
 import torch
+from conftest import wait_until
 
 from kvstore import KVLayout, StoreStats, connect
 from kvstore.store import PinReceipt
@@ -20,23 +20,11 @@ def _kv(n, seed=0):
 
 
 @pytest.fixture(scope="module")
-def shared(tmp_path_factory):
-    """A memory-only daemon for the tests here that need nothing special (one namespace each)."""
-    from kvstore.server.testing import DaemonProcess
-
-    d = tmp_path_factory.mktemp("client")
-    proc = DaemonProcess(d / "store", d / "run" / "kvstore.sock", *MEMORY).start()
-    yield proc
-    assert proc.stop() == 0, proc.log()
+def shared(memory_daemon):
+    return memory_daemon
 
 
-def _until(cond, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
+_until = wait_until
 
 
 def test_daemon_down_means_misses_and_a_warning_then_reconnect(serve, tmp_path, caplog):

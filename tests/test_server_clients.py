@@ -9,6 +9,7 @@ import textwrap
 import time
 
 import torch
+from conftest import wait_until
 
 from kvstore import KVLayout, connect
 
@@ -30,13 +31,7 @@ def _spawn(code, *args):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _until(cond, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
+_until = wait_until
 
 
 _MID_PUT = """

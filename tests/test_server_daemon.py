@@ -28,13 +28,8 @@ def _kv(n, seed=0):
 
 
 @pytest.fixture(scope="module")
-def shared(tmp_path_factory):
-    from kvstore.server.testing import DaemonProcess
-
-    d = tmp_path_factory.mktemp("daemon")
-    proc = DaemonProcess(d / "store", d / "run" / "kvstore.sock", *MEMORY).start()
-    yield proc
-    assert proc.stop() == 0, proc.log()
+def shared(memory_daemon):
+    return memory_daemon
 
 
 def _shm_dirs(pid):

@@ -18,13 +18,8 @@ LAY = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16, b
 
 
 @pytest.fixture(scope="module")
-def server():
-    if redis_server_path() is None:
-        pytest.skip("redis-server is not installed (tools/ci_redis.sh installs it)")
-    p = RedisProcess().start()
-    yield p
-    p.stop()
-    p.cleanup()
+def server(redis_server):
+    return redis_server
 
 
 def host(path, url, **kw):
