@@ -27,7 +27,6 @@ from kvstore.admin import (
     store_stats,
     to_jsonable,
 )
-from kvstore.admin.live import daemon_support
 from kvstore.admin.testing import (
     block_bytes,
     build_store,
@@ -251,13 +250,6 @@ def test_stats_path(base_store, capsys):
     assert "meta/llama-a" in out and "34" in out
 
 
-@pytest.mark.skipif(daemon_support() is not None, reason="kvstore.client exists")
-def test_stats_socket_without_daemon_support(tmp_path, capsys):
-    assert main(["stats", "--socket", str(tmp_path / "s.sock")]) == 2
-    assert "daemon support not available" in capsys.readouterr().err
-
-
-@pytest.mark.skipif(daemon_support() is None, reason="needs kvstore.client (the daemon)")
 def test_stats_socket_live_daemon(tmp_path, capsys):
     from kvstore.client import connect
     from kvstore.server.testing import DaemonProcess

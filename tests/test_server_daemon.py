@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import wait_until
 
 from kvstore import ConfigError, KVLayout, connect
 from kvstore.client import Client
@@ -89,8 +90,17 @@ def test_metrics_file_and_port(serve, tmp_path):
     d2 = serve(*MEMORY, "--metrics-port", "0", socket=tmp_path / "run2" / "kvstore.sock",
                path=tmp_path / "store2")
     port = int(re.search(r"metrics on http://127.0.0.1:(\d+)/metrics", d2.log()).group(1))
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        assert b"kvstore_connections 0.0" in r.read()
+
+    def scrape() -> bytes:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            return r.read()
+
+    # serve()'s readiness probe is itself a connection: the gauge reads 1 until the daemon
+    # has seen it close
+    assert wait_until(lambda: b"kvstore_connections 0.0" in scrape()), scrape().decode()
+    with connect(d2.socket_path, layout=LAYOUT, model_id="m", device="cpu"):
+        assert wait_until(lambda: b"kvstore_connections 1.0" in scrape())
+    assert wait_until(lambda: b"kvstore_connections 0.0" in scrape())
 
 
 def test_sigterm_shuts_down_gracefully(serve, tmp_path):

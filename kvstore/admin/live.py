@@ -5,33 +5,32 @@ connection that has said hello for one namespace, so the namespaces to ask about
 the daemon's store directory (``--store``, default ``$KVSTORE_PATH`` or ``~/.cache/kvstore``),
 optionally filtered like ``kvstore ls``. Caveat: saying hello for a namespace the daemon does
 not have open makes it open it (its warm tier is allocated then).
-
-Where this installation has no ``kvstore.client`` the functions raise
-:class:`DaemonUnavailableError` saying so.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvstore.admin.common import AdminError
+
+if TYPE_CHECKING:
+    from kvstore.server.messages import ServerStats
+    from kvstore.stats import StoreStats
 
 __all__ = [
     "DaemonNamespaceStats",
     "DaemonStats",
     "DaemonUnavailableError",
     "daemon_stats",
-    "daemon_support",
 ]
 
 
 class DaemonUnavailableError(AdminError):
-    """No daemon support in this installation, or no daemon answering at the socket."""
+    """No daemon answering at the socket, or it refused a namespace."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,8 +39,8 @@ class DaemonNamespaceStats:
     model_id: str
     layout: str
     hit_rate: float  # hits / (hits + misses) of lookups
-    stats: Any  # kvstore.stats.StoreStats: the daemon's counters for the namespace
-    server: Any  # kvstore.server.messages.ServerStats: connections, leases, free slots, ...
+    stats: StoreStats  # the daemon's counters for the namespace
+    server: ServerStats  # connections, leases, free slots, ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,31 +51,14 @@ class DaemonStats:
     namespaces: tuple[DaemonNamespaceStats, ...]
 
 
-def daemon_support() -> Any | None:
-    """The ``kvstore.client`` module, or None where this installation has none."""
-    try:
-        return importlib.import_module("kvstore.client")
-    except ModuleNotFoundError as e:
-        if e.name in ("kvstore.client", "kvstore.server") or (e.name or "").startswith(
-                "kvstore.server."):
-            return None
-        raise
-
-
 def daemon_stats(socket: str | os.PathLike[str], store: str | os.PathLike[str] | None = None,
                  *, filters: Iterable[str] = ()) -> DaemonStats:
     """One stats sample from the daemon listening at ``socket``, for every namespace of
     ``store`` (the daemon's ``--path``) that passes ``filters`` (``kvstore ls`` filters)."""
+    from kvstore import client
     from kvstore.admin.inventory import list_namespaces
     from kvstore.errors import KVStoreError
     from kvstore.layout import KVLayout, dtype_from_name
-
-    client = daemon_support()
-    if client is None:
-        raise DaemonUnavailableError(
-            "daemon support not available: this kvstore installation has no kvstore.client "
-            "(the sidecar daemon is not part of it); use --store PATH for a store's own counters"
-        )
     sock = os.path.abspath(os.path.expanduser(os.fspath(socket)))
     if not os.path.exists(sock):
         raise DaemonUnavailableError(f"no daemon socket at {sock} (is 'kvstore serve' running "

@@ -67,15 +67,21 @@ class Daemon:
         try:
             self.registry = NamespaceRegistry(cfg, self._shm_dir, self.run_blocking)
             self.metrics = DaemonMetrics(self.registry.snapshot)
-            sock = bind_unix_socket(cfg.socket_path)
-            self._server = await asyncio.start_unix_server(
-                self._accept, sock=sock, limit=64 << 10)
+            # metrics first: once the socket answers, everything the daemon serves is up
             if cfg.metrics_port is not None:
                 self.metrics_port = self.metrics.start_http(cfg.metrics_port)
                 log.info("metrics on http://127.0.0.1:%d/metrics", self.metrics_port)
             if cfg.metrics_path is not None:
                 self._metrics_task = asyncio.create_task(self._write_metrics_forever())
+            sock = bind_unix_socket(cfg.socket_path)
+            self._server = await asyncio.start_unix_server(
+                self._accept, sock=sock, limit=64 << 10)
         except BaseException:
+            metrics = getattr(self, "metrics", None)  # unset if the registry failed
+            if metrics is not None:
+                metrics.stop_http()
+            if self._metrics_task is not None:
+                self._metrics_task.cancel()
             remove_path(self._shm_dir)
             raise
         log.info("serving %s on %s (store %s, warm %d B per namespace, disk %d B)",
