@@ -576,10 +576,56 @@ static PyObject *active_impl(PyObject *self, PyObject *unused) {
     return PyUnicode_FromString(default_impl_name());
 }
 
+/* ------------------------------------------------------------------------------------------ */
+/* Key lists: the per-request checks of lookup/fetch, one C loop instead of several Python ones */
+/* ------------------------------------------------------------------------------------------ */
+
+/* 1 when obj is a list or tuple whose items are all exactly bytes of 32 bytes, else 0 */
+static int all_keys_impl(PyObject *seq, Py_ssize_t *n_out) {
+    if (!PyList_Check(seq) && !PyTuple_Check(seq)) return 0;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *k = items[i];
+        if (!PyBytes_CheckExact(k) || PyBytes_GET_SIZE(k) != KV_SHA256_DIGEST) return 0;
+    }
+    *n_out = n;
+    return 1;
+}
+
+PyDoc_STRVAR(all_keys_doc,
+"all_keys(seq) -> bool\n\n"
+"True when seq is a list or tuple (subclasses included) of bytes objects of exactly 32 bytes.");
+
+static PyObject *all_keys(PyObject *self, PyObject *seq) {
+    (void)self;
+    Py_ssize_t n;
+    return PyBool_FromLong(all_keys_impl(seq, &n));
+}
+
+PyDoc_STRVAR(join_keys_doc,
+"join_keys(seq) -> bytes | None\n\n"
+"The 32-byte keys of seq concatenated, or None when all_keys(seq) is false.");
+
+static PyObject *join_keys(PyObject *self, PyObject *seq) {
+    (void)self;
+    Py_ssize_t n;
+    if (!all_keys_impl(seq, &n)) Py_RETURN_NONE;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, n * KV_SHA256_DIGEST);
+    if (out == NULL) return NULL;
+    char *dst = PyBytes_AS_STRING(out);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < n; i++)
+        memcpy(dst + i * KV_SHA256_DIGEST, PyBytes_AS_STRING(items[i]), KV_SHA256_DIGEST);
+    return out;
+}
+
 static PyMethodDef native_methods[] = {
     {"chain_keys", (PyCFunction)(void (*)(void))chain_keys, METH_VARARGS | METH_KEYWORDS,
      chain_keys_doc},
     {"sha256", (PyCFunction)(void (*)(void))sha256_fn, METH_VARARGS | METH_KEYWORDS, sha256_doc},
+    {"all_keys", all_keys, METH_O, all_keys_doc},
+    {"join_keys", join_keys, METH_O, join_keys_doc},
     {"cpu_has_sha_ni", cpu_has_sha_ni, METH_NOARGS,
      "cpu_has_sha_ni() -> bool\n\nWhether this CPU has the x86 SHA extensions (and this build "
      "can use them)."},

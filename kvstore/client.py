@@ -29,7 +29,7 @@ from kvstore.errors import (
     StoreClosedError,
 )
 from kvstore.kernels import gather_pages, scatter_pages
-from kvstore.keys import KEY_BYTES, BlockKey, KeyChain, check_key
+from kvstore.keys import KEY_BYTES, BlockKey, KeyChain, check_key, join_keys
 from kvstore.keys import block_keys as _block_keys
 from kvstore.layout import KVLayout
 from kvstore.namespace import Namespace
@@ -301,13 +301,15 @@ class Client:
                 )
             parent = keys.parent
         n = len(keys)
-        try:
-            blob = b"".join(keys)
-            ok = len(blob) == KEY_BYTES * n and (not n or set(map(len, keys)) == {KEY_BYTES})
-        except TypeError:
-            ok = False
-        if not ok:
-            blob = b"".join([check_key(k) for k in keys])  # raises KeyFormatError, naming why
+        blob = join_keys(keys)  # the common case: one C loop checks and joins
+        if blob is None:
+            try:
+                blob = b"".join(keys)
+                ok = len(blob) == KEY_BYTES * n and (not n or set(map(len, keys)) == {KEY_BYTES})
+            except TypeError:
+                ok = False
+            if not ok:
+                blob = b"".join([check_key(k) for k in keys])  # raises KeyFormatError, naming why
         return blob, n, parent
 
     def _check_kv(self, kv: torch.Tensor, n: int) -> None:

@@ -276,6 +276,21 @@ def block_keys(
     return KeyChain(keys, bytes(namespace_id), None)
 
 
+def all_keys(seq: object) -> bool:
+    """Whether ``seq`` is a list or tuple of 32-byte ``bytes`` (one C loop when native)."""
+    if _native is not None:
+        return _native.all_keys(seq)
+    return isinstance(seq, (list, tuple)) and (
+        not seq or (set(map(type, seq)) == {bytes} and set(map(len, seq)) == {KEY_BYTES}))
+
+
+def join_keys(seq: object) -> bytes | None:
+    """The keys of ``seq`` concatenated, or ``None`` unless :func:`all_keys` holds."""
+    if _native is not None:
+        return _native.join_keys(seq)
+    return b"".join(seq) if all_keys(seq) else None  # type: ignore[arg-type]
+
+
 def check_key(key: object) -> BlockKey:
     """Return ``key`` as bytes if it is a 32-byte key, else raise :class:`KeyFormatError`."""
     if isinstance(key, bytes) and len(key) == KEY_BYTES:

@@ -49,6 +49,7 @@ class Namespace:
     tp_size: int = 1
     extras: tuple[tuple[str, str], ...] = field(default=())
     format_version: int = FORMAT_VERSION
+    _id: bytes = field(init=False, repr=False, compare=False)  # computed once: id is hot
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_id, str) or not self.model_id:
@@ -63,6 +64,7 @@ class Namespace:
             raise ConfigError(
                 f"tp_rank must be in [0, tp_size); got tp_rank={self.tp_rank}, tp_size={self.tp_size}"
             )
+        object.__setattr__(self, "_id", hashlib.sha256(self.canonical_bytes()).digest())
 
     @classmethod
     def create(
@@ -103,4 +105,4 @@ class Namespace:
 
     @property
     def id(self) -> bytes:
-        return hashlib.sha256(self.canonical_bytes()).digest()
+        return self._id

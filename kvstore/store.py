@@ -14,6 +14,7 @@ import threading
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from itertools import islice, takewhile
 from pathlib import Path
 
 import torch
@@ -26,7 +27,7 @@ from kvstore.errors import (
     StoreClosedError,
 )
 from kvstore.index import Catalog
-from kvstore.keys import BlockKey, KeyChain, check_key
+from kvstore.keys import BlockKey, KeyChain, all_keys, check_key
 from kvstore.keys import block_keys as _block_keys
 from kvstore.layout import KVLayout
 from kvstore.namespace import Namespace
@@ -91,6 +92,13 @@ class PinReceipt:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def _run_in(held: dict, ks: list[BlockKey], start: int) -> int:
+    """How many of ``ks[start:]`` in a row are keys of ``held``."""
+    if not held or start >= len(ks):
+        return 0
+    return len(list(takewhile(held.__contains__, islice(ks, start, None))))
 
 
 class Store(FetchOps, PutOps, SharedMemoryOps, RoomOps, PagedOps, DiskWriteOps):
@@ -233,8 +241,7 @@ class Store(FetchOps, PutOps, SharedMemoryOps, RoomOps, PagedOps, DiskWriteOps):
                 "tensor-parallel shard or store); compute them with this store's block_keys()"
             )
         ks = list(keys)
-        # the common case checked by C-level loops: every key a 32-byte bytes object
-        if not ks or (set(map(type, ks)) == {bytes} and set(map(len, ks)) == {32}):
+        if all_keys(ks):  # the common case, checked in one C loop
             return ks  # type: ignore[return-value]
         return [check_key(k) for k in ks]
 
@@ -258,9 +265,16 @@ class Store(FetchOps, PutOps, SharedMemoryOps, RoomOps, PagedOps, DiskWriteOps):
         hot = self._hot._slots if self._hot is not None else {}
         warm = self._warm._slots if self._warm is not None else {}
         while i < n:
-            k = ks[i]
-            if k in warm or k in hot:  # the hot loop of every lookup: plain dict probes
-                i += 1
+            # the hot loop of every lookup: stretches of dict probes run by C-level iterators
+            m = 0
+            while True:  # a chain may alternate between the memory tiers
+                m += _run_in(warm, ks, i + m)
+                in_hot = _run_in(hot, ks, i + m)
+                if not in_hot:
+                    break
+                m += in_hot
+            if m:
+                i += m
                 continue
             m = self._disk.leading_run(ks[i:], self.namespace_id) if self._disk is not None else 0
             if m == 0 and self._remote is not None:
@@ -285,7 +299,9 @@ class Store(FetchOps, PutOps, SharedMemoryOps, RoomOps, PagedOps, DiskWriteOps):
     # -- lookup ---------------------------------------------------------------------------
     def lookup(self, keys: Sequence[bytes]) -> int:
         """Number of leading ``keys`` held by any tier (a miss is 0, not an exception)."""
-        ks = self._keys(keys)
+        return self._lookup(self._keys(keys))
+
+    def _lookup(self, ks: list[BlockKey]) -> int:
         with self._lock:
             self._check_open()
             n = self._leading_run(ks)

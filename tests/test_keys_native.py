@@ -450,3 +450,41 @@ def test_threads_get_identical_keys():
     for t in threads:
         t.join()
     assert not errors
+
+
+_KEY_LISTS = st.lists(
+    st.one_of(
+        st.binary(min_size=32, max_size=32),
+        st.binary(min_size=0, max_size=40),
+        st.builds(bytearray, st.binary(min_size=32, max_size=32)),
+        st.integers(),
+        st.none(),
+    ),
+    max_size=12,
+)
+
+
+@given(_KEY_LISTS, st.booleans())
+@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+def test_all_keys_and_join_keys_match_python(items, as_tuple):
+    seq = tuple(items) if as_tuple else items
+    expect = all(type(k) is bytes and len(k) == 32 for k in seq)
+    assert _native.all_keys(seq) is expect
+    assert _native.join_keys(seq) == (b"".join(seq) if expect else None)
+    # the pure-Python fallback agrees
+    saved = keys._native
+    keys._native = None
+    try:
+        assert keys.all_keys(seq) is expect
+        assert keys.join_keys(seq) == (b"".join(seq) if expect else None)
+    finally:
+        keys._native = saved
+
+
+def test_all_keys_accepts_keychains_and_rejects_other_containers():
+    chain = keys.block_keys(os.urandom(32), list(range(64)), 16)
+    assert _native.all_keys(chain) and keys.all_keys(chain)
+    assert _native.join_keys(chain) == b"".join(chain)
+    assert _native.all_keys([]) and _native.join_keys([]) == b""
+    for other in (b"k" * 32, "s", iter(chain), set(chain), None):
+        assert not _native.all_keys(other) and _native.join_keys(other) is None

@@ -216,3 +216,25 @@ def test_warm_tier_that_does_not_fit_in_shared_memory_is_refused(serve):
                  warm_capacity="1MiB") as c:
         keys = c.block_keys(list(range(8)))
         assert c.put(keys, _kv(2)).wait() == 2
+
+
+def test_event_loop_choice(monkeypatch):
+    from kvstore.server.daemon import _loop_factory
+
+    monkeypatch.setenv("KVSTORE_LOOP", "asyncio")
+    assert _loop_factory() is None
+    monkeypatch.delenv("KVSTORE_LOOP")
+    uvloop = pytest.importorskip("uvloop")
+    assert _loop_factory() is uvloop.new_event_loop
+
+
+def test_serves_on_the_standard_asyncio_loop(serve, monkeypatch):
+    """KVSTORE_LOOP=asyncio (or no uvloop build): the same daemon on asyncio's own loop."""
+    monkeypatch.setenv("KVSTORE_LOOP", "asyncio")
+    d = serve(*MEMORY)
+    with connect(d.socket_path, layout=LAYOUT, model_id="m", device="cpu") as c:
+        keys = c.block_keys(list(range(16)))
+        kv = _kv(4)
+        assert c.put(keys, kv).wait() == 4
+        assert c.lookup(keys) == 4
+        assert torch.equal(c.fetch(keys).wait(), kv)

@@ -5,6 +5,7 @@ import asyncio
 import os
 import socket
 import struct
+import threading
 import time
 
 import msgpack
@@ -16,9 +17,11 @@ from hypothesis import strategies as st
 from kvstore import KVLayout, connect
 from kvstore.server import messages as m
 from kvstore.server import protocol
+from kvstore.server.channel import Channel, ChannelClosed
 from kvstore.server.codec import CodecError, CodecLimits, pack, unpack
 from kvstore.server.framing import (
     FrameError,
+    FrameReader,
     FrameTooLarge,
     encode_frame,
     read_frame,
@@ -61,6 +64,86 @@ def test_blocking_frames_round_trip():
         assert recv_frame(b, 1 << 20) == b"x" * 5000
         with pytest.raises(FrameTooLarge):
             recv_frame(b, 1000)
+
+
+@given(st.lists(st.binary(min_size=1, max_size=3000), min_size=1, max_size=12),
+       st.lists(st.integers(1, 7000), min_size=1, max_size=30))
+@settings(max_examples=60, deadline=None)
+def test_frame_reader_any_split(bodies, cuts):
+    """Frames arrive cut at any byte boundaries; the buffered reader returns them whole."""
+    stream = b"".join(encode_frame(b) for b in bodies)
+    a, b = socket.socketpair()
+    with a, b:
+        r = FrameReader(b, size=1024)  # small, so frames straddle and outgrow the buffer
+
+        def feed():
+            off, i = 0, 0
+            while off < len(stream):
+                n = cuts[i % len(cuts)]
+                a.sendall(stream[off : off + n])
+                off += n
+                i += 1
+            a.shutdown(socket.SHUT_WR)
+
+        t = threading.Thread(target=feed)
+        t.start()
+        got = [r.read(1 << 20) for _ in bodies]
+        assert r.read(1 << 20) is None  # clean close between frames
+        t.join()
+    assert got == bodies
+    assert r.capacity == 1024  # a frame bigger than the buffer did not leave it grown
+
+
+def test_frame_reader_errors():
+    a, b = socket.socketpair()
+    with a, b:
+        r = FrameReader(b)
+        a.sendall(encode_frame(b"ok") + struct.pack(">I", 99999))
+        assert r.read(1000) == b"ok"
+        with pytest.raises(FrameTooLarge):
+            r.read(1000)
+    for tail in (b"\x00\x00", struct.pack(">I", 10) + b"abc"):
+        a, b = socket.socketpair()
+        with a, b:
+            a.sendall(tail)
+            a.shutdown(socket.SHUT_WR)
+            with pytest.raises(FrameError, match="closed inside a frame"):
+                FrameReader(b).read(1000)
+    a, b = socket.socketpair()
+    with a, b:
+        a.sendall(struct.pack(">I", 0))
+        with pytest.raises(FrameError, match="empty"):
+            FrameReader(b).read(1000)
+
+
+def test_channel_times_out_on_a_silent_peer():
+    """The kernel-enforced receive limit (SO_RCVTIMEO) ends a call to a peer that never
+    answers; the channel is then broken, and timeout=None would wait."""
+    a, b = socket.socketpair()
+    with a, b:
+        ch = Channel(b, timeout=0.2)
+        t0 = time.monotonic()
+        with pytest.raises(ChannelClosed):
+            ch.call(m.Lookup(b"k" * 32, None))
+        assert 0.15 < time.monotonic() - t0 < 5
+        assert ch.broken
+        assert len(a.recv(1 << 16)) > 4  # the request did go out
+    a, b = socket.socketpair()
+    with a, b:
+        ch = Channel(b, timeout=0.05)
+
+        def answer_late():
+            time.sleep(0.3)
+            body = recv_frame(a, 1 << 20)
+            rid = unpack(body, CodecLimits.for_frames(1 << 20, 16))[1]
+            a.sendall(encode_frame(pack(m.encode_reply(rid, m.Count(1)))))
+
+        t = threading.Thread(target=answer_late)
+        t.start()
+        assert ch.call(m.Lookup(b"k" * 32, None), timeout=None).n == 1  # waits past 0.05 s
+        t.join()
+        with pytest.raises(ChannelClosed):  # and the default limit is back
+            ch.call(m.Lookup(b"k" * 32, None))
 
 
 def test_codec_bounds_and_plain_data_only():

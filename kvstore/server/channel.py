@@ -13,11 +13,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import struct
 import threading
 
 from kvstore.server import messages as m
 from kvstore.server.codec import CodecError, CodecLimits, pack, unpack
-from kvstore.server.framing import DEFAULT_MAX_FRAME, FrameError, recv_frame, send_frame
+from kvstore.server.framing import DEFAULT_MAX_FRAME, FrameError, FrameReader, send_frame
 
 log = logging.getLogger("kvstore.client")
 
@@ -33,8 +34,13 @@ class Channel:
     def __init__(self, sock: socket.socket, timeout: float | None) -> None:
         self._sock = sock
         self._timeout = timeout
-        self._sock_timeout: float | None = timeout
-        sock.settimeout(timeout)
+        # A blocking socket whose time limits the kernel enforces (SO_RCVTIMEO/SO_SNDTIMEO):
+        # Python's own socket timeouts poll() before every send and recv, two extra system
+        # calls on each round trip.
+        sock.settimeout(None)
+        self._sock_timeout: float | None = None
+        self._set_timeout(timeout)
+        self._reader = FrameReader(sock)
         self._lock = threading.Lock()
         self._rid = 0
         self._deferred: set[int] = set()
@@ -52,6 +58,14 @@ class Channel:
             sock.close()
             raise
         return cls(sock, timeout)
+
+    def _set_timeout(self, t: float | None) -> None:
+        if t == self._sock_timeout:
+            return
+        tv = _timeval(t)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+        self._sock_timeout = t
 
     def close(self) -> None:
         self.broken = True
@@ -94,12 +108,10 @@ class Channel:
             if self.broken:
                 raise ChannelClosed("not connected")
             try:
-                if t != self._sock_timeout:
-                    self._sock.settimeout(t)
-                    self._sock_timeout = t
+                self._set_timeout(t)
                 rid = self._send(req)
                 while True:
-                    body = recv_frame(self._sock, MAX_REPLY_FRAME)
+                    body = self._reader.read(MAX_REPLY_FRAME)
                     if body is None:
                         raise ConnectionError("the daemon closed the connection")
                     r_rid, status, rbody = m.decode_reply(unpack(body, self._codec))
@@ -122,3 +134,12 @@ class Channel:
             return m.REPLIES[type(req)].from_wire(rbody)
         except m.BadRequest as e:
             raise self._fail(e) from e
+
+
+def _timeval(t: float | None) -> bytes:
+    """``struct timeval`` for SO_RCVTIMEO/SO_SNDTIMEO; all zero waits forever."""
+    if t is None:
+        return struct.pack("@ll", 0, 0)
+    t = max(t, 1e-6)  # zero would mean forever
+    sec = int(t)
+    return struct.pack("@ll", sec, max(int((t - sec) * 1e6), 1 if sec == 0 else 0))

@@ -174,5 +174,18 @@ async def _main(config: DaemonConfig) -> None:
 
 def run_daemon(config: DaemonConfig) -> int:
     """Serve until SIGTERM/SIGINT; returns the process exit status (0 after a clean stop)."""
-    asyncio.run(_main(config))
+    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        runner.run(_main(config))
     return 0
+
+
+def _loop_factory():  # noqa: ANN202 - a loop class, or None for asyncio's default
+    """uvloop's event loop where it is installed: it halves a small request's round trip
+    (docs/benchmarks.md); ``KVSTORE_LOOP=asyncio`` keeps the standard one."""
+    if os.environ.get("KVSTORE_LOOP", "").lower() == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop

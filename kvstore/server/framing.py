@@ -102,3 +102,61 @@ def recv_frame(sock: socket.socket, max_frame: int) -> bytes | None:
     body = _recv_exactly(sock, n, inside=True)
     assert body is not None
     return body
+
+
+class FrameReader:
+    """Frames from a blocking socket, read through one reusable buffer: a reply that arrives
+    in one piece costs one ``recv_into`` call (header and body together), not two, and no
+    allocation but the body's."""
+
+    def __init__(self, sock: socket.socket, size: int = 64 << 10) -> None:
+        self._sock = sock
+        self._size = size
+        self._buf = bytearray(size)
+        self._view = memoryview(self._buf)
+        self._start = 0  # buffered bytes are _buf[_start:_end]
+        self._end = 0
+
+    def _fill(self, need: int, *, inside: bool) -> bool:
+        """Make ``need`` bytes available from ``_start`` on."""
+        have = self._end - self._start
+        if have >= need:
+            return True
+        if self._start + need > len(self._buf):  # move the partial frame to the front / grow
+            if need > len(self._buf):
+                grown = bytearray(need)
+                grown[:have] = self._view[self._start : self._end]
+                self._buf, self._view = grown, memoryview(grown)
+            else:
+                self._buf[:have] = self._view[self._start : self._end]
+            self._start, self._end = 0, have
+        while self._end - self._start < need:
+            k = self._sock.recv_into(self._view[self._end :])
+            if k == 0:
+                if self._end == self._start and not inside:
+                    return False
+                raise FrameError("connection closed inside a frame")
+            self._end += k
+        return True
+
+    def read(self, max_frame: int) -> bytes | None:
+        """The next frame's body; ``None`` on a clean close between frames."""
+        if not self._fill(HEADER_BYTES, inside=False):
+            return None
+        (n,) = HEADER.unpack_from(self._buf, self._start)
+        _check_length(n, max_frame)
+        self._fill(HEADER_BYTES + n, inside=True)
+        at = self._start + HEADER_BYTES
+        body = bytes(self._view[at : at + n])
+        self._start = at + n
+        if self._start == self._end:
+            self._start = self._end = 0
+            if len(self._buf) > self._size:  # a big reply passed: do not keep its buffer
+                self._buf = bytearray(self._size)
+                self._view = memoryview(self._buf)
+        return body
+
+    @property
+    def capacity(self) -> int:
+        """Bytes the buffer holds now (it grows for a frame bigger than it, then shrinks)."""
+        return len(self._buf)

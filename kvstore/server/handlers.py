@@ -35,7 +35,7 @@ async def _call(conn: Connection, inline: bool, fn: Callable, *args: object) -> 
 
 async def lookup(conn: Connection, req: m.Lookup) -> m.Count:
     keys = _chain(conn, req.keys, req.parent)
-    n = await _call(conn, True, conn.store.lookup, keys)
+    n = await _call(conn, True, conn.store.lookup_split, keys)
     conn.metrics.lookup_hit.inc(n)
     conn.metrics.lookup_miss.inc(len(keys) - n)
     return m.Count(n)
