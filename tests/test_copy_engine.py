@@ -144,8 +144,8 @@ def test_failing_disk_read_in_the_middle_of_a_batch(tmp_path, monkeypatch):
         s.evict(tier="warm")
         real = s._disk.read_many
 
-        def flaky(ks, dsts):
-            out = real(ks, dsts)
+        def flaky(ks, dsts, **kw):
+            out = real(ks, dsts, **kw)
             out[3] = ReadStatus.DAMAGED
             dsts[3].fill_(0xAB)  # garbage where the bad block would be
             return out

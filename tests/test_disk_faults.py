@@ -12,7 +12,7 @@ import lmdb
 import pytest
 import torch
 
-from kvstore.errors import DiskError
+from kvstore.errors import DiskError, TensorMismatchError
 from kvstore.tiers import disk_index as di
 from kvstore.tiers import segments as seg
 from kvstore.tiers.disk import DiskTier, ReadStatus
@@ -122,6 +122,34 @@ def test_read_many_independent_statuses(tmp_path):
                        ReadStatus.OK]
         for i, k in ((0, keys[0]), (3, keys[3]), (4, keys[1])):
             assert torch.equal(dsts[i], block_data(k, LAY))
+
+
+def test_read_many_mirrors_only_verified_blocks(tmp_path):
+    """``mirrors`` receive each block that read and verified, in every grouping (one block,
+    a run in one segment, several segments); damaged and missing blocks leave theirs alone."""
+    with open_tier(tmp_path) as t:
+        keys = chain("mir", 6)
+        t.write_blocks(writes(keys[:3], NS))
+        t.write_blocks(writes(keys[3:], NS))  # a second segment
+        path, off = seg_path(t, keys[4])
+        flip(path, off)
+        never = chain("never", 1)[0]
+        asked = [*keys, never]
+        dsts = [torch.empty(LAY.block_nbytes, dtype=torch.uint8) for _ in asked]
+        mirrors = [torch.zeros(LAY.block_nbytes, dtype=torch.uint8) for _ in asked]
+        mirrors[1] = None
+        got = t.read_many(asked, dsts, mirrors=mirrors)
+        assert got == [ReadStatus.OK] * 4 + [ReadStatus.DAMAGED, ReadStatus.OK, ReadStatus.MISSING]
+        for i in (0, 2, 3, 5):
+            assert torch.equal(mirrors[i], block_data(asked[i], LAY))
+        assert not mirrors[4].any() and not mirrors[6].any()
+        one = [torch.zeros(LAY.block_nbytes, dtype=torch.uint8)]
+        assert t.read_many([keys[0]], [torch.empty_like(one[0])], mirrors=one) == [ReadStatus.OK]
+        assert torch.equal(one[0], block_data(keys[0], LAY))
+        with pytest.raises(TensorMismatchError, match="mirrors"):
+            t.read_many(keys[:2], dsts[:2], mirrors=mirrors[:1])
+        with pytest.raises(TensorMismatchError, match=r"mirrors\[0\]"):
+            t.read_many(keys[:1], dsts[:1], mirrors=[torch.zeros(8, dtype=torch.uint8)])
 
 
 def test_check_finds_and_fixes_damage(tmp_path):

@@ -723,3 +723,19 @@ def test_check_fix_while_another_process_writes(tmp_path):
         assert all(t.contains(k) for k in keys)
         ok, bad = verify_all(t, BF16)
         assert ok == 180 and not bad
+
+
+def test_reads_are_grouped_per_segment_in_file_order():
+    """One task per segment (a thread reads it front to back, keeping its readahead going);
+    runs without a plain record stay tasks of their own."""
+    from kvstore.tiers.disk import _per_segment
+    from kvstore.tiers.disk_index import Rec
+
+    def rec(seg, off):
+        return Rec(0, 0, seg, off, 8, 8, 0, 0, 0, b"n" * 32, None)
+
+    runs = [[(0, rec(1, 0)), (1, rec(1, 8))], [(2, None)], [(3, rec(2, 0))], [(4, rec(1, 64))],
+            [(5, rec(2, 8))]]
+    tasks = _per_segment(runs)
+    assert [[[i for i, _ in run] for run in task] for task in tasks] == [
+        [[0, 1], [4]], [[2]], [[3], [5]]]

@@ -238,6 +238,7 @@ class FetchOps:
             else:
                 dsts.append(plan.staging[j])
         statuses: list = [None] * len(plan.disk)
+        mirrored: set[int] = set()
         for tier, mine in ((self._disk, False), (self._remote, True)):
             idx = [j for j, (p, _) in enumerate(plan.disk) if (p in plan.remote) == mine]
             if not idx:
@@ -247,7 +248,14 @@ class FetchOps:
             if mine:
                 got = tier.read_many(keys, [dsts[j] for j in idx], namespace_id=self.namespace_id)
             else:
-                got = tier.read_many(keys, [dsts[j] for j in idx])
+                # read straight into the caller's buffer: the reading threads keep the warm
+                # copy as each run lands, overlapping that copy with the reads still going
+                mirrors = None
+                if plan.direct:
+                    mirrors = [warm[plan.disk[j][1]] if plan.disk[j][1] >= 0 else None
+                               for j in idx]
+                    mirrored.update(idx)
+                got = tier.read_many(keys, [dsts[j] for j in idx], mirrors=mirrors)
             for j, st in zip(idx, got, strict=True):
                 statuses[j] = st
         bad = [p for (p, _), st in zip(plan.disk, statuses, strict=True) if st is not ReadStatus.OK]
@@ -258,8 +266,8 @@ class FetchOps:
                 self._counters.damaged += damaged  # an expired remote value is a plain miss
             plan.valid = min(plan.valid, min(bad))
         if plan.direct:
-            for (p, s), dst in zip(plan.disk, dsts, strict=True):
-                if p < plan.valid and s >= 0:
+            for j, ((p, s), dst) in enumerate(zip(plan.disk, dsts, strict=True)):
+                if p < plan.valid and s >= 0 and j not in mirrored:
                     warm[s].copy_(dst)  # keep a warm copy of what was read
 
     def _copy_fetch(

@@ -30,7 +30,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -101,6 +101,45 @@ _SELECT_BATCH = 50_000
 _RECORDS_CHUNK = 1024
 _RUN_BYTES = 8 << 20  # one preadv reads at most this many adjacent bytes
 _RUN_IOVS = 256
+
+
+def _per_segment(runs: list[list[tuple[int, Rec | None]]]) -> list[list[list[tuple[int, Rec | None]]]]:
+    """The runs of one segment as one task, in file order: one thread reads a segment front
+    to back. Runs of a file spread over several threads interleave on its shared readahead
+    state, which then stops reading ahead: measured 174 ms instead of 89 ms for 256 MiB cold
+    on this machine. Runs without a record (damaged, compressed) stay tasks of their own."""
+    tasks: list[list[list[tuple[int, Rec | None]]]] = []
+    by_seg: dict[int, list[list[tuple[int, Rec | None]]]] = {}
+    for run in runs:
+        rec = run[0][1]
+        if rec is None:
+            tasks.append([run])
+        elif rec.segment in by_seg:
+            by_seg[rec.segment].append(run)
+        else:
+            by_seg[rec.segment] = task = [run]
+            tasks.append(task)
+    return tasks
+
+
+def _check_mirrors(mirrors: Sequence[torch.Tensor | None], dsts: Sequence[torch.Tensor]) -> None:
+    if len(mirrors) != len(dsts):
+        raise TensorMismatchError(f"read_many got {len(dsts)} destinations but {len(mirrors)} "
+                                  "mirrors; pass one mirror (or None) per destination")
+    for i, (m, d) in enumerate(zip(mirrors, dsts, strict=True)):
+        if m is not None and (m.shape != d.shape or m.dtype != d.dtype):
+            raise TensorMismatchError(f"mirrors[{i}] is {tuple(m.shape)} {m.dtype}, its "
+                                      f"destination {tuple(d.shape)} {d.dtype}; they must match")
+
+
+def _mirror(idx: Iterable[int], out: list, dsts: Sequence[torch.Tensor],
+            mirrors: Sequence[torch.Tensor | None] | None) -> None:
+    if mirrors is None:
+        return
+    for i in idx:
+        m = mirrors[i]
+        if m is not None and out[i] is ReadStatus.OK:
+            m.copy_(dsts[i])
 
 
 class ReadStatus(enum.Enum):
@@ -480,27 +519,48 @@ class DiskTier:
             raw = txn.get(key, db=sh.dbs[DB_BLOCKS])
         return self._read_one(key, raw, buf)
 
-    def read_many(self, keys: Sequence[bytes], dsts: Sequence[torch.Tensor]) -> list[ReadStatus]:
-        """Read several blocks (a small thread pool); one independent status per key."""
+    def read_many(
+        self, keys: Sequence[bytes], dsts: Sequence[torch.Tensor],
+        *, mirrors: Sequence[torch.Tensor | None] | None = None,
+    ) -> list[ReadStatus]:
+        """Read several blocks (a small thread pool); one independent status per key.
+
+        ``mirrors[i]`` (optional; same shape and dtype as ``dsts[i]``, or None) also receives
+        block ``i`` once it has been read and verified, copied by the reading thread while
+        other reads are still in flight (a store keeps a warm copy of what it read straight
+        into a caller's buffer this way, off the end of the fetch).
+        """
         sh = self._ensure()
         if len(keys) != len(dsts):
             raise TensorMismatchError(f"read_many got {len(keys)} keys but {len(dsts)} destinations")
+        if mirrors is not None:
+            _check_mirrors(mirrors, dsts)
         keys = [_check_key(k) for k in keys]
         bufs = [_as_buffer(d, f"dsts[{i}]") for i, d in enumerate(dsts)]
         db = sh.dbs[DB_BLOCKS]
         with sh.read() as txn:
             raws = [txn.get(k, db=db) for k in keys]
-        if len(keys) <= 1:
-            return [self._read_one(k, r, b) for k, r, b in zip(keys, raws, bufs, strict=True)]
         out: list[ReadStatus | None] = [None] * len(keys)
-        runs = self._plan_runs(keys, raws, bufs, out)
-        if len(runs) == 1:
-            self._read_run(runs[0], keys, raws, bufs, out)
+        if len(keys) <= 1:
+            for i in range(len(keys)):
+                out[i] = self._read_one(keys[i], raws[i], bufs[i])
+            _mirror(range(len(keys)), out, dsts, mirrors)
+            return out  # type: ignore[return-value]
+        tasks = _per_segment(self._plan_runs(keys, raws, bufs, out))
+        args = (keys, raws, bufs, out, dsts, mirrors)
+        if len(tasks) == 1:
+            self._read_runs(tasks[0], *args)
         else:
             pool = self._get_pool()
-            for f in [pool.submit(self._read_run, run, keys, raws, bufs, out) for run in runs]:
+            for f in [pool.submit(self._read_runs, t, *args) for t in tasks]:
                 f.result()
         return out  # type: ignore[return-value]
+
+    def _read_runs(self, runs, keys, raws, bufs, out, dsts, mirrors) -> None:  # noqa: ANN001
+        for run in runs:
+            self._read_run(run, keys, raws, bufs, out)
+            if mirrors is not None:
+                _mirror([i for i, _rec in run], out, dsts, mirrors)
 
     def _plan_runs(self, keys, raws, bufs, out) -> list[list[tuple[int, Rec | None]]]:
         """Group the reads: blocks stored raw and adjacent in one segment (in request order or
