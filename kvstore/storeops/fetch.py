@@ -177,22 +177,31 @@ class FetchOps:
         plan = FetchPlan(ks[:n], parent, [], [], [], [], [], [])
         plan.remote = set(remote_at)
         disk_pos: list[int] = []
+        # per-block work of every fetch: plain dict lookups, no method call per key
+        hot_slots = hot._slots if hot is not None else {}
+        warm_slots = warm._slots if warm is not None else {}
+        pending = self._pending
+        second_hit = self._writer is not None and self.config.admission == "second-hit"
+        on_hot, on_warm, held = plan.hot.append, plan.warm.append, plan.pinned.append
         for i in range(n):
             k = ks[i]
-            if hot is not None and k in hot:
-                plan.hot.append((i, hot.slot(k)))
-            elif warm is not None and k in warm:
-                plan.warm.append((i, warm.slot(k)))
+            s = hot_slots.get(k)
+            if s is not None:
+                on_hot((i, s))
             else:
-                disk_pos.append(i)
-                continue
-            cat.pin(k)
-            plan.pinned.append(k)
-            pending = self._pending.get(k)
-            if pending is not None:
-                plan.deps.append((i, pending))
-            if self._writer is not None and self.config.admission == "second-hit" and cat.use(k) >= 2:
+                s = warm_slots.get(k)
+                if s is None:
+                    disk_pos.append(i)
+                    continue
+                on_warm((i, s))
+            held(k)
+            if pending:
+                dep = pending.get(k)
+                if dep is not None:
+                    plan.deps.append((i, dep))
+            if second_hit and cat.use(k) >= 2:
                 cat.mark_dirty(k)
+        cat.pin_many(plan.pinned)
         self._touch_chain(plan.keys)
         if disk_pos:
             assert warm is not None
@@ -372,11 +381,11 @@ class FetchOps:
                 else:
                     hot.release(slot)
         if n:
-            self._touch_chain(plan.keys[:n])
+            if plan.disk or plan.promote:  # blocks joined a tier since the plan touched them
+                self._touch_chain(plan.keys[:n])
             if self._disk is not None:
                 self._disk.touch(plan.keys[:n])
-        for k in plan.pinned:
-            cat.unpin(k)
+        cat.unpin_many(plan.pinned)
 
     # -- prefetch / flush / stats -------------------------------------------------------------
     def prefetch(self, keys: Sequence[bytes]) -> Transfer[int]:

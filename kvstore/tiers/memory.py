@@ -75,9 +75,12 @@ class MemoryTier:
     def touch(self, keys: Iterable[BlockKey]) -> None:
         """Mark ``keys`` used now, in order (the last one becomes the newest)."""
         lru = self._lru
+        if not lru:
+            return
+        move = lru.move_to_end
         for k in keys:
             if k in lru:
-                lru.move_to_end(k)
+                move(k)
 
     def allocate(self, n: int) -> list[int]:
         return self.slab.allocator.allocate(n)
