@@ -34,6 +34,7 @@ from kvstore.namespace import Namespace
 from kvstore.sizes import parse_size
 from kvstore.stats import Counters, StoreStats, TierStats
 from kvstore.storeops import DISK, HOT, REMOTE, WARM
+from kvstore.storeops.borrow import BorrowOps
 from kvstore.storeops.disk_writes import DiskWriteOps
 from kvstore.storeops.fetch import FetchOps, FetchPlan
 from kvstore.storeops.paged import PagedOps
@@ -101,7 +102,7 @@ def _run_in(held: dict, ks: list[BlockKey], start: int) -> int:
     return len(list(takewhile(held.__contains__, islice(ks, start, None))))
 
 
-class Store(FetchOps, PutOps, SharedMemoryOps, RoomOps, PagedOps, DiskWriteOps):
+class Store(FetchOps, BorrowOps, PutOps, SharedMemoryOps, RoomOps, PagedOps, DiskWriteOps):
     """A tiered KV prefix cache for one model namespace. Create with :func:`open_store`.
 
     The operations live in :mod:`kvstore.storeops` (one module per job); this class holds the

@@ -222,7 +222,8 @@ def test_salt_isolates_and_short_fetch_recomputes():
         assert pm.prefill(p, salt="tenant-b").cached_tokens == 0
         assert pm.prefill(p).cached_tokens == 32
         # a fetch that returns fewer blocks than lookup promised (damage): compute from there
-        real_fetch = store.fetch
+        real_fetch, real_borrow = store.fetch, store.borrow_blocks
+        store.borrow_blocks = lambda keys: real_borrow(keys[:1])  # partial: it fetches instead
         store.fetch = lambda keys, **kw: _short(real_fetch(keys, **kw), 2)
         res = pm.prefill(p)
         assert res.cached_tokens == 2 * T
@@ -357,3 +358,24 @@ def test_prefill_bench_rows_on_a_tiny_model():
     planned_vs_naive, planned_vs_arrival = rows[0], rows[1]
     assert planned_vs_naive.unit == "tokens" and planned_vs_naive.ratio > 2
     assert planned_vs_arrival.ratio > 1
+
+
+def test_cached_prefix_is_read_in_place_and_unpinned_after():
+    """An embedded CPU store lends its slab (no fetch copy); nothing stays pinned, even when
+    the forward pass fails."""
+    model = make_model()
+    p = tokens(40, seed=3)
+    with memory_store(model) as store:
+        pm = PrefixCachedModel(model, store)
+        pm.prefill(p).put.wait()
+        calls = []
+        real_fetch = store.fetch
+        store.fetch = lambda *a, **kw: calls.append(1) or real_fetch(*a, **kw)
+        res = pm.prefill(p)
+        assert res.cached_tokens == 32 and not calls
+        assert_exact_fp32(res, plain_logits(model, p))
+        assert store.stats().pinned_blocks == 0
+        pm._forward = lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("boom"))
+        with pytest.raises(RuntimeError, match="boom"):
+            pm.prefill(p)
+        assert store.stats().pinned_blocks == 0

@@ -43,6 +43,7 @@ from kvstore.errors import ConfigError, TensorMismatchError
 from kvstore.keys import KeyChain
 from kvstore.layout import KVLayout
 from kvstore.store import Store, open_store
+from kvstore.storeops.borrow import BorrowedBlocks
 from kvstore.transfer import Transfer
 
 try:  # transformers >= 4.56: one cache-layer object per layer
@@ -446,6 +447,19 @@ class PrefixCachedModel:
     def from_model(cls, model: torch.nn.Module, store: Store, **kwargs: Any) -> PrefixCachedModel:
         return cls(model, store, **kwargs)
 
+    def _load(self, keys: KeyChain) -> tuple[torch.Tensor, BorrowedBlocks | None]:
+        """The blocks of ``keys``: read in place from an embedded store's memory on the model's
+        device when all of them are there (no copy: each layer relayouts straight out of the
+        store's slab during the forward pass), else fetched into the staging buffer."""
+        store = self.store
+        if isinstance(store, Store) and store.device == self.device:
+            b = store.borrow_blocks(keys)
+            if len(b) == len(keys):
+                return b.blocks, b
+            b.release()
+        n = len(keys)
+        return store.fetch(keys, out=self._staging_for(n)).wait(), None
+
     def _staging_for(self, n: int) -> torch.Tensor:
         """A reusable fetch buffer of at least ``n`` blocks (fresh memory would page-fault)."""
         buf = self._staging
@@ -491,18 +505,23 @@ class PrefixCachedModel:
         n = store.lookup(keys[:limit]) if keys is not None and limit else 0
         t1 = time.perf_counter()
         cache: Any
-        if n:
-            blocks = store.fetch(keys[:n], out=self._staging_for(n)).wait()
-            n = blocks.shape[0]  # damage shortens the run: compute from there
-        if n:
-            cache = blocks_to_cache(blocks, device=self.device, dtype=self.dtype)
-        else:
-            cache = DynamicCache()
-        t2 = time.perf_counter()
-        start = n * T
-        logits = self._forward(ids[start:], cache, start)
-        if n:
-            cache_layers(cache)  # every layer has read its prefix: the staging buffer is free
+        borrowed = None
+        try:
+            if n:
+                blocks, borrowed = self._load(keys[:n])
+                n = blocks.shape[0]  # damage shortens the run: compute from there
+            if n:
+                cache = blocks_to_cache(blocks, device=self.device, dtype=self.dtype)
+            else:
+                cache = DynamicCache()
+            t2 = time.perf_counter()
+            start = n * T
+            logits = self._forward(ids[start:], cache, start)
+            if n:
+                cache_layers(cache)  # every layer has read its prefix: staging/borrow is free
+        finally:
+            if borrowed is not None:
+                borrowed.release()
         t3 = time.perf_counter()
         put = self._put_new(cache, keys, n, len(keys)) if use_cache else None
         t4 = time.perf_counter()
