@@ -82,6 +82,18 @@ def run(opts: BenchOptions) -> list[BenchRow]:
     rows.append(time_row(SECTION, name, t_nat, vllm_name, t_vllm, goal=20.0, note=note))
     rows.append(time_row(SECTION, name, t_nat, "pure-Python block keys", t_py, goal=5.0,
                          note=note))
+    # The physical limit: a chain is serial (each key hashes its parent), so it cannot beat
+    # the latency of the SHA-256 compressions it needs, measured here as this implementation's
+    # speed over one long buffer (where consecutive compressions are just as dependent).
+    n_blocks = n_tokens // BLOCK_TOKENS
+    per_block = -(-(32 + 4 * BLOCK_TOKENS + 9) // 64)  # parent + tokens + padding, in 64 B
+    buf = bytes(64 << 20 if not opts.quick else 8 << 20)
+    t_buf = best_time(lambda: native.sha256(buf, impl=impl), repeat=3)
+    t_floor = t_buf / (len(buf) // 64) * per_block * n_blocks
+    rows.append(time_row(
+        SECTION, name, t_nat, f"{per_block} serial SHA-256 compressions per block", t_floor,
+        note=f"{t_buf / (len(buf) // 64) * 1e9:.1f} ns per compression ({impl}); at this floor "
+             f"the vLLM-style ratio would be {t_vllm / t_floor:.1f}x"))
 
     if impl != "portable":
         # the portable C path, for machines without SHA extensions (no goal: informational)
