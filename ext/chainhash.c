@@ -620,12 +620,79 @@ static PyObject *join_keys(PyObject *self, PyObject *seq) {
     return out;
 }
 
+/* ------------------------------------------------------------------------------------------ */
+/* Key directory probe (kvstore/tiers/key_directory.py has the layout and the writer)          */
+/* ------------------------------------------------------------------------------------------ */
+
+static uint64_t load_le64(const uint8_t *p) {
+    uint64_t v = 0;
+    for (int i = 7; i >= 0; i--) v = (v << 8) | p[i];
+    return v;
+}
+
+#define KD_HEADER 64
+#define KD_ENTRY 40
+#define KD_GONE UINT64_MAX
+#define KD_MAX_PROBE 64
+
+PyDoc_STRVAR(directory_run_doc,
+"directory_run(directory, keys) -> int\n\n"
+"How many of the 32-byte keys in keys (n * 32 bytes), in a row from the first, the key\n"
+"directory buffer holds. Raises ValueError for a buffer that is not a key directory.");
+
+static PyObject *directory_run(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer dir, keys;
+    if (!PyArg_ParseTuple(args, "y*y*:directory_run", &dir, &keys)) return NULL;
+    PyObject *result = NULL;
+    const uint8_t *base = (const uint8_t *)dir.buf;
+    if (dir.len < KD_HEADER || memcmp(base, "kvkeys01", 8) != 0) {
+        PyErr_SetString(PyExc_ValueError, "not a kvstore key directory (bad magic)");
+        goto done;
+    }
+    uint64_t cap = load_le64(base + 8);
+    if (cap == 0 || (cap & (cap - 1)) != 0 ||
+        cap > (uint64_t)(dir.len - KD_HEADER) / KD_ENTRY) {
+        PyErr_SetString(PyExc_ValueError, "key directory capacity does not fit its buffer");
+        goto done;
+    }
+    if (keys.len % KV_SHA256_DIGEST) {
+        PyErr_SetString(PyExc_ValueError, "keys must be whole 32-byte keys");
+        goto done;
+    }
+    const uint8_t *entries = base + KD_HEADER;
+    const uint64_t mask = cap - 1;
+    Py_ssize_t n = keys.len / KV_SHA256_DIGEST, i;
+    for (i = 0; i < n; i++) {
+        const uint8_t *k = (const uint8_t *)keys.buf + i * KV_SHA256_DIGEST;
+        uint64_t pos = load_le64(k) & mask;
+        int ok = 0;
+        for (int probe = 0; probe < KD_MAX_PROBE; probe++) {
+            const uint8_t *e = entries + pos * KD_ENTRY;
+            uint64_t slot = load_le64(e + 32);
+            if (slot == 0) break;
+            if (slot != KD_GONE && memcmp(e, k, KV_SHA256_DIGEST) == 0) {
+                ok = 1;
+                break;
+            }
+            pos = (pos + 1) & mask;
+        }
+        if (!ok) break;
+    }
+    result = PyLong_FromSsize_t(i);
+done:
+    PyBuffer_Release(&dir);
+    PyBuffer_Release(&keys);
+    return result;
+}
+
 static PyMethodDef native_methods[] = {
     {"chain_keys", (PyCFunction)(void (*)(void))chain_keys, METH_VARARGS | METH_KEYWORDS,
      chain_keys_doc},
     {"sha256", (PyCFunction)(void (*)(void))sha256_fn, METH_VARARGS | METH_KEYWORDS, sha256_doc},
     {"all_keys", all_keys, METH_O, all_keys_doc},
     {"join_keys", join_keys, METH_O, join_keys_doc},
+    {"directory_run", directory_run, METH_VARARGS, directory_run_doc},
     {"cpu_has_sha_ni", cpu_has_sha_ni, METH_NOARGS,
      "cpu_has_sha_ni() -> bool\n\nWhether this CPU has the x86 SHA extensions (and this build "
      "can use them)."},

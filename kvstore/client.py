@@ -40,7 +40,8 @@ from kvstore.server.messages import PermissionDeniedError, ProtocolVersionError,
 from kvstore.server.protocol import PROTOCOL_VERSION, derive_namespace, make_hello
 from kvstore.stats import StoreStats
 from kvstore.store import PinReceipt, _resolve_device
-from kvstore.tiers.slab import map_shared, register_pinned, runs, unregister_pinned
+from kvstore.tiers.key_directory import KeyDirectory
+from kvstore.tiers.slab import directory_path, map_shared, register_pinned, runs, unregister_pinned
 from kvstore.transfer import Transfer
 from kvstore.validate import check_kv, check_out
 
@@ -74,14 +75,15 @@ class _Session:
     frees a connection's slots as soon as it sees the connection go.
     """
 
-    __slots__ = ("channel", "hello", "slab", "pinned", "_active", "_idle")
+    __slots__ = ("channel", "hello", "slab", "pinned", "directory", "_active", "_idle")
 
     def __init__(self, channel: Channel, hello: m.HelloReply, slab: torch.Tensor,
-                 pinned: bool) -> None:
+                 pinned: bool, directory: KeyDirectory | None = None) -> None:
         self.channel = channel
         self.hello = hello
         self.slab = slab  # [slots, block_nbytes] uint8, shared with the daemon
         self.pinned = pinned
+        self.directory = directory  # the warm tier's key -> slot table, read-only
         self._active = 0
         self._idle = threading.Condition()
 
@@ -101,6 +103,8 @@ class _Session:
         with self._idle:
             self._idle.wait_for(lambda: not self._active, timeout=60)
         self.channel.close()
+        if self.directory is not None:
+            self.directory.close()
         if self.pinned:
             with contextlib.suppress(Exception):  # best effort
                 unregister_pinned(self.slab)
@@ -144,6 +148,9 @@ class Client:
         self._next_attempt = 0.0
         self._down = False
         self._warned: dict[int, float] = {}
+        self._report_lock = threading.Lock()
+        self._unreported = [0, 0, 0]  # lookups, hits, misses answered from the key directory
+        self._reported_at = 0.0
 
     # -- connection ------------------------------------------------------------------------------
     def _open(self) -> _Session:
@@ -169,6 +176,12 @@ class Client:
                 except OSError as e:
                     log.warning("could not register the shared slab as pinned memory (%s); "
                                 "copies to the GPU will be staged", e)
+            directory = None
+            try:
+                directory = KeyDirectory.open_readonly(directory_path(reply.shm_path))
+            except (OSError, ValueError) as e:  # an older daemon: every lookup asks it
+                log.info("no key directory next to %s (%s); lookups go to the daemon",
+                         reply.shm_path, e)
         except BaseException:
             ch.close()
             raise
@@ -177,7 +190,7 @@ class Client:
                         "computed before now are rejected", reply.namespace_id.hex()[:16],
                         self.namespace_id.hex()[:16])
             self.namespace_id = reply.namespace_id
-        return _Session(ch, reply, slab, pinned)
+        return _Session(ch, reply, slab, pinned, directory)
 
     def _connect_first(self) -> None:
         """At ``connect``: configuration errors raise; an absent daemon only warns."""
@@ -320,14 +333,32 @@ class Client:
 
     # -- lookup / fetch / prefetch ---------------------------------------------------------------
     def lookup(self, keys: Sequence[bytes]) -> int:
-        """Number of leading ``keys`` held by the daemon (0 while it is down)."""
+        """Number of leading ``keys`` held by the daemon (0 while it is down).
+
+        Blocks in the daemon's warm tier are found in its shared key directory without a
+        round trip; only the stretch after them is asked of the daemon (its disk tier)."""
         blob, n, parent = self._keys(keys)
         self._check_open()
         if not n:
             return 0
-        step = KEY_BYTES * (self._session.hello.max_keys if self._session else 65536)
-        found = 0
-        for off in range(0, len(blob), step):  # chunks of the daemon's per-request limit
+        s = self._get()
+        if s is None:
+            return 0
+        local = 0
+        if s.directory is not None and s.channel.peer_alive():  # a dead daemon's table: no
+            local = s.directory.leading_run(blob)
+        elif s.channel.broken:
+            s = self._get()  # reconnect now (or learn that the daemon is down)
+            if s is None:
+                return 0
+        if local == n:
+            self._report(1, n, 0)
+            return n
+        if local:
+            self._report(0, local, 0)
+        step = KEY_BYTES * s.hello.max_keys
+        found = local
+        for off in range(local * KEY_BYTES, len(blob), step):  # the daemon's per-request cap
             chunk = blob[off : off + step]
             r = self._call(m.Lookup(chunk, parent if off == 0 else blob[off - KEY_BYTES : off]))
             if r is None:
@@ -336,6 +367,24 @@ class Client:
             if r.n < len(chunk) // KEY_BYTES:  # type: ignore[attr-defined]
                 break
         return found
+
+    def _report(self, lookups: int, hits: int, misses: int, *, now: bool = False) -> None:
+        """Tell the daemon about lookups answered from the key directory (its counters and
+        metrics count every lookup), at most every 100 ms, without waiting for a reply."""
+        with self._report_lock:
+            acc = self._unreported
+            acc[0] += lookups
+            acc[1] += hits
+            acc[2] += misses
+            t = time.monotonic()
+            if not any(acc) or (not now and t - self._reported_at < 0.1):
+                return
+            report, self._unreported, self._reported_at = m.LookupReport(*acc), [0, 0, 0], t
+        s = self._session
+        if s is None or s.channel.broken:
+            return  # a daemon that restarted lost its counters anyway
+        with contextlib.suppress(ChannelClosed, OSError):
+            s.channel.send(report)
 
     def fetch(self, keys: Sequence[bytes], *, out: torch.Tensor | None = None) -> Transfer[torch.Tensor]:
         """Copy the leading held blocks into ``out`` (or a new tensor on the client's device).
@@ -494,6 +543,7 @@ class Client:
     # -- stats / flush / close ---------------------------------------------------------------------
     def _stats_reply(self) -> m.StatsReply | None:
         self._check_open()
+        self._report(0, 0, 0, now=True)  # counters include our own latest lookups
         return self._call(m.Stats())  # type: ignore[return-value]
 
     def stats(self) -> StoreStats:
@@ -536,6 +586,10 @@ class Client:
             if self._closed:
                 return
             self._closed = True
+            s = self._session
+        if s is not None:
+            self._report(0, 0, 0, now=True)
+        with self._lock:
             s, self._session = self._session, None
         if s is not None:
             s.close()

@@ -143,3 +143,46 @@ def test_cuda_client_copies_through_pinned_shared_memory(shared):
         out = torch.zeros(LAYOUT.batch_shape(6), dtype=LAYOUT.dtype, device="cuda")
         assert c.fetch(keys, out=out).wait().shape[0] == 4 and torch.equal(out[:4], kv)
         assert not out[4:].any()
+
+
+def test_lookup_answers_warm_blocks_from_the_key_directory(serve):
+    """Warm blocks are found in the shared key directory (no round trip); the stretch after
+    them (here: on the daemon's disk only) is asked of the daemon; the daemon still counts
+    every lookup; evictions show at once."""
+    d = serve("--cpu-capacity", "1MiB", "--disk-capacity", "16MiB")
+    with connect(d.socket_path, layout=LAYOUT, model_id="dir", device="cpu") as c:
+        keys = c.block_keys(list(range(8 * 4)))
+        assert c.put(keys, _kv(8)).wait() == 8
+        c.flush()
+        sent = []
+        real_call = c._call
+        c._call = lambda req, *a, **kw: sent.append(req) or real_call(req, *a, **kw)
+        assert c.lookup(keys) == 8 and c.lookup(keys[:3]) == 3
+        assert sent == []  # answered locally
+        assert c.evict(keys[5:], tier="warm") == 3  # 5, 6, 7 now only on the daemon's disk
+        sent.clear()
+        assert c.lookup(keys) == 8
+        (asked,) = sent
+        assert asked.keys == b"".join(keys[5:]) and asked.parent == keys[4]
+        assert c.evict(keys[6:]) == 2  # gone everywhere
+        assert c.lookup(keys) == 6
+        st = c.stats()  # flushes the client's report of its local lookups first
+        assert st.lookups == 4 and st.hits == 8 + 3 + 8 + 6
+        assert st.misses == 2
+
+
+def test_lookup_without_a_key_directory_asks_the_daemon(shared, monkeypatch):
+    """An older daemon (no directory file): every lookup is a round trip, same answers."""
+    from kvstore.tiers import key_directory
+
+    def missing(path):
+        raise FileNotFoundError(path)
+
+    monkeypatch.setattr(key_directory.KeyDirectory, "open_readonly", staticmethod(missing))
+    with connect(shared.socket_path, layout=LAYOUT, model_id="nodir", device="cpu") as c:
+        keys = c.block_keys(list(range(16)))
+        c.put(keys, _kv(4)).wait()
+        sent = []
+        real_call = c._call
+        c._call = lambda req, *a, **kw: sent.append(req) or real_call(req, *a, **kw)
+        assert c.lookup(keys) == 4 and len(sent) == 1

@@ -82,7 +82,8 @@ def test_metrics_file_and_port(serve, tmp_path):
             if 'kvstore_fetch_bytes_total 1024.0' in text:
                 break
             time.sleep(0.1)
-    assert 'kvstore_requests_total{op="lookup"} 1.0' in text
+    # the client answered the lookup from the key directory and reported it
+    assert 'kvstore_requests_total{op="lookup_report"} 1.0' in text
     assert 'kvstore_lookup_blocks_total{result="hit"} 4.0' in text
     assert re.search(r'kvstore_tier_used_bytes\{model="m",namespace="[0-9a-f]+",tier="warm"\} 1024', text)
     assert "kvstore_request_seconds_bucket" in text and "kvstore_put_bytes_total 1024.0" in text

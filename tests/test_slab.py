@@ -37,3 +37,27 @@ def test_slab_read_write_round_trip():
     slab.read([4, 0, 1], dst)
     assert torch.equal(src, dst)
     assert slab.block(0).shape == lay.block_shape
+
+
+def test_shared_slab_keeps_a_key_directory_beside_it(tmp_path):
+    import os
+
+    import torch
+
+    from kvstore.layout import KVLayout
+    from kvstore.tiers.memory import MemoryTier
+    from kvstore.tiers.slab import directory_path
+
+    lay = KVLayout(num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float16, block_tokens=2)
+    path = str(tmp_path / "warm.slab")
+    tier = MemoryTier("warm", lay, 8 * lay.block_nbytes, torch.device("cpu"), shared_path=path)
+    d = tier.slab.directory
+    assert d is not None and os.path.exists(directory_path(path))
+    k = bytes(range(32))
+    (slot,) = tier.allocate(1)
+    tier.insert(k, slot)
+    assert d.leading_run(k) == 1
+    tier.remove(k)
+    assert d.leading_run(k) == 0
+    tier.slab.close()
+    assert not os.path.exists(directory_path(path)) and not os.path.exists(path)

@@ -83,20 +83,27 @@ def _lookup_rows(socket_path: Path, iters: int) -> list[BenchRow]:
         client.put(keys, kv).wait()
         assert client.lookup(keys) == LOOKUP_KEYS
         d50, d99 = _percentiles(lambda: client.lookup(keys), iters)
-        frame = len(encode_frame(pack(m.encode_request(1, m.Lookup(b"".join(keys), None)))))
+        # what a lookup of blocks outside the warm tier (the daemon's disk) costs: the same
+        # request sent to the daemon, past the key directory
+        req = m.Lookup(b"".join(keys), None)
+        assert client._call(req).n == LOOKUP_KEYS  # type: ignore[union-attr]
+        r50, r99 = _percentiles(lambda: client._call(req), iters)
+        frame = len(encode_frame(pack(m.encode_request(1, req))))
     f50, _ = _echo_round_trip(socket_path.parent / "echo.sock", frame, iters)
     name = f"lookup {LOOKUP_KEYS:,} keys"
+    local = "warm blocks, found in the daemon's shared key directory (no round trip)"
     return [
-        time_row(SECTION, f"{name} p50, daemon round trip", d50, "goal: 100 us", 100e-6,
-                 unit="us", goal=1.0, note="ratio >= 1 meets the goal p50 < 100 us"),
-        time_row(SECTION, f"{name} p50, daemon round trip", d50,
+        time_row(SECTION, f"{name} p50, through the daemon", d50, "goal: 100 us", 100e-6,
+                 unit="us", goal=1.0, note=f"{local}; ratio >= 1 meets the goal p50 < 100 us"),
+        time_row(SECTION, f"{name} p50, through the daemon", d50, "embedded lookup p50", e50,
+                 unit="us", note=local),
+        time_row(SECTION, f"{name} p99, through the daemon", d99, "embedded lookup p99", e99,
+                 unit="us", note=local),
+        time_row(SECTION, f"{name} p50, daemon round trip", r50,
                  f"bare {frame:,}-byte request/reply p50", f50, unit="us",
-                 note="the floor: same socket, framing and event loop, no work "
-                      "(python -m kvstore.bench.echo)"),
-        time_row(SECTION, f"{name} p50, daemon round trip", d50, "embedded lookup p50", e50,
-                 unit="us"),
-        time_row(SECTION, f"{name} p99, daemon round trip", d99, "embedded lookup p99", e99,
-                 unit="us"),
+                 note="the same lookup asked of the daemon (as for blocks on its disk; p99 "
+                      f"{r99 * 1e6:.0f} us); the floor: same socket, framing and event loop, "
+                      "no work (python -m kvstore.bench.echo)"),
     ]
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import select
 import socket
 import struct
 import threading
@@ -21,6 +22,8 @@ from kvstore.server.codec import CodecError, CodecLimits, pack, unpack
 from kvstore.server.framing import DEFAULT_MAX_FRAME, FrameError, FrameReader, send_frame
 
 log = logging.getLogger("kvstore.client")
+
+_HANGUP = select.POLLHUP | select.POLLERR | getattr(select, "POLLRDHUP", 0)
 
 #: bound on the daemon's replies (a 65,536-block lease reply is well under this)
 MAX_REPLY_FRAME = 16 << 20
@@ -66,6 +69,22 @@ class Channel:
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
         self._sock_timeout = t
+
+    def peer_alive(self) -> bool:
+        """False once the daemon has closed the connection (or died): one ``poll`` for a
+        hang-up (replies still unread do not hide it), for callers that answer without a
+        round trip. Marks the channel broken then."""
+        if self.broken:
+            return False
+        p = select.poll()
+        p.register(self._sock, _HANGUP)
+        try:
+            gone = any(ev & _HANGUP for _fd, ev in p.poll(0))
+        except OSError:
+            gone = True
+        if gone:
+            self.broken = True
+        return not gone
 
     def close(self) -> None:
         self.broken = True

@@ -131,6 +131,13 @@ async def ping(conn: Connection, req: m.Ping) -> m.Empty:
     return m.Empty()
 
 
+async def lookup_report(conn: Connection, req: m.LookupReport) -> m.Empty:
+    conn.store.count_lookups(req.lookups, req.hits, req.misses)
+    conn.metrics.lookup_hit.inc(req.hits)
+    conn.metrics.lookup_miss.inc(req.misses)
+    return m.Empty()
+
+
 async def hello_again(conn: Connection, req: m.Hello) -> m.Empty:
     raise BadRequest("this connection already said hello; open another connection for "
                      "another namespace", ErrorCode.HELLO_REQUIRED)
@@ -140,4 +147,5 @@ HANDLERS: dict[type, Callable[[Connection, object], Awaitable[object]]] = {
     m.Lookup: lookup, m.Fetch: fetch, m.Release: release, m.Put: put, m.Commit: commit,
     m.Abort: abort, m.Prefetch: prefetch, m.Pin: pin, m.Unpin: unpin, m.Evict: evict,
     m.Stats: stats, m.Flush: flush, m.Ping: ping, m.Hello: hello_again,
+    m.LookupReport: lookup_report,
 }

@@ -377,11 +377,31 @@ class Ping:
         return cls()
 
 
+@dataclass(frozen=True, slots=True)
+class LookupReport:
+    """Lookups the client answered itself from the key directory, for the daemon's counters
+    -> :class:`Empty` (clients need not wait for it)."""
+
+    OP: ClassVar[str] = "lookup_report"
+    lookups: int
+    hits: int
+    misses: int
+
+    def to_wire(self) -> list:
+        return [self.lookups, self.hits, self.misses]
+
+    @classmethod
+    def from_wire(cls, args: object) -> LookupReport:
+        a = _args(args, 3, cls.OP)
+        return cls(*(_int(v, f"{cls.OP}: {name}", 0, 2**40)
+                     for v, name in zip(a, ("lookups", "hits", "misses"), strict=True)))
+
+
 Request = (Hello | Lookup | Fetch | Put | Prefetch | Pin | Unpin | Release | Commit | Abort
-           | Evict | Stats | Flush | Ping)
+           | Evict | Stats | Flush | Ping | LookupReport)
 REQUESTS: dict[str, type] = {c.OP: c for c in (
     Hello, Lookup, Fetch, Put, Prefetch, Pin, Unpin, Release, Commit, Abort, Evict, Stats,
-    Flush, Ping)}
+    Flush, Ping, LookupReport)}
 
 
 def encode_request(rid: int, req: Request) -> list:
@@ -568,7 +588,7 @@ class StatsReply:
 REPLIES: dict[type, type] = {
     Hello: HelloReply, Lookup: Count, Fetch: Lease, Put: Grant, Prefetch: Count, Pin: Count,
     Unpin: Count, Release: Empty, Commit: Count, Abort: Empty, Evict: Count, Stats: StatsReply,
-    Flush: Empty, Ping: Empty,
+    Flush: Empty, Ping: Empty, LookupReport: Empty,
 }
 
 

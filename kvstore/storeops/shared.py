@@ -33,6 +33,15 @@ class SharedMemoryOps:
         is latency-critical)."""
         return self._lookup(keys)
 
+    def count_lookups(self, lookups: int, hits: int, misses: int) -> None:
+        """Add lookups answered elsewhere (the daemon's clients probe its key directory
+        themselves) to this store's counters."""
+        with self._lock:
+            c = self._counters
+            c.lookups += lookups
+            c.hits += hits
+            c.misses += misses
+
     def lease_warm(self, keys: Sequence[bytes]) -> tuple[list[BlockKey], list[int]]:
         """Pin the leading held run of ``keys`` *in the warm tier* and return it with its slots.
 

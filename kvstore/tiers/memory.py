@@ -92,9 +92,15 @@ class MemoryTier:
         """Publish a filled slot under ``key``."""
         self._slots[key] = slot
         self._lru[key] = None
+        d = self.slab.directory
+        if d is not None:
+            d.insert(key, slot)
 
     def remove(self, key: BlockKey) -> None:
         """Drop ``key`` and free its slot."""
         slot = self._slots.pop(key)
         del self._lru[key]
+        d = self.slab.directory
+        if d is not None:
+            d.remove(key)
         self.slab.allocator.release(slot)

@@ -15,6 +15,7 @@ import torch
 
 from kvstore.errors import SizeError
 from kvstore.layout import KVLayout
+from kvstore.tiers.key_directory import KeyDirectory
 
 
 def runs(slots: Sequence[int]) -> Iterator[tuple[int, int, int]]:
@@ -98,10 +99,18 @@ class Slab:
         self.pinned = pin_memory
         self.shared_path = shared_path
         self._mmap: mmap.mmap | None = None
+        #: key -> slot table the slab's other users probe (shared slabs only)
+        self.directory: KeyDirectory | None = None
         if shared_path is not None:
             if device.type != "cpu":
                 raise SizeError("only a host-memory tier can live in shared memory")
             self._mmap = map_shared(shared_path, slots * layout.block_nbytes, create=True)
+            try:
+                self.directory = KeyDirectory.create(directory_path(shared_path), slots)
+            except BaseException:
+                self._mmap.close()
+                os.unlink(shared_path)
+                raise
             self.data = torch.frombuffer(self._mmap, dtype=torch.uint8).view(slots, layout.block_nbytes)
             if pin_memory:
                 register_pinned(self.data)
@@ -124,6 +133,11 @@ class Slab:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.shared_path)
             self._mmap = None
+            if self.directory is not None:
+                self.directory.close()
+                self.directory = None
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(directory_path(self.shared_path))
 
     @property
     def nbytes(self) -> int:
@@ -142,6 +156,11 @@ class Slab:
         """Copy ``src`` (``[len(slots), block_nbytes]`` uint8, any device) into ``slots``."""
         for pos, first, length in runs(slots):
             self.data[first : first + length].copy_(src[pos : pos + length], non_blocking=non_blocking)
+
+
+def directory_path(slab_path: str) -> str:
+    """Where the key directory of the shared slab at ``slab_path`` lives."""
+    return slab_path + ".keys"
 
 
 def map_shared(path: str, nbytes: int, *, create: bool) -> mmap.mmap:
