@@ -90,9 +90,11 @@ class MemoryTier:
 
     def insert(self, key: BlockKey, slot: int) -> None:
         """Publish a filled slot under ``key``."""
+        d = self.slab.directory
+        if d is not None and key in self._slots:
+            d.remove(key)  # republished under another slot: one entry per key
         self._slots[key] = slot
         self._lru[key] = None
-        d = self.slab.directory
         if d is not None:
             d.insert(key, slot)
 
