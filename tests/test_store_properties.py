@@ -129,3 +129,18 @@ StoreMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestStoreMachine = StoreMachine.TestCase
+
+
+def test_put_chains_age_leaf_first():
+    """A put leaves its chain in LRU order leaf first (root newest), extensions included, so
+    eviction from a full tier meets leaves first instead of walking past every descendant."""
+    with open_store(None, layout=LAY, model_id="lru", device="cpu", gpu_capacity=0,
+                    cpu_capacity=64 * LAY.block_nbytes) as s:
+        keys = s.block_keys(list(range(2 * 6)))
+        s.put(keys[:4], kv_for(keys[:4])).wait()
+        assert s._warm.lru_order() == list(reversed(keys[:4]))
+        s.put(keys, kv_for(keys)).wait()  # extends the chain by two blocks
+        assert s._warm.lru_order() == list(reversed(keys))
+        other = s.block_keys(list(range(100, 108)))
+        s.put(other, kv_for(other)).wait()
+        assert s._warm.lru_order() == list(reversed(keys)) + list(reversed(other))

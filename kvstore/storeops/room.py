@@ -41,7 +41,8 @@ class RoomOps:
         """
         cat = self._catalog
         other_tier = self._warm if tier is self._hot else self._hot
-        for key in tier.lru_order():
+        # live iteration: every branch that changes ``tier`` returns right after
+        for key in tier.iter_lru():
             if cat.is_pinned(key):
                 continue
             if (other_tier is not None and key in other_tier) or cat.on_disk(key):

@@ -72,6 +72,11 @@ class MemoryTier:
         """Keys oldest first (a snapshot, safe to mutate the tier while iterating it)."""
         return list(self._lru)
 
+    def iter_lru(self) -> Iterator[BlockKey]:
+        """Keys oldest first, live: the tier must not change before the iteration ends (a
+        snapshot of a 100,000-block tier per eviction made a full tier's puts quadratic)."""
+        return iter(self._lru)
+
     def touch(self, keys: Iterable[BlockKey]) -> None:
         """Mark ``keys`` used now, in order (the last one becomes the newest)."""
         lru = self._lru
