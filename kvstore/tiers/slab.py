@@ -15,7 +15,7 @@ import torch
 
 from kvstore.errors import SizeError
 from kvstore.layout import KVLayout
-from kvstore.tiers.key_directory import KeyDirectory
+from kvstore.tiers.key_directory import WRITABLE_HERE, KeyDirectory
 
 
 def runs(slots: Sequence[int]) -> Iterator[tuple[int, int, int]]:
@@ -106,7 +106,8 @@ class Slab:
                 raise SizeError("only a host-memory tier can live in shared memory")
             self._mmap = map_shared(shared_path, slots * layout.block_nbytes, create=True)
             try:
-                self.directory = KeyDirectory.create(directory_path(shared_path), slots)
+                if WRITABLE_HERE:  # elsewhere clients just ask the daemon every lookup
+                    self.directory = KeyDirectory.create(directory_path(shared_path), slots)
             except BaseException:
                 self._mmap.close()
                 os.unlink(shared_path)
