@@ -2,6 +2,7 @@
 back, or goes away; paged engines; what a connection holds when it closes."""
 
 import logging
+import time
 
 import pytest
 import torch
@@ -186,3 +187,21 @@ def test_lookup_without_a_key_directory_asks_the_daemon(shared, monkeypatch):
         real_call = c._call
         c._call = lambda req, *a, **kw: sent.append(req) or real_call(req, *a, **kw)
         assert c.lookup(keys) == 4 and len(sent) == 1
+
+
+def test_lookup_reports_get_no_reply(shared):
+    """A client that only looks up (a router) sends reports; none is answered, so nothing
+    piles up unread in its socket; the counts arrive."""
+    import select
+
+    with connect(shared.socket_path, layout=LAYOUT, model_id="router", device="cpu") as c:
+        keys = c.block_keys(list(range(16)))
+        c.put(keys, _kv(4)).wait()
+        before = c.stats().hits
+        for _ in range(50):
+            assert c.lookup(keys) == 4
+            c._report(0, 0, 0, now=True)
+        sock = c._session.channel._sock
+        time.sleep(0.2)
+        assert select.select([sock], [], [], 0)[0] == []
+        assert c.stats().hits == before + 200

@@ -16,6 +16,7 @@ import select
 import socket
 import struct
 import threading
+from collections import OrderedDict
 
 from kvstore.server import messages as m
 from kvstore.server.codec import CodecError, CodecLimits, pack, unpack
@@ -47,6 +48,7 @@ class Channel:
         self._lock = threading.Lock()
         self._rid = 0
         self._deferred: set[int] = set()
+        self._silent: OrderedDict[int, None] = OrderedDict()  # sent, answered only on failure
         self._codec = CodecLimits.for_frames(MAX_REPLY_FRAME, 1 << 20)
         self.max_frame = DEFAULT_MAX_FRAME  # the daemon's cap; updated from its hello reply
         self.broken = False
@@ -108,14 +110,21 @@ class Channel:
         return self._rid
 
     def send(self, req: m.Request) -> None:
-        """Send without waiting for the reply (read, and logged if an error, later)."""
+        """Send without waiting for the reply (read, and logged if an error, later). Ops in
+        ``messages.SILENT_OPS`` get no reply unless they fail."""
         with self._lock:
             if self.broken:
                 raise ChannelClosed("not connected")
             try:
-                self._deferred.add(self._send(req))
+                rid = self._send(req)
             except OSError as e:
                 raise self._fail(e) from e
+            if req.OP in m.SILENT_OPS:
+                self._silent[rid] = None
+                if len(self._silent) > 256:  # only a failure answers: forget the oldest
+                    self._silent.popitem(last=False)
+            else:
+                self._deferred.add(rid)
 
     def call(self, req: m.Request, timeout: float | None | bool = True) -> object:
         """Send ``req`` and return its typed reply; an error reply raises ``ServerError``.
@@ -136,8 +145,9 @@ class Channel:
                     r_rid, status, rbody = m.decode_reply(unpack(body, self._codec))
                     if r_rid == rid or (r_rid == 0 and status == m.ERROR):
                         break
-                    if r_rid in self._deferred:
+                    if r_rid in self._deferred or r_rid in self._silent:
                         self._deferred.discard(r_rid)
+                        self._silent.pop(r_rid, None)
                         if status == m.ERROR:
                             log.warning("kvstore daemon: request %d failed: %s", r_rid, rbody[1])
                         continue

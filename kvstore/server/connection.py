@@ -195,7 +195,8 @@ class Connection:
             log.exception("request %s failed", op[:40])
             await self._send_error(rid, ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
             return
-        await self._send(m.encode_reply(rid, reply))
+        if op not in m.SILENT_OPS:
+            await self._send(m.encode_reply(rid, reply))
         self.metrics.observe(op, time.perf_counter() - t0)
 
     async def _cleanup(self) -> None:

@@ -379,8 +379,8 @@ class Ping:
 
 @dataclass(frozen=True, slots=True)
 class LookupReport:
-    """Lookups the client answered itself from the key directory, for the daemon's counters
-    -> :class:`Empty` (clients need not wait for it)."""
+    """Lookups the client answered itself from the key directory, for the daemon's counters;
+    no reply unless it fails (see :data:`SILENT_OPS`)."""
 
     OP: ClassVar[str] = "lookup_report"
     lookups: int
@@ -396,6 +396,10 @@ class LookupReport:
         return cls(*(_int(v, f"{cls.OP}: {name}", 0, 2**40)
                      for v, name in zip(a, ("lookups", "hits", "misses"), strict=True)))
 
+
+#: ops the daemon answers only when they fail (a client that only reports lookups must not
+#: have replies pile up unread in its socket)
+SILENT_OPS = frozenset({LookupReport.OP})
 
 Request = (Hello | Lookup | Fetch | Put | Prefetch | Pin | Unpin | Release | Commit | Abort
            | Evict | Stats | Flush | Ping | LookupReport)
