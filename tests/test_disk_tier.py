@@ -17,7 +17,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
 
-from kvstore.errors import FormatVersionError, NamespaceMismatchError, TensorMismatchError
+from kvstore.errors import (
+    FormatVersionError,
+    KeyFormatError,
+    NamespaceMismatchError,
+    TensorMismatchError,
+)
 from kvstore.tiers import codec as codec_mod
 from kvstore.tiers import disk_index as di
 from kvstore.tiers import segments as seg
@@ -191,6 +196,11 @@ def test_leading_run_and_contains(tmp_path):
         assert t.leading_run([]) == 0
         assert t.leading_run(chain("other", 2)) == 0
         assert t.contains(keys[4]) and not t.contains(keys[5])
+        # with a namespace: a record of another namespace ends the run
+        assert t.leading_run(keys, ns.id) == 5 and t.leading_run(keys, bytes(32)) == 0
+        assert t.leading_run(tuple(bytearray(k) for k in keys[:2]), ns.id) == 2
+        with pytest.raises(KeyFormatError):
+            t.leading_run([keys[0], b"short"])
         t.delete([keys[2]])
         assert t.leading_run(keys) == 2
 

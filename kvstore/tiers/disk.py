@@ -47,6 +47,7 @@ from kvstore.errors import (
     StoreClosedError,
     TensorMismatchError,
 )
+from kvstore.keys import all_keys
 from kvstore.layout import dtype_from_name, dtype_name
 from kvstore.namespace import Namespace
 from kvstore.sizes import parse_size
@@ -477,18 +478,24 @@ class DiskTier:
         """
         sh = self._ensure()
         db = sh.dbs[DB_BLOCKS]
+        if not all_keys(keys):
+            keys = [_check_key(k) for k in keys]
+        i = 0
         with sh.read() as txn:
             get = txn.get
-            for i, k in enumerate(keys):
-                if len(k) != _KEY_BYTES:
-                    _check_key(k)
-                raw = get(bytes(k), db=db)
-                if raw is None:
-                    return i
+            if namespace_id is None:
+                for k in keys:
+                    if get(k, db=db) is None:
+                        return i
+                    i += 1
+                return i
+            for k in keys:
+                raw = get(k, db=db)
                 # the record ends with namespace id (32 bytes) and parent key (32 bytes)
-                if namespace_id is not None and bytes(raw[-64:-32]) != namespace_id:
+                if raw is None or not raw.startswith(namespace_id, len(raw) - 64):
                     return i
-        return len(keys)
+                i += 1
+        return i
 
     def _get_rec(self, key: bytes) -> Rec | None:
         sh = self._sh
