@@ -66,6 +66,7 @@ class KeyDirectory:
         self._words = self._raw[HEADER_BYTES : HEADER_BYTES + cap * WORDS * 8].cast("Q")
         self._removed = 0
         self._live = 0
+        self._closed = False
 
     # -- files ---------------------------------------------------------------------------------
     @classmethod
@@ -92,6 +93,8 @@ class KeyDirectory:
         return cls(buf, writable=False)
 
     def close(self) -> None:
+        """Unmap (a probe racing this sees an empty table: misses, never an error)."""
+        self._closed = True
         self.table = np.zeros((0, WORDS), dtype="<u8")
         self._words.release()
         self._raw.release()
@@ -169,8 +172,15 @@ class KeyDirectory:
         """How many of the ``n * 32``-byte keys in ``blob``, in a row from the first, the table
         holds: one C loop over the mapping (``kvstore._native.directory_run``), else a
         vectorised numpy probe (no Python object per key either way)."""
+        if self._closed:
+            return 0
         if _native is not None:
-            return _native.directory_run(self._buf, blob)
+            try:
+                return _native.directory_run(self._buf, blob)
+            except ValueError:
+                if self._closed:  # unmapped under us by another thread's close()
+                    return 0
+                raise
         q = np.frombuffer(blob, dtype="<u8").reshape(-1, 4)
         n = len(q)
         if n == 0:
