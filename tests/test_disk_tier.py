@@ -749,3 +749,8 @@ def test_reads_are_grouped_per_segment_in_file_order():
     tasks = _per_segment(runs)
     assert [[[i for i, _ in run] for run in task] for task in tasks] == [
         [[0, 1], [4]], [[2]], [[3], [5]]]
+    # fewer segments than reading threads: a segment is cut into contiguous stretches
+    one = [[(i, rec(7, 8 * i))] for i in range(5)]
+    assert [[[i for i, _ in run] for run in task] for task in _per_segment(one, 2)] == [
+        [[0], [1], [2]], [[3], [4]]]
+    assert len(_per_segment(runs, 2)) == 3  # two segments already: no cut
