@@ -64,3 +64,21 @@ class DiskError(KVStoreError, OSError):
 
 class StoreLockedError(KVStoreError, RuntimeError):
     """An exclusive admin operation could not take the store's lock."""
+
+
+class StoreCorruptError(KVStoreError, RuntimeError):
+    """The store's index (or a file it needs) is damaged or missing beside intact segments.
+
+    The message names what to run (``kvstore recover --store PATH``); nothing has been
+    modified, and the store refuses to start over on top of the old files.
+    """
+
+
+class PutsLostError(KVStoreError, RuntimeError):
+    """``flush`` cannot vouch for puts a daemon had acknowledged: it restarted (killed,
+    crashed) before writing them to disk, or it cannot be reached to confirm. ``blocks`` is
+    how many; put them again if they matter."""
+
+    def __init__(self, message: str, blocks: int = 0) -> None:
+        super().__init__(message)
+        self.blocks = blocks

@@ -27,13 +27,13 @@ LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float16,
 
 # segment 0000000000000001 holding K0 (root) and K1 (child of K0), codec none
 GOLDEN_SEGMENT = bytes.fromhex(
-    "c8020000000000007b225f5f6d657461646174615f5f223a7b226b7673746f72652e666f726d6174223a2231222c226b"
+    "c8020000000000007b225f5f6d657461646174615f5f223a7b226b7673746f72652e666f726d6174223a2232222c226b"
     "7673746f72652e7365676d656e74223a2230303030303030303030303030303031222c22313131313131313131313131"
     "313131313131313131313131313131313131313131313131313131313131313131313131313131313131313131313131"
-    "31313131223a226e6f6e653b31363b383335356533613666363137373064623b30303031303230333034303530363037"
+    "31313131223a226e6f6e653b31363b386334353439366333626130613739383b30303031303230333034303530363037"
     "303830393061306230633064306530663130313131323133313431353136313731383139316131623163316431653166"
     "3b222c223232323232323232323232323232323232323232323232323232323232323232323232323232323232323232"
-    "3232323232323232323232323232323232323232223a226e6f6e653b31363b383463393630636565386563363564393b"
+    "3232323232323232323232323232323232323232223a226e6f6e653b31363b656561396566646466356164333164633b"
     "303030313032303330343035303630373038303930613062306330643065306631303131313231333134313531363137"
     "313831393161316231633164316531663b31313131313131313131313131313131313131313131313131313131313131"
     "313131313131313131313131313131313131313131313131313131313131313131227d2c223131313131313131313131"
@@ -44,10 +44,10 @@ GOLDEN_SEGMENT = bytes.fromhex(
     "36222c227368617065223a5b312c312c322c312c345d2c22646174615f6f666673657473223a5b31362c33325d7d7d20"
     "000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f"
 )
-# index record of K1: codec 0, segment 1, offset 736, 16/16 bytes, xxh3_64(D1), created and
+# index record of K1: codec 0, segment 1, offset 736, 16/16 bytes, checksum C1, created and
 # last access 1_700_000_000 s, namespace NS, parent K0
 GOLDEN_RECORD = bytes.fromhex(
-    "01000100000000000100000000000000e00200000000000010000000000000001000000000000000d965ece8ce60c984"
+    "01000100000000000100000000000000e00200000000000010000000000000001000000000000000dc31adf5ddefa9ee"
     "00401e18240a060000401e18240a0600000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f"
     "1111111111111111111111111111111111111111111111111111111111111111"
 )
@@ -59,8 +59,22 @@ GOLDEN_NAMESPACE = bytes.fromhex(
     "9d01a6676f6c64656ea472657631a7666c6f6174313601010201040001019192a161a162")
 
 
+# block checksums: xxh3_64(data, seed=xxh3_64(namespace id ‖ key))
+C0, C1 = 0x8C45496C3BA0A798, 0xEEA9EFDDF5AD31DC
+
+
+def test_golden_block_checksums():
+    assert seg.block_checksum(K0, NS, D0) == C0
+    assert seg.block_checksum(K1, NS, D1) == C1
+    seed = xxhash.xxh3_64_intdigest(NS + K1)
+    assert xxhash.xxh3_64_intdigest(D1, seed=seed) == C1
+    # bound to the key and the namespace: the same bytes under another identity fail
+    assert seg.block_checksum(K0, NS, D1) != C1
+    assert seg.block_checksum(K1, bytes(32), D1) != C1
+
+
 def _entries():
-    c0, c1 = xxhash.xxh3_64_intdigest(D0), xxhash.xxh3_64_intdigest(D1)
+    c0, c1 = C0, C1
     return [
         seg.SegmentEntry(K0.hex(), "F16", [1, 1, 2, 1, 4], D0, 16, seg.block_meta("none", 16, c0, NS, None)),
         seg.SegmentEntry(K1.hex(), "F16", [1, 1, 2, 1, 4], D1, 16, seg.block_meta("none", 16, c1, NS, K0)),
@@ -82,7 +96,7 @@ def test_golden_segment_bytes(tmp_path):
 
 
 def test_golden_index_encodings():
-    rec = di.Rec(0, 0, 1, 736, 16, 16, xxhash.xxh3_64_intdigest(D1), T_US, T_US, NS, K0)
+    rec = di.Rec(0, 0, 1, 736, 16, 16, C1, T_US, T_US, NS, K0)
     assert di.encode_record(rec) == GOLDEN_RECORD
     assert len(GOLDEN_RECORD) == di.RECORD.size == 128
     assert di.decode_record(GOLDEN_RECORD) == rec
@@ -109,7 +123,11 @@ def test_tier_writes_the_golden_bytes(tmp_path):
     finally:
         t.close()
     data = (tmp_path / "segments" / "0000000000000001.safetensors").read_bytes()
-    assert data == GOLDEN_SEGMENT.replace(NS.hex().encode(), ns.id.hex().encode())
+    c0, c1 = seg.block_checksum(K0, ns.id, D0), seg.block_checksum(K1, ns.id, D1)
+    expect = (GOLDEN_SEGMENT.replace(NS.hex().encode(), ns.id.hex().encode())
+              .replace(f"{C0:016x}".encode(), f"{c0:016x}".encode())
+              .replace(f"{C1:016x}".encode(), f"{c1:016x}".encode()))
+    assert data == expect
     env = lmdb.open(str(tmp_path / "index"), max_dbs=10, readonly=True)
     try:
         with env.begin() as txn:
@@ -120,7 +138,8 @@ def test_tier_writes_the_golden_bytes(tmp_path):
             totals = txn.get(di.META_TOTALS, db=meta)
     finally:
         env.close()
-    assert raw == GOLDEN_RECORD.replace(NS, ns.id)
+    assert raw == GOLDEN_RECORD.replace(NS, ns.id).replace(C1.to_bytes(8, "little"),
+                                                           c1.to_bytes(8, "little"))
     assert seginfo == GOLDEN_SEGINFO
     assert totals == GOLDEN_TOTALS
-    assert version == bytes.fromhex("01000000")
+    assert version == bytes.fromhex("02000000")

@@ -385,7 +385,8 @@ def test_safetensors_reads_segment(tmp_path, codec):
     (name,) = os.listdir(tmp_path / "segments")
     with safe_open(str(tmp_path / "segments" / name), framework="pt") as f:
         meta = f.metadata()
-        assert meta["kvstore.format"] == "1" and meta["kvstore.segment"] == name[:16]
+        assert meta["kvstore.format"] == seg.SEGMENT_FORMAT == "2"
+        assert meta["kvstore.segment"] == name[:16]
         assert sorted(f.keys()) == sorted(k.hex() for k in keys)
         for k in keys:
             tensor = f.get_tensor(k.hex())
@@ -587,7 +588,7 @@ def test_segment_header_round_trip():
     obj, start = seg.parse_header(header[8:])
     assert start == len(header) and offsets == [start, start + 3]
     assert seg.header_tensors(obj, start) == {"aa": (start, 3), "bb": (start + 3, 4)}
-    assert obj["__metadata__"] == {"kvstore.format": "1", "kvstore.segment": "0000000000000007",
+    assert obj["__metadata__"] == {"kvstore.format": "2", "kvstore.segment": "0000000000000007",
                                    "aa": "m1", "bb": "m2"}
 
 

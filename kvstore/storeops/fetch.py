@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from kvstore.copy_engine import Job, copy_block_runs, layerwise_supported, mark_layer_done
+from kvstore.errors import StoreClosedError
 from kvstore.keys import BlockKey
 from kvstore.tiers.slab import paired_runs
 from kvstore.transfer import Transfer
 from kvstore.validate import check_out
+
+log = logging.getLogger("kvstore.store")
 
 
 @dataclass(slots=True)
@@ -254,17 +258,26 @@ class FetchOps:
                 continue
             assert tier is not None
             keys = [plan.keys[plan.disk[j][0]] for j in idx]
-            if mine:
-                got = tier.read_many(keys, [dsts[j] for j in idx], namespace_id=self.namespace_id)
-            else:
-                # read straight into the caller's buffer: the reading threads keep the warm
-                # copy as each run lands, overlapping that copy with the reads still going
-                mirrors = None
-                if plan.direct:
-                    mirrors = [warm[plan.disk[j][1]] if plan.disk[j][1] >= 0 else None
-                               for j in idx]
-                    mirrored.update(idx)
-                got = tier.read_many(keys, [dsts[j] for j in idx], mirrors=mirrors)
+            try:
+                if mine:
+                    got = tier.read_many(keys, [dsts[j] for j in idx],
+                                         namespace_id=self.namespace_id)
+                else:
+                    # read straight into the caller's buffer: the reading threads keep the warm
+                    # copy as each run lands, overlapping that copy with the reads still going
+                    mirrors = None
+                    if plan.direct:
+                        mirrors = [warm[plan.disk[j][1]] if plan.disk[j][1] >= 0 else None
+                                   for j in idx]
+                        mirrored.update(idx)
+                    got = tier.read_many(keys, [dsts[j] for j in idx], mirrors=mirrors)
+            except StoreClosedError:
+                raise
+            except Exception as e:  # a damaged index or tier: a counted miss, never wrong KV
+                log.warning("fetch: reading %d block(s) from the %s tier failed (%s: %s); "
+                            "treating them as damaged", len(idx), "remote" if mine else "disk",
+                            type(e).__name__, e)
+                got = [ReadStatus.DAMAGED] * len(idx)
             for j, st in zip(idx, got, strict=True):
                 statuses[j] = st
         bad = [p for (p, _), st in zip(plan.disk, statuses, strict=True) if st is not ReadStatus.OK]

@@ -64,18 +64,20 @@ class PutOps:
         new_parents: list[BlockKey | None] = []
         prev = parent
         on_disk = self._disk_run(ks)
+        seen: set[BlockKey] = set()  # a key twice in one put must not take two slots
         for i, k in enumerate(ks):
-            if i < on_disk or self._held(k):
+            if i < on_disk or self._held(k) or k in seen:
                 c.put_duplicates += 1
             elif (
                 prev is None
                 or self._held(prev)
                 or (new_pos and ks[new_pos[-1]] == prev)
                 or (i and i - 1 < on_disk)
-                or (i == 0 and self._disk is not None and self._disk.contains(prev))
+                or (i == 0 and self._disk is not None and self._disk_run([prev]) == 1)
             ):
                 new_pos.append(i)
                 new_parents.append(prev)
+                seen.add(k)
             else:
                 # its prefix is no longer cached: lookup could never reach these blocks
                 c.put_dropped += len(ks) - i

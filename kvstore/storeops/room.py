@@ -100,17 +100,20 @@ class RoomOps:
                 if self._disk is not None:
                     on_disk = self._namespace_disk_keys() if ks is None else ks
                     doomed = [k for k in on_disk if k not in cat]
-                    self._disk.delete(doomed)
-                    removed.update(doomed)
+                    if doomed:
+                        # only this namespace's records: keys of another tenant stay
+                        gone = self._disk_delete(doomed)
+                        removed.update(gone)
                 return len(removed)
             if tier == DISK:
                 if self._disk is None:
                     return 0
                 targets = self._namespace_disk_keys() if ks is None else ks
                 doomed = [k for k in targets if not cat.is_pinned(k)]
-                for k in doomed:
+                gone = self._disk_delete(doomed)
+                for k in gone:
                     cat.clear_on_disk(k)
-                return self._disk.delete(doomed)
+                return len(gone)
             t = self._hot if tier == HOT else self._warm
             if t is None:
                 return 0
@@ -130,6 +133,11 @@ class RoomOps:
                 ):
                     count += 1
             return count
+
+    def _disk_delete(self, keys: list[BlockKey]) -> list[BlockKey]:
+        """Delete this namespace's disk records of ``keys``; returns the keys that went."""
+        assert self._disk is not None
+        return [BlockKey(k) for k in self._disk.delete_owned(keys, self.namespace_id)]
 
     def _namespace_disk_keys(self) -> list[BlockKey]:
         assert self._disk is not None

@@ -95,15 +95,17 @@ class SharedMemoryOps:
             on_disk = self._disk_run(ks)
             grant = PutGrant([], [], [], [], 0)
             prev = parent
+            seen: set[BlockKey] = set()  # a key twice in one put must not take two slots
             for i, k in enumerate(ks):
-                if i < on_disk or self._held(k) or k in self._granted:
+                if i < on_disk or self._held(k) or k in self._granted or k in seen:
                     grant.duplicates += 1
                 elif prev is None or self._held(prev) or prev in self._granted or (
                     grant.keys and grant.keys[-1] == prev) or (i and i - 1 < on_disk) or (
-                    i == 0 and self._disk is not None and self._disk.contains(prev)):
+                    i == 0 and self._disk is not None and self._disk_run([prev]) == 1):
                     grant.keys.append(k)
                     grant.parents.append(prev)
                     grant.positions.append(i)
+                    seen.add(k)
                 else:
                     c.put_dropped += len(ks) - i
                     break

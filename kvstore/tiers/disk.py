@@ -22,6 +22,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import enum
 import errno
@@ -37,7 +38,6 @@ from dataclasses import dataclass
 import lmdb
 import numpy as np
 import torch
-import xxhash
 
 from kvstore.errors import (
     ConfigError,
@@ -95,7 +95,7 @@ __all__ = [
 
 log = logging.getLogger("kvstore.disk")
 
-_xxh3 = xxhash.xxh3_64_intdigest
+_csum = _seg.block_checksum
 _KEY_BYTES = 32
 _SEGMENT_ID_CHUNK = 64
 _SELECT_BATCH = 50_000
@@ -571,12 +571,33 @@ class DiskTier:
         tasks = _per_segment(self._plan_runs(keys, raws, bufs, out), self._read_threads)
         args = (keys, raws, bufs, out, dsts, mirrors)
         if len(tasks) == 1:
-            self._read_runs(tasks[0], *args)
+            self._read_runs_safe(tasks[0], *args)
         else:
+            # every task runs to its end before we return: a reading thread still copying into
+            # a destination or mirror after read_many returned could overwrite a slot that the
+            # caller has meanwhile handed to another fetch
             pool = self._get_pool()
-            for f in [pool.submit(self._read_runs, t, *args) for t in tasks]:
-                f.result()
-        return out  # type: ignore[return-value]
+            futures = [pool.submit(self._read_runs_safe, t, *args) for t in tasks]
+            concurrent.futures.wait(futures)
+            for f in futures:
+                f.result()  # _read_runs_safe does not raise; a pool shutting down may
+        return [ReadStatus.DAMAGED if st is None else st for st in out]
+
+    def _read_runs_safe(self, runs, keys, raws, bufs, out, dsts, mirrors) -> None:  # noqa: ANN001
+        """``_read_runs``, with any unexpected failure turned into DAMAGED for its blocks (a
+        corrupt index, a failed drop): a read never raises for bad data."""
+        try:
+            self._read_runs(runs, keys, raws, bufs, out, dsts, mirrors)
+        except (StoreClosedError, TensorMismatchError):
+            raise
+        except Exception as e:  # damage of any kind is a counted miss
+            idx = [i for run in runs for i, _rec in run if out[i] is not ReadStatus.OK]
+            log.warning("disk tier %s: reading %d block(s) failed (%s: %s); treating them as "
+                        "damaged", self.path, len(idx), type(e).__name__, e)
+            self._counters.add("read_damaged", len(idx))
+            for run in runs:
+                for i, _rec in run:
+                    out[i] = ReadStatus.DAMAGED
 
     def _read_runs(self, runs, keys, raws, bufs, out, dsts, mirrors) -> None:  # noqa: ANN001
         rec = runs[0][0][1]
@@ -660,7 +681,7 @@ class DiskTier:
             return
         ok = 0
         for i, rec in run:
-            if _xxh3(bufs[i]) == rec.checksum:
+            if _csum(keys[i], rec.namespace_id, bufs[i]) == rec.checksum:
                 out[i] = ReadStatus.OK
                 ok += 1
             else:
@@ -685,7 +706,7 @@ class DiskTier:
             return self._damaged(key, rec, ReadStatus.DAMAGED,
                                  f"bad_record (raw size {rec.raw_nbytes} != {ns.nbytes})")
         for attempt in range(2):
-            status, why = self._read_rec(rec, buf)
+            status, why = self._read_rec(key, rec, buf)
             if status is ReadStatus.OK:
                 self._counters.add("reads_ok")
                 return status
@@ -703,7 +724,7 @@ class DiskTier:
         status = ReadStatus.MISSING if why == "missing_segment" else ReadStatus.DAMAGED
         return self._damaged(key, rec, status, why)
 
-    def _read_rec(self, rec: Rec, buf: memoryview) -> tuple[ReadStatus, str]:
+    def _read_rec(self, key: bytes, rec: Rec, buf: memoryview) -> tuple[ReadStatus, str]:
         """Read one record's bytes into ``buf`` and verify. Returns (status, reason)."""
         try:
             fe = self._fds.acquire(rec.segment)
@@ -731,7 +752,7 @@ class DiskTier:
             return ReadStatus.DAMAGED, f"read error: {e}"
         finally:
             self._fds.release(fe)
-        if _xxh3(buf) != rec.checksum:
+        if _csum(key, rec.namespace_id, buf) != rec.checksum:
             return ReadStatus.DAMAGED, "checksum_mismatch"
         return ReadStatus.OK, ""
 
@@ -743,13 +764,15 @@ class DiskTier:
         if not self.readonly:
             try:
                 self._drop_entries([(key, rec)])
-            except (DiskError, lmdb.Error, OSError) as e:
+            except Exception as e:  # a corrupt index must not turn a miss into a crash
                 log.warning("disk tier %s: could not drop damaged entry %s: %s",
                             self.path, key.hex()[:16], e)
         return status
 
-    def _drop_entries(self, items: Sequence[tuple[bytes, Rec | None]]) -> list[bytes]:
-        """Remove records if they are still the ones seen (same segment and offset)."""
+    def _drop_entries(self, items: Sequence[tuple[bytes, Rec | None]],
+                      namespace_id: bytes | None = None) -> list[bytes]:
+        """Remove records if they are still the ones seen (same segment and offset) and, with
+        ``namespace_id``, only records of that namespace."""
         sh = self._sh
         blocks = sh.dbs[DB_BLOCKS]
 
@@ -762,9 +785,13 @@ class DiskTier:
                 try:
                     cur = decode_record(raw)
                 except RecordError:
+                    if namespace_id is not None:
+                        continue  # whose it is cannot be told: not the caller's to delete
                     ops.txn.delete(key, db=blocks)  # undecodable: just drop it
                     gone.append(key)
                     continue
+                if namespace_id is not None and cur.namespace_id != namespace_id:
+                    continue  # another namespace's block: never the caller's to delete
                 if rec is None or (cur.segment, cur.offset) == (rec.segment, rec.offset):
                     ops.remove(key, cur)
                     gone.append(key)
@@ -873,7 +900,7 @@ class DiskTier:
     def _encode(self, todo) -> list[tuple]:
         def one(p):
             key, parent, ns_id, ns, buf = p
-            csum = _xxh3(buf)
+            csum = _csum(key, ns_id, buf)
             cid, payload = _codec.CODEC_NONE, None
             if self.codec == "zstd":
                 cid, payload = _codec.compress(buf, ns.itemsize, self.zstd_level)
@@ -944,13 +971,27 @@ class DiskTier:
         self._counters.add("blocks_written", len(new))
         return new
 
-    def delete(self, keys: Sequence[bytes]) -> int:
-        """Remove blocks from the index (their bytes become dead space). Returns how many."""
+    def delete(self, keys: Sequence[bytes], namespace_id: bytes | None = None) -> int:
+        """Remove blocks from the index (their bytes become dead space). Returns how many.
+
+        With ``namespace_id`` only blocks of that namespace go: keys of another namespace are
+        left alone (a tenant can never delete another tenant's blocks)."""
         self._ensure_writable()
         keys = [_check_key(k) for k in keys]
         if not keys:
             return 0
-        return len(self._drop_entries([(k, None) for k in keys]))
+        if namespace_id is not None:
+            namespace_id = _check_key(namespace_id, "namespace_id")
+        return len(self._drop_entries([(k, None) for k in keys], namespace_id))
+
+    def delete_owned(self, keys: Sequence[bytes], namespace_id: bytes) -> list[bytes]:
+        """Remove the blocks of ``keys`` that belong to ``namespace_id``; returns those keys."""
+        self._ensure_writable()
+        keys = [_check_key(k) for k in keys]
+        namespace_id = _check_key(namespace_id, "namespace_id")
+        if not keys:
+            return []
+        return self._drop_entries([(k, None) for k in keys], namespace_id)
 
     # -- access tracking ------------------------------------------------------------------
     def touch(self, keys: Sequence[bytes]) -> None:
@@ -1230,13 +1271,13 @@ class DiskTier:
             if n != rec.stored_nbytes:
                 status, why = ReadStatus.DAMAGED, "short_segment"
             elif rec.codec == _codec.CODEC_NONE:
-                if _xxh3(payload) != rec.checksum:
+                if _csum(key, rec.namespace_id, payload) != rec.checksum:
                     status, why = ReadStatus.DAMAGED, "checksum_mismatch"
             else:
                 out = np.empty(rec.raw_nbytes, dtype=np.uint8)
                 try:
                     _codec.decompress_into(rec.codec, payload, out)
-                    if _xxh3(out) != rec.checksum:
+                    if _csum(key, rec.namespace_id, out) != rec.checksum:
                         status, why = ReadStatus.DAMAGED, "checksum_mismatch"
                 except _codec.CodecError as e:
                     status, why = ReadStatus.DAMAGED, f"checksum_mismatch ({e})"

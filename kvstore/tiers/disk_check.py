@@ -194,7 +194,7 @@ def run_check(t: DiskTier, *, fix: bool, grace_s: float, verify_data: bool) -> l
                 buf = scratch.get(r.raw_nbytes)
                 if buf is None:
                     buf = scratch[r.raw_nbytes] = np.empty(r.raw_nbytes, dtype=np.uint8)
-                status, why = t._read_rec(r, memoryview(buf))
+                status, why = t._read_rec(k, r, memoryview(buf))
                 if status is ReadStatus.OK:
                     continue
                 cur = t._get_rec(k)

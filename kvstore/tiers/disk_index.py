@@ -26,7 +26,7 @@ from kvstore.errors import DiskError, FormatVersionError
 log = logging.getLogger("kvstore.disk")
 
 #: Version of the disk tier's on-disk format (LMDB dbs, record encoding, segment files).
-DISK_FORMAT_VERSION = 1
+DISK_FORMAT_VERSION = 2
 
 DB_META = b"meta"
 DB_BLOCKS = b"blocks"
@@ -55,6 +55,7 @@ U64 = struct.Struct("<Q")
 BE64 = struct.Struct(">Q")
 _ZERO32 = bytes(32)
 _MAX_HITS = 0xFFFFFFFF
+_U64_MAX = (1 << 64) - 1
 NS_RECORD_VERSION = 1
 
 DEFAULT_MAP_SIZE = 64 << 30
@@ -528,5 +529,8 @@ class WriteOps:
                     t[5] -= s[2]
                 self.emptied.append(sid)
             else:
-                txn.put(k, encode_seginfo(SegInfo(*s)), db=self.segs_db)
-        txn.put(META_TOTALS, TOTALS.pack(*(max(0, v) for v in t)), db=self.meta)
+                # a corrupt record's sizes can drive derived counters out of range: clamp, so
+                # that dropping such a record always commits (check(fix=True) rebuilds them)
+                txn.put(k, encode_seginfo(SegInfo(*(min(max(0, v), _U64_MAX) for v in s))),
+                        db=self.segs_db)
+        txn.put(META_TOTALS, TOTALS.pack(*(min(max(0, v), _U64_MAX) for v in t)), db=self.meta)

@@ -17,6 +17,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import xxhash
+
 SEGMENT_SUFFIX = ".safetensors"
 TEMP_SUFFIX = ".tmp"
 SEGMENT_RE = re.compile(r"^([0-9a-f]{16})\.safetensors$")
@@ -26,7 +28,7 @@ TEMP_RE = re.compile(r"^([0-9a-f]{16})\.tmp$")
 HEADER_ALIGN = 8
 #: Headers larger than this are refused when parsing (safetensors' own limit is 100 MB).
 MAX_HEADER_BYTES = 100_000_000
-SEGMENT_FORMAT = "1"
+SEGMENT_FORMAT = "2"
 
 # torch dtype name (kvstore.layout.dtype_name) -> safetensors dtype
 ST_DTYPES: dict[str, str] = {
@@ -40,6 +42,7 @@ ST_DTYPES: dict[str, str] = {
     "float8_e5m2": "F8_E5M2",
 }
 _U64 = struct.Struct("<Q")
+_xxh3 = xxhash.xxh3_64_intdigest
 _IOV_MAX = 512
 _MAX_WRITE = 1 << 30
 
@@ -68,9 +71,18 @@ class SegmentEntry:
     meta: str  # per-block metadata value (see block_meta)
 
 
+def block_checksum(key: bytes, namespace_id: bytes, data: object) -> int:
+    """xxh3_64 of a block's raw bytes, seeded with xxh3_64(namespace id ‖ key).
+
+    The seed binds the checksum to the block's identity: bytes that are valid for one key (a
+    swapped index record, a wrong offset, another namespace's block) fail for every other key.
+    """
+    return _xxh3(data, seed=_xxh3(namespace_id + key))
+
+
 def block_meta(codec: str, raw_nbytes: int, checksum: int, namespace_id: bytes,
                parent: bytes | None) -> str:
-    """``"<codec>;<raw_nbytes>;<xxh3_64 16 hex>;<namespace 64 hex>;<parent 64 hex or empty>"``."""
+    """``"<codec>;<raw_nbytes>;<block_checksum 16 hex>;<namespace 64 hex>;<parent 64 hex or empty>"``."""
     return f"{codec};{raw_nbytes};{checksum:016x};{namespace_id.hex()};{parent.hex() if parent else ''}"
 
 
