@@ -206,7 +206,7 @@ def test_bad_index_record_and_side_indexes(tmp_path, caplog):
         keys = chain("bi", 4)
         t.write_blocks(writes(keys, NS))
         sh = t._sh
-        sh.write(lambda txn: txn.put(keys[3], b"junk", db=sh.dbs[di.DB_BLOCKS]))
+        sh.write(lambda txn: txn.put(di.dbkey(NS.id, keys[3]), b"junk", db=sh.dbs[di.DB_BLOCKS]))
         with caplog.at_level(logging.WARNING, logger="kvstore.disk"):
             assert read(t, keys[3])[0] is ReadStatus.DAMAGED
         assert not t.contains(keys[3])
@@ -225,7 +225,8 @@ def test_bad_record_found_by_check(tmp_path):
         keys = chain("br", 2)
         t.write_blocks(writes(keys, NS))
         sh = t._sh
-        sh.write(lambda txn: txn.put(keys[1], b"\x07" * 128, db=sh.dbs[di.DB_BLOCKS]))
+        sh.write(lambda txn: txn.put(di.dbkey(NS.id, keys[1]), b"\x07" * 128,
+                                     db=sh.dbs[di.DB_BLOCKS]))
         kinds = {f.kind for f in t.check()}
         assert "bad_record" in kinds
         t.check(fix=True)
@@ -354,11 +355,11 @@ def test_segment_removed_under_a_cached_fd_retries(tmp_path):
         keys = chain("mv", 4)
         t.write_blocks(writes(keys, NS))
         assert read(t, keys[0])[0] is ReadStatus.OK  # caches the fd
-        stale = t._get_rec(keys[0])
+        stale = t._get_rec(di.dbkey(NS.id, keys[0]))
         t.delete(keys[2:])
         t.compact(threshold=0.9)  # old segment unlinked, records moved
         from kvstore.tiers.disk_index import encode_record
-        status = t._read_one(keys[0], encode_record(stale), memoryview(
+        status = t._read_one(di.dbkey(NS.id, keys[0]), encode_record(stale), memoryview(
             torch.empty(LAY.block_nbytes, dtype=torch.uint8).numpy()))
         assert status is ReadStatus.OK
         s = t.stats()

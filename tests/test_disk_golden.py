@@ -105,7 +105,9 @@ def test_golden_index_encodings():
     ns_fields = ("golden", "rev1", "float16", 1, 1, 2, 1, 4, 0, 1, 1, (("a", "b"),))
     assert di.encode_namespace(ns_fields) == GOLDEN_NAMESPACE
     assert di.decode_namespace(GOLDEN_NAMESPACE) == ns_fields
-    assert di.lru_key(T_US, K0) == bytes.fromhex("00060a24181e4000") + K0
+    # LMDB keys: namespace id ‖ block key; lru: last access (u64 BE) ‖ that
+    assert di.dbkey(NS, K0) == NS + K0 and len(di.dbkey(NS, K0)) == 64
+    assert di.lru_key(T_US, di.dbkey(NS, K0)) == bytes.fromhex("00060a24181e4000") + NS + K0
 
 
 def test_tier_writes_the_golden_bytes(tmp_path):
@@ -131,7 +133,9 @@ def test_tier_writes_the_golden_bytes(tmp_path):
     env = lmdb.open(str(tmp_path / "index"), max_dbs=10, readonly=True)
     try:
         with env.begin() as txn:
-            raw = txn.get(K1, db=env.open_db(di.DB_BLOCKS, txn=txn, create=False))
+            raw = txn.get(ns.id + K1, db=env.open_db(di.DB_BLOCKS, txn=txn, create=False))
+            children = list(txn.cursor(db=env.open_db(di.DB_CHILDREN, txn=txn, create=False)))
+            lru = [k for k, _ in txn.cursor(db=env.open_db(di.DB_LRU, txn=txn, create=False))]
             seginfo = txn.get(di.BE64.pack(1), db=env.open_db(di.DB_SEGS, txn=txn, create=False))
             meta = env.open_db(di.DB_META, txn=txn, create=False)
             version = txn.get(di.META_FORMAT, db=meta)
@@ -142,4 +146,7 @@ def test_tier_writes_the_golden_bytes(tmp_path):
                                                            c1.to_bytes(8, "little"))
     assert seginfo == GOLDEN_SEGINFO
     assert totals == GOLDEN_TOTALS
+    # side indexes are keyed in the namespace's key space: children[ns ‖ K0] = 1, K1 the leaf
+    assert children == [(ns.id + K0, bytes.fromhex("01000000"))]
+    assert lru == [bytes.fromhex("00060a24181e4000") + ns.id + K1]
     assert version == bytes.fromhex("02000000")

@@ -53,7 +53,7 @@ def test_flipped_stored_bytes_never_serves_another_blocks_kv(tmp_path):
         for keys in cs:
             assert s.put(keys, keyed_kv(LAY, keys)).wait() == len(keys)
         s.flush()
-    victim = bytes(cs[0][1])
+        victim = di.dbkey(s.namespace_id, bytes(cs[0][1]))
 
     def flip(txn, db):
         raw = bytearray(txn.get(victim, db=db))
@@ -82,7 +82,7 @@ def test_swapped_records_are_a_miss_not_each_others_kv(tmp_path):
         for keys in cs:
             s.put(keys, keyed_kv(LAY, keys)).wait()
         s.flush()
-    a, b = bytes(cs[0][2]), bytes(cs[1][2])
+        a, b = (di.dbkey(s.namespace_id, bytes(c[2])) for c in cs)
 
     def swap(txn, db):
         ra, rb = bytearray(txn.get(a, db=db)), bytearray(txn.get(b, db=db))
@@ -128,3 +128,25 @@ def test_other_namespace_cannot_evict_a_tenants_flushed_blocks(tmp_path):
         assert _check_fetch(v, keys) == 8
     with opened(tmp_path, model="victim") as v:
         assert v.lookup(keys) == 8
+
+
+def test_other_namespace_cannot_shadow_a_tenants_future_blocks(tmp_path):
+    """The attacker puts the victim's keys first (with its own bytes): the victim's own later
+    put + flush is not skipped, and after a restart the victim has all of its blocks."""
+    with opened(tmp_path, model="victim") as v:
+        keys = v.block_keys(list(range(8 * LAY.block_tokens)))
+    raw = [bytes(k) for k in keys]
+    with opened(tmp_path, model="attacker") as a:
+        junk = torch.zeros(LAY.batch_shape(8), dtype=LAY.dtype)
+        assert a.put(raw, junk).wait() == 8
+        a.flush()
+    with opened(tmp_path, model="victim") as v:
+        assert v.lookup(keys) == 0
+        assert v.put(keys, keyed_kv(LAY, keys)).wait() == 8
+        v.flush()
+    with opened(tmp_path, model="victim", warm=4) as v:
+        assert v.lookup(keys) == 8
+        assert _check_fetch(v, keys) == 8
+    with opened(tmp_path, model="attacker") as a:
+        got = a.fetch(raw).wait()  # the attacker keeps its own bytes, never the victim's
+        assert got.shape[0] == 8 and bit_equal(got, junk)

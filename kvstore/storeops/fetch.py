@@ -270,7 +270,8 @@ class FetchOps:
                         mirrors = [warm[plan.disk[j][1]] if plan.disk[j][1] >= 0 else None
                                    for j in idx]
                         mirrored.update(idx)
-                    got = tier.read_many(keys, [dsts[j] for j in idx], mirrors=mirrors)
+                    got = tier.read_many(keys, [dsts[j] for j in idx], mirrors=mirrors,
+                                         namespace_id=self.namespace_id)
             except StoreClosedError:
                 raise
             except Exception as e:  # a damaged index or tier: a counted miss, never wrong KV
@@ -397,7 +398,7 @@ class FetchOps:
             if plan.disk or plan.promote:  # blocks joined a tier since the plan touched them
                 self._touch_chain(plan.keys[:n])
             if self._disk is not None:
-                self._disk.touch(plan.keys[:n])
+                self._disk.touch(plan.keys[:n], self.namespace_id)
         cat.unpin_many(plan.pinned)
 
     # -- prefetch / flush / stats -------------------------------------------------------------

@@ -73,11 +73,13 @@ from kvstore.tiers.disk_index import (
     SharedEnv,
     WriteOps,
     acquire_env,
+    dbkey,
     decode_namespace,
     decode_record,
     decode_seginfo,
     encode_namespace,
     lru_key,
+    parent_dbkey,
     release_env,
 )
 
@@ -426,15 +428,17 @@ class DiskTier:
 
     # -- namespaces ---------------------------------------------------------------------------
     def _load_namespaces(self) -> None:
-        sh = self._sh
+        with self._sh.read() as txn:
+            self._load_namespaces_in(txn)
+
+    def _load_namespaces_in(self, txn) -> None:  # noqa: ANN001
         found = {}
-        with sh.read() as txn:
-            for k, v in txn.cursor(db=sh.dbs[DB_NS]):
-                try:
-                    found[k] = NamespaceInfo(k, *decode_namespace(v))
-                except RecordError as e:
-                    log.warning("disk tier %s: namespace record %s is unreadable: %s",
-                                self.path, k.hex()[:16], e)
+        for k, v in txn.cursor(db=self._sh.dbs[DB_NS]):
+            try:
+                found[k] = NamespaceInfo(k, *decode_namespace(v))
+            except RecordError as e:
+                log.warning("disk tier %s: namespace record %s is unreadable: %s",
+                            self.path, k.hex()[:16], e)
         with self._ns_lock:
             for k, info in found.items():
                 self._ns[k] = _ns_cache_entry(info)
@@ -479,18 +483,31 @@ class DiskTier:
         return [e.info for e in self._ns.values()]
 
     # -- lookups ------------------------------------------------------------------------------
-    def contains(self, key: bytes) -> bool:
-        sh = self._ensure()
-        key = _check_key(key)
-        with sh.read() as txn:
-            return txn.get(key, db=sh.dbs[DB_BLOCKS]) is not None
+    # Every namespace has its own key space (the LMDB key is namespace id ‖ key, see
+    # docs/format.md). The store always names its namespace; a call without one (admin
+    # tools, tests) finds the key under whichever known namespace holds it.
+    def _dbkeys(self, txn, keys: Sequence[bytes], namespace_id: bytes | None) -> list[bytes]:  # noqa: ANN001
+        if namespace_id is not None:
+            ns = _check_key(namespace_id, "namespace_id")
+            return [ns + k for k in keys]
+        db = self._sh.dbs[DB_BLOCKS]
+        out = []
+        reloaded = False
+        for k in keys:
+            found = next((n + k for n in self._ns if txn.get(n + k, db=db) is not None), None)
+            if found is None and not reloaded:
+                reloaded = True
+                self._load_namespaces_in(txn)  # another process may have added one
+                found = next((n + k for n in self._ns if txn.get(n + k, db=db) is not None), None)
+            out.append(found if found is not None else bytes(32) + k)
+        return out
+
+    def contains(self, key: bytes, namespace_id: bytes | None = None) -> bool:
+        return self.leading_run([key], namespace_id) == 1
 
     def leading_run(self, keys: Sequence[bytes], namespace_id: bytes | None = None) -> int:
-        """Number of leading ``keys`` held on disk (one short read transaction).
-
-        With ``namespace_id``, a record of another namespace ends the run too (keys embed
-        their namespace, so this only guards against keys passed to the wrong store).
-        """
+        """Number of leading ``keys`` held on disk (one short read transaction), in
+        ``namespace_id``'s key space (default: whichever namespace holds each key)."""
         sh = self._ensure()
         db = sh.dbs[DB_BLOCKS]
         if not all_keys(keys):
@@ -499,23 +516,20 @@ class DiskTier:
         with sh.read() as txn:
             get = txn.get
             if namespace_id is None:
-                for k in keys:
-                    if get(k, db=db) is None:
-                        return i
-                    i += 1
-                return i
-            for k in keys:
-                raw = get(k, db=db)
-                # the record ends with namespace id (32 bytes) and parent key (32 bytes)
-                if raw is None or not raw.startswith(namespace_id, len(raw) - 64):
+                cks = self._dbkeys(txn, keys, None)
+            else:
+                ns = _check_key(namespace_id, "namespace_id")
+                cks = [ns + k for k in keys]
+            for ck in cks:
+                if get(ck, db=db) is None:
                     return i
                 i += 1
         return i
 
-    def _get_rec(self, key: bytes) -> Rec | None:
+    def _get_rec(self, ck: bytes) -> Rec | None:
         sh = self._sh
         with sh.read() as txn:
-            raw = txn.get(key, db=sh.dbs[DB_BLOCKS])
+            raw = txn.get(ck, db=sh.dbs[DB_BLOCKS])
         if raw is None:
             return None
         try:
@@ -523,27 +537,32 @@ class DiskTier:
         except RecordError:
             return None
 
-    def get_record(self, key: bytes) -> DiskRecord | None:
+    def get_record(self, key: bytes, namespace_id: bytes | None = None) -> DiskRecord | None:
         """The index record of ``key``, or None."""
-        self._ensure()
+        sh = self._ensure()
         key = _check_key(key)
-        r = self._get_rec(key)
+        with sh.read() as txn:
+            (ck,) = self._dbkeys(txn, [key], namespace_id)
+        r = self._get_rec(ck)
         return None if r is None else _record(key, r)
 
     # -- reads --------------------------------------------------------------------------------
-    def read_into(self, key: bytes, dst: torch.Tensor) -> ReadStatus:
+    def read_into(self, key: bytes, dst: torch.Tensor,
+                  namespace_id: bytes | None = None) -> ReadStatus:
         """Read one block straight into ``dst`` (CPU uint8 contiguous 1-D, block_nbytes) and
         verify it. Never raises for damage; ``dst`` holds the block only when OK."""
         sh = self._ensure()
         key = _check_key(key)
         buf = _as_buffer(dst, "dst")
         with sh.read() as txn:
-            raw = txn.get(key, db=sh.dbs[DB_BLOCKS])
-        return self._read_one(key, raw, buf)
+            (ck,) = self._dbkeys(txn, [key], namespace_id)
+            raw = txn.get(ck, db=sh.dbs[DB_BLOCKS])
+        return self._read_one(ck, raw, buf)
 
     def read_many(
         self, keys: Sequence[bytes], dsts: Sequence[torch.Tensor],
         *, mirrors: Sequence[torch.Tensor | None] | None = None,
+        namespace_id: bytes | None = None,
     ) -> list[ReadStatus]:
         """Read several blocks (a small thread pool); one independent status per key.
 
@@ -561,6 +580,7 @@ class DiskTier:
         bufs = [_as_buffer(d, f"dsts[{i}]") for i, d in enumerate(dsts)]
         db = sh.dbs[DB_BLOCKS]
         with sh.read() as txn:
+            keys = self._dbkeys(txn, keys, namespace_id)  # from here on: LMDB keys
             raws = [txn.get(k, db=db) for k in keys]
         out: list[ReadStatus | None] = [None] * len(keys)
         if len(keys) <= 1:
@@ -681,7 +701,7 @@ class DiskTier:
             return
         ok = 0
         for i, rec in run:
-            if _csum(keys[i], rec.namespace_id, bufs[i]) == rec.checksum:
+            if _csum(keys[i][_KEY_BYTES:], rec.namespace_id, bufs[i]) == rec.checksum:
                 out[i] = ReadStatus.OK
                 ok += 1
             else:
@@ -700,7 +720,7 @@ class DiskTier:
             ns = self._namespace(rec.namespace_id)
             if ns is None or ns.nbytes != len(buf):  # the caller's buffer is wrong
                 raise TensorMismatchError(
-                    f"destination has {len(buf)} bytes but block {key.hex()[:16]} has "
+                    f"destination has {len(buf)} bytes but block {key[-_KEY_BYTES:].hex()[:16]} has "
                     f"{rec.raw_nbytes}"
                 )
             return self._damaged(key, rec, ReadStatus.DAMAGED,
@@ -725,7 +745,9 @@ class DiskTier:
         return self._damaged(key, rec, status, why)
 
     def _read_rec(self, key: bytes, rec: Rec, buf: memoryview) -> tuple[ReadStatus, str]:
-        """Read one record's bytes into ``buf`` and verify. Returns (status, reason)."""
+        """Read one record's bytes into ``buf`` and verify. Returns (status, reason).
+        ``key``: the block key or its dbkey."""
+        key = key[-_KEY_BYTES:]
         try:
             fe = self._fds.acquire(rec.segment)
         except FileNotFoundError:
@@ -760,13 +782,13 @@ class DiskTier:
         self._counters.add("read_missing" if status is ReadStatus.MISSING else "read_damaged")
         where = f"segment {rec.segment:016x} offset {rec.offset}" if rec else "index"
         log.warning("disk tier %s: block %s is %s (%s, %s); dropping its index entry",
-                    self.path, key.hex()[:16], status.value, why, where)
+                    self.path, key[-_KEY_BYTES:].hex()[:16], status.value, why, where)
         if not self.readonly:
             try:
                 self._drop_entries([(key, rec)])
             except Exception as e:  # a corrupt index must not turn a miss into a crash
                 log.warning("disk tier %s: could not drop damaged entry %s: %s",
-                            self.path, key.hex()[:16], e)
+                            self.path, key[-_KEY_BYTES:].hex()[:16], e)
         return status
 
     def _drop_entries(self, items: Sequence[tuple[bytes, Rec | None]],
@@ -785,13 +807,13 @@ class DiskTier:
                 try:
                     cur = decode_record(raw)
                 except RecordError:
-                    if namespace_id is not None:
-                        continue  # whose it is cannot be told: not the caller's to delete
+                    if namespace_id is not None and not key.startswith(namespace_id):
+                        continue  # another namespace's key space
                     ops.txn.delete(key, db=blocks)  # undecodable: just drop it
                     gone.append(key)
                     continue
                 if namespace_id is not None and cur.namespace_id != namespace_id:
-                    continue  # another namespace's block: never the caller's to delete
+                    continue  # a record that lies about its namespace: not the caller's
                 if rec is None or (cur.segment, cur.offset) == (rec.segment, rec.offset):
                     ops.remove(key, cur)
                     gone.append(key)
@@ -881,9 +903,10 @@ class DiskTier:
         todo = []
         with sh.read() as txn:
             for p in prepared:
-                if p[0] in seen or txn.get(p[0], db=db) is not None:
+                ck = p[2] + p[0]  # present *in this namespace*: another's record is no reason
+                if ck in seen or txn.get(ck, db=db) is not None:
                     continue
-                seen.add(p[0])
+                seen.add(ck)
                 todo.append(p)
         if not todo:
             return []
@@ -920,12 +943,15 @@ class DiskTier:
     def _group(self, encoded: list[tuple]) -> list[list[tuple]]:
         groups: list[list[tuple]] = [[]]
         size = 0
+        names: set[bytes] = set()  # tensor names (key hex) are unique within a segment
         for e in encoded:
             n = e[6].nbytes
-            if groups[-1] and size + n > self.max_segment_bytes:
+            if groups[-1] and (size + n > self.max_segment_bytes or e[0] in names):
                 groups.append([])
                 size = 0
+                names.clear()
             groups[-1].append(e)
+            names.add(e[0])
             size += n
         return groups
 
@@ -948,10 +974,11 @@ class DiskTier:
                 for sid, _path, fsize, dbytes, offsets, group in written:
                     ops.add_segment(sid, fsize, dbytes, now)
                     for (key, parent, ns_id, cid, csum, raw_n, entry), off in zip(group, offsets, strict=True):
-                        if ops.txn.get(key, db=ops.blocks) is not None:
+                        ck = dbkey(ns_id, key)
+                        if ops.txn.get(ck, db=ops.blocks) is not None:
                             continue  # written meanwhile by another process: ours is dead bytes
-                        ops.insert(key, Rec(cid, 0, sid, off, entry.nbytes, raw_n, csum, now, now,
-                                            ns_id, parent))
+                        ops.insert(ck, Rec(cid, 0, sid, off, entry.nbytes, raw_n, csum, now, now,
+                                           ns_id, parent))
                         new.append(key)
                 _apply_touches(ops, touches)
                 return new
@@ -980,9 +1007,9 @@ class DiskTier:
         keys = [_check_key(k) for k in keys]
         if not keys:
             return 0
-        if namespace_id is not None:
-            namespace_id = _check_key(namespace_id, "namespace_id")
-        return len(self._drop_entries([(k, None) for k in keys], namespace_id))
+        with self._sh.read() as txn:
+            cks = self._dbkeys(txn, keys, namespace_id)
+        return len(self._drop_entries([(k, None) for k in cks], namespace_id))
 
     def delete_owned(self, keys: Sequence[bytes], namespace_id: bytes) -> list[bytes]:
         """Remove the blocks of ``keys`` that belong to ``namespace_id``; returns those keys."""
@@ -991,21 +1018,24 @@ class DiskTier:
         namespace_id = _check_key(namespace_id, "namespace_id")
         if not keys:
             return []
-        return self._drop_entries([(k, None) for k in keys], namespace_id)
+        gone = self._drop_entries([(namespace_id + k, None) for k in keys], namespace_id)
+        return [ck[_KEY_BYTES:] for ck in gone]
 
     # -- access tracking ------------------------------------------------------------------
-    def touch(self, keys: Sequence[bytes]) -> None:
+    def touch(self, keys: Sequence[bytes], namespace_id: bytes | None = None) -> None:
         """Record an access (last_access = now, hits + 1), buffered and persisted lazily."""
-        self._ensure()
+        sh = self._ensure()
         if self.readonly:
             return
+        keys = [_check_key(k) for k in keys]
+        with sh.read() as txn:
+            keys = self._dbkeys(txn, keys, namespace_id)
         now = self._now_us()
         with self._touch_lock:
             buf = self._touches
             if not buf:
                 self._touch_since = now
             for k in keys:
-                k = _check_key(k)
                 e = buf.get(k)
                 buf[k] = (now, e[1] + 1 if e else 1)
             due = (len(buf) >= self._touch_flush_entries
@@ -1062,12 +1092,12 @@ class DiskTier:
 
             def fn(ops: WriteOps, victims=victims, children_db=children_db) -> list[bytes]:
                 done = []
-                for key in victims:
-                    rec = ops.get(key)
-                    if rec is None or ops.txn.get(key, db=children_db) is not None:
+                for ck in victims:
+                    rec = ops.get(ck)
+                    if rec is None or ops.txn.get(ck, db=children_db) is not None:
                         continue  # gone, or gained a child meanwhile
-                    ops.remove(key, rec)
-                    done.append(key)
+                    ops.remove(ck, rec)
+                    done.append(ck[_KEY_BYTES:])
                 return done
 
             done, emptied = self._write_ops(fn)
@@ -1097,8 +1127,8 @@ class DiskTier:
                 else:
                     lk = ck
                     ok = cur.next()
-                key = lk[8:]
-                if protect is not None and protect(key):
+                key = lk[8:]  # the dbkey
+                if protect is not None and protect(key[_KEY_BYTES:]):
                     continue
                 raw = txn.get(key, db=blocks)
                 if raw is None:
@@ -1109,7 +1139,7 @@ class DiskTier:
                     continue
                 chosen.append(key)
                 freed += rec.stored_nbytes
-                p = rec.parent
+                p = parent_dbkey(rec)
                 if p is not None:
                     n = sim.get(p)
                     if n is None:
@@ -1127,30 +1157,39 @@ class DiskTier:
     # -- listing and stats ------------------------------------------------------------------
     def records(self, namespace_id: bytes | None = None) -> Iterator[DiskRecord]:
         """Every record (key order), read in chunks of short transactions."""
-        for key, raw in self._iter_raw():
+        for ck, raw in self._iter_raw(namespace_id):
             try:
                 r = decode_record(raw)
             except RecordError:
                 continue
-            if namespace_id is None or r.namespace_id == namespace_id:
-                yield _record(key, r)
+            if r.namespace_id == ck[:_KEY_BYTES]:
+                yield _record(ck[_KEY_BYTES:], r)
 
-    def _iter_raw(self) -> Iterator[tuple[bytes, bytes]]:
+    def _iter_raw(self, namespace_id: bytes | None = None) -> Iterator[tuple[bytes, bytes]]:
+        """(dbkey, record) pairs in key order (of one namespace: a range of its prefix)."""
         sh = self._ensure()
         db = sh.dbs[DB_BLOCKS]
         last: bytes | None = None
+        start = namespace_id
         while True:
             batch = []
             with sh.read() as txn:
                 cur = txn.cursor(db=db)
-                ok = cur.set_range(last) if last is not None else cur.first()
-                if ok and last is not None and cur.key() == last:
-                    ok = cur.next()
+                if last is not None:
+                    ok = cur.set_range(last)
+                    if ok and cur.key() == last:
+                        ok = cur.next()
+                else:
+                    ok = cur.set_range(start) if start is not None else cur.first()
                 while ok and len(batch) < _RECORDS_CHUNK:
-                    batch.append((cur.key(), cur.value()))
+                    k = cur.key()
+                    if start is not None and not k.startswith(start):
+                        ok = False
+                        break
+                    batch.append((k, cur.value()))
                     ok = cur.next()
             yield from batch
-            if len(batch) < _RECORDS_CHUNK:
+            if len(batch) < _RECORDS_CHUNK or not ok:
                 return
             last = batch[-1][0]
 
@@ -1206,15 +1245,21 @@ class DiskTier:
                 emptied.update(gone)
                 pending, pending_bytes = [], 0
 
+        names: set[bytes] = set()  # tensor names (key hex) are unique within a segment
         for i, (sid, _fbytes) in enumerate(cands):
             for key, rec in self._live_records_of(sid):
                 payload = self._read_payload(key, rec)
                 if payload is None:
                     continue
+                if key[_KEY_BYTES:] in names:  # the same key of another namespace
+                    flush()
+                    names.clear()
+                names.add(key[_KEY_BYTES:])
                 pending.append((key, rec, payload))
                 pending_bytes += rec.stored_nbytes
                 if pending_bytes >= limit:
                     flush()
+                    names.clear()
             if progress is not None:
                 progress(i + 1, total)
         flush()
@@ -1235,12 +1280,17 @@ class DiskTier:
         out = []
         sh = self._sh
         db = sh.dbs[DB_BLOCKS]
+        meta = obj.get("__metadata__") if isinstance(obj.get("__metadata__"), dict) else {}
         with sh.read() as txn:
             for name in names:
                 try:
                     key = bytes.fromhex(name)
-                except ValueError:
+                    ns = bytes.fromhex(str(meta.get(name, "")).split(";")[3])
+                except (ValueError, IndexError):
+                    continue  # not a block of ours, or no namespace to find it under
+                if len(key) != _KEY_BYTES or len(ns) != _KEY_BYTES:
                     continue
+                key = ns + key  # the dbkey, as every helper below takes it
                 raw = txn.get(key, db=db)
                 if raw is None:
                     continue
@@ -1253,7 +1303,7 @@ class DiskTier:
         out.sort(key=lambda kr: kr[1].offset)
         return out
 
-    def _read_payload(self, key: bytes, rec: Rec) -> bytearray | None:
+    def _read_payload(self, key: bytes, rec: Rec) -> bytearray | None:  # key: the dbkey
         """Stored bytes of a record, verified; None (and the entry dropped) when damaged."""
         payload = bytearray(rec.stored_nbytes)
         status, why = ReadStatus.OK, ""
@@ -1271,13 +1321,13 @@ class DiskTier:
             if n != rec.stored_nbytes:
                 status, why = ReadStatus.DAMAGED, "short_segment"
             elif rec.codec == _codec.CODEC_NONE:
-                if _csum(key, rec.namespace_id, payload) != rec.checksum:
+                if _csum(key[_KEY_BYTES:], rec.namespace_id, payload) != rec.checksum:
                     status, why = ReadStatus.DAMAGED, "checksum_mismatch"
             else:
                 out = np.empty(rec.raw_nbytes, dtype=np.uint8)
                 try:
                     _codec.decompress_into(rec.codec, payload, out)
-                    if _csum(key, rec.namespace_id, out) != rec.checksum:
+                    if _csum(key[_KEY_BYTES:], rec.namespace_id, out) != rec.checksum:
                         status, why = ReadStatus.DAMAGED, "checksum_mismatch"
                 except _codec.CodecError as e:
                     status, why = ReadStatus.DAMAGED, f"checksum_mismatch ({e})"
@@ -1286,14 +1336,14 @@ class DiskTier:
             return None
         return payload
 
-    def _entry_for(self, key: bytes, rec: Rec, payload) -> _seg.SegmentEntry:
+    def _entry_for(self, ck: bytes, rec: Rec, payload) -> _seg.SegmentEntry:
         cname = _codec.CODEC_NAMES.get(rec.codec, "none")
         ns = self._namespace(rec.namespace_id)
         if rec.codec == _codec.CODEC_NONE and ns is not None and ns.nbytes == rec.stored_nbytes:
             dtype, shape = ns.st_dtype, ns.shape
         else:
             dtype, shape = "U8", [rec.stored_nbytes]
-        return _seg.SegmentEntry(key.hex(), dtype, shape, payload, rec.stored_nbytes,
+        return _seg.SegmentEntry(ck[_KEY_BYTES:].hex(), dtype, shape, payload, rec.stored_nbytes,
                                  _seg.block_meta(cname, rec.raw_nbytes, rec.checksum,
                                                  rec.namespace_id, rec.parent))
 

@@ -4,6 +4,12 @@ Safe while other processes use the store: unreferenced files younger than the gr
 left alone (an in-flight writer renames its segment before committing the records), anything
 that looks missing is re-checked against a fresh transaction before it is reported, and repairs
 remove records only if they still are the ones that were found bad, records before files.
+
+A block whose segment header is damaged (unreadable, or not listing the block at its recorded
+place) but whose bytes still verify against its index record — the checksum is bound to key
+and namespace, so bytes that verify are this block's — is not dropped: it is copied into a
+fresh segment and its record moved there (:func:`rewrite_unlisted`), as compaction does.
+A segment file is never modified in place.
 """
 
 from __future__ import annotations
@@ -12,6 +18,8 @@ import contextlib
 import os
 import time
 from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -35,13 +43,26 @@ from kvstore.tiers.disk_index import (
     decode_seginfo,
     encode_seginfo,
     lru_key,
+    parent_dbkey,
 )
 
 if TYPE_CHECKING:
     from kvstore.tiers.disk import DiskTier, Finding
 
 
-def run_check(t: DiskTier, *, fix: bool, grace_s: float, verify_data: bool) -> list[Finding]:
+@dataclass(frozen=True, slots=True)
+class FixScope:
+    """Which findings ``run_check(fix=True)`` may repair: a plan that was shown and
+    confirmed. Anything else found is reported unfixed."""
+
+    keys: frozenset[bytes] = frozenset()  # record findings, by index key or block key
+    files: frozenset[str] = frozenset()  # orphan segments and temp files, by path
+    index: bool = False  # rebuild inconsistent side indexes
+
+
+def run_check(t: DiskTier, *, fix: bool, grace_s: float, verify_data: bool,
+              scope: FixScope | None = None) -> list[Finding]:
+    """The body of ``DiskTier.check``; with ``scope``, ``fix`` repairs only what it names."""
     from kvstore.tiers.disk import Finding, ReadStatus
 
     sh = t._sh
@@ -82,13 +103,19 @@ def run_check(t: DiskTier, *, fix: bool, grace_s: float, verify_data: bool) -> l
             except (RecordError, Exception):
                 index_problems.append(f"segment record {k.hex()} does not decode")
         for k, v in txn.cursor(db=sh.dbs[DB_BLOCKS]):
-            if len(k) != 32:
+            if len(k) != 64:  # namespace id ‖ key
                 bad_keys.append((k, None, "bad_record", f"index key of {len(k)} bytes"))
                 continue
             try:
-                recs.append((k, decode_record(v)))
+                r = decode_record(v)
             except RecordError as e:
                 bad_keys.append((k, None, "bad_record", str(e)))
+                continue
+            if r.namespace_id != k[:32]:
+                bad_keys.append((k, r, "bad_record", "record names another namespace than "
+                                 "the key space it is stored in"))
+                continue
+            recs.append((k, r))
         children = {k: U32.unpack(v)[0] for k, v in txn.cursor(db=sh.dbs[DB_CHILDREN])}
         lru = {k for k, _ in txn.cursor(db=sh.dbs[DB_LRU])}
         totals = list(TOTALS.unpack(txn.get(META_TOTALS, db=sh.dbs[DB_META])))
@@ -104,7 +131,7 @@ def run_check(t: DiskTier, *, fix: bool, grace_s: float, verify_data: bool) -> l
             good.append((k, r))
 
     # 3. side indexes against the records
-    exp_children = Counter(r.parent for _, r in recs if r.parent is not None)
+    exp_children = Counter(parent_dbkey(r) for _, r in recs if r.parent is not None)
     if dict(exp_children) != children:
         index_problems.append("children counts do not match the records")
     exp_lru = {lru_key(r.last_access_us, k) for k, r in recs if not exp_children.get(k)}
@@ -167,35 +194,24 @@ def run_check(t: DiskTier, *, fix: bool, grace_s: float, verify_data: bool) -> l
     stale_temps = [p for p, mt in temps if now - mt >= grace_s]
 
     # 5. data: every remaining block read back and verified (plus its header entry)
+    header_bad: list[tuple[bytes, Rec, str]] = []  # bytes verify, header does not list them
     if verify_data:
         scratch: dict[int, np.ndarray] = {}
         for sid, items in by_seg.items():
-            path = os.path.join(segdir, _seg.segment_name(sid))
-            try:
-                obj, start, _ = _seg.read_header(path)
-                tensors = _seg.header_tensors(obj, start)
-            except FileNotFoundError:
+            listing = segment_listing(segdir, sid)
+            if listing is None:
                 continue  # moved by a concurrent compaction (checked per record below)
-            except (OSError, _seg.SegmentFormatError) as e:
-                tensors = None
-                header_err = str(e)
             for k, r in items:
                 if k in flagged:
                     continue
-                if tensors is not None and tensors.get(k.hex()) != (r.offset, r.stored_nbytes):
-                    detail = "segment header does not list this block at the recorded offset"
-                    bad_keys.append((k, r, "bad_record", detail))
-                    flagged.add(k)
-                    continue
-                if tensors is None:
-                    bad_keys.append((k, r, "bad_record", f"segment header unreadable: {header_err}"))
-                    flagged.add(k)
-                    continue
+                problem = listing_problem(listing, k, r.offset, r.stored_nbytes)
                 buf = scratch.get(r.raw_nbytes)
                 if buf is None:
                     buf = scratch[r.raw_nbytes] = np.empty(r.raw_nbytes, dtype=np.uint8)
                 status, why = t._read_rec(k, r, memoryview(buf))
                 if status is ReadStatus.OK:
+                    if problem is not None:
+                        header_bad.append((k, r, problem))
                     continue
                 cur = t._get_rec(k)
                 if cur is None or (cur.segment, cur.offset) != (r.segment, r.offset):
@@ -205,30 +221,161 @@ def run_check(t: DiskTier, *, fix: bool, grace_s: float, verify_data: bool) -> l
                 bad_keys.append((k, r, kind, why or kind))
                 flagged.add(k)
 
-    # 6. report and repair: records first, then side indexes, then files
+    # 6. report and repair: records first, then headers, then side indexes, then files
+    def allowed(k: bytes) -> bool:  # scope keys: index keys or block keys
+        return scope is None or k in scope.keys or k[-32:] in scope.keys
+
     fixed_keys: set[bytes] = set()
-    if fix and bad_keys:
-        fixed_keys = set(t._drop_entries([(k, r) for k, r, _, _ in bad_keys]))
+    todo = [(k, r) for k, r, _, _ in bad_keys if allowed(k)]
+    if fix and todo:
+        fixed_keys = set(t._drop_entries(todo))
         # a record removed by someone else meanwhile is fixed too
-        for k, _r, _, _ in bad_keys:
+        for k, _r in todo:
             if t._get_rec(k) is None:
                 fixed_keys.add(k)
     for k, r, kind, detail in bad_keys:
         path = os.path.join(segdir, _seg.segment_name(r.segment)) if r is not None else t._index_dir
-        findings.append(Finding(kind, path, k, detail, k in fixed_keys))
+        findings.append(Finding(kind, path, k[-32:], detail, k in fixed_keys))
+    repaired: set[bytes] = set()
+    redo = [k for k, _r, _ in header_bad if allowed(k)]
+    if fix and redo:
+        res = rewrite_unlisted(t, redo)
+        repaired = set(res.rewritten) | set(res.unchanged) | set(res.dropped)
+    for k, r, detail in header_bad:
+        path = os.path.join(segdir, _seg.segment_name(r.segment))
+        findings.append(Finding("bad_header", path, k[-32:], f"{detail}; the block's bytes verify",
+                                k in repaired))
     index_fixed = False
-    if index_problems and fix:
+    if index_problems and fix and (scope is None or scope.index):
         rebuild_side_indexes(t)
         index_fixed = True
     for p in index_problems:
         findings.append(Finding("bad_index", t._index_dir, None, p, index_fixed))
+
+    def remove(path: str) -> bool:
+        return fix and (scope is None or path in scope.files) and _unlink(path)
+
     for path in stale_temps:
         findings.append(Finding("temp_file", path, None, "temporary file of an interrupted write",
-                                fix and _unlink(path)))
+                                remove(path)))
     for path in orphans:
         findings.append(Finding("orphan_segment", path, None,
-                                "segment file not referenced by the index", fix and _unlink(path)))
+                                "segment file not referenced by the index", remove(path)))
     return findings
+
+
+def check_scoped(t: DiskTier, *, grace_s: float, scope: FixScope) -> list[Finding]:
+    """``check(fix=True, verify_data=False)`` that repairs only what ``scope`` names."""
+    t._ensure_writable()
+    t.flush_touches()
+    return run_check(t, fix=True, grace_s=grace_s, verify_data=False, scope=scope)
+
+
+# -- segment headers ---------------------------------------------------------------------------
+
+#: ``name -> (absolute offset, nbytes)`` of a readable header, a string saying why the header
+#: is unreadable, or None when the file is gone (moved or removed meanwhile)
+Listing = dict[str, tuple[int, int]] | str | None
+
+
+def segment_listing(segdir: str, sid: int) -> Listing:
+    """What the header of segment ``sid`` lists (see :data:`Listing`)."""
+    path = os.path.join(segdir, _seg.segment_name(sid))
+    try:
+        obj, start, _ = _seg.read_header(path)
+        return _seg.header_tensors(obj, start)
+    except FileNotFoundError:
+        return None
+    except (OSError, _seg.SegmentFormatError) as e:
+        return f"segment header unreadable: {e}"
+
+
+def listing_problem(listing: Listing, key: bytes, offset: int, nbytes: int) -> str | None:
+    """Why ``listing`` does not describe block ``key`` at ``offset`` (None: it does, or the
+    file is gone)."""
+    if listing is None:
+        return None
+    if isinstance(listing, str):
+        return listing
+    if listing.get(key[-32:].hex()) != (offset, nbytes):  # the block key or its dbkey
+        return "segment header does not list this block at the recorded offset"
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class RewriteResult:
+    """What :func:`rewrite_unlisted` did with each key."""
+
+    rewritten: tuple[bytes, ...]  # bytes verified, copied into a fresh segment, record moved
+    dropped: tuple[bytes, ...]  # bytes failed the checksum: record dropped (now a miss)
+    unchanged: tuple[bytes, ...]  # listed by their header by now, or gone: nothing to do
+    failed: tuple[bytes, ...]  # could not be read (segment missing, I/O error): left as is
+    segments: int  # fresh segments written
+
+
+def rewrite_unlisted(t: DiskTier, keys: Sequence[bytes]) -> RewriteResult:
+    """Give blocks whose segment header does not describe them a header that does: copy their
+    verified bytes into fresh segments and move their records there (compaction's own
+    ``_rewrite``: the new segment is durable before the records move, and an old file is
+    unlinked only once no record points at it). Each block is judged again now: one that
+    another process moved or removed meanwhile is left alone, one whose bytes fail the checksum
+    is dropped. ``keys`` are index keys (``disk_index.dbkey``: namespace id ‖ block key)."""
+    t._ensure_writable()
+    limit = min(t.max_segment_bytes, 256 << 20)
+    listings: dict[int, Listing] = {}
+    rewritten: list[bytes] = []
+    dropped: list[bytes] = []
+    unchanged: list[bytes] = []
+    failed: list[bytes] = []
+    segments = 0
+    pending: list[tuple[bytes, Rec, bytearray]] = []
+    pending_bytes = 0
+
+    def flush() -> None:
+        nonlocal pending, pending_bytes, segments
+        if not pending:
+            return
+        t._rewrite(pending)
+        segments += 1
+        for k, r, _p in pending:
+            cur = t._get_rec(k)
+            if cur is not None and (cur.segment, cur.offset) != (r.segment, r.offset):
+                rewritten.append(k)
+            else:
+                (unchanged if cur is None else failed).append(k)
+        pending, pending_bytes = [], 0
+
+    for k in keys:
+        rec = t._get_rec(k)
+        if rec is None:
+            unchanged.append(k)
+            continue
+        if rec.segment not in listings:
+            listings[rec.segment] = segment_listing(t._segdir, rec.segment)
+        listing = listings[rec.segment]
+        if listing is None:
+            failed.append(k)  # no file: a read finds it missing (check reports that)
+            continue
+        if listing_problem(listing, k, rec.offset, rec.stored_nbytes) is None:
+            unchanged.append(k)
+            continue
+        payload = t._read_payload(k, rec)  # verified; drops the record when damaged
+        if payload is None:
+            cur = t._get_rec(k)
+            if cur is None:
+                dropped.append(k)
+            elif (cur.segment, cur.offset) != (rec.segment, rec.offset):
+                unchanged.append(k)  # moved meanwhile: its new segment lists it
+            else:
+                failed.append(k)
+            continue
+        pending.append((k, rec, payload))
+        pending_bytes += rec.stored_nbytes
+        if pending_bytes >= limit:
+            flush()
+    flush()
+    return RewriteResult(tuple(rewritten), tuple(dropped), tuple(unchanged), tuple(failed),
+                         segments)
 
 
 def _unreferenced(t: DiskTier, sid: int) -> bool:
@@ -266,7 +413,7 @@ def rebuild_side_indexes(t: DiskTier) -> None:
                 old_segs[BE64.unpack(k)[0]] = decode_seginfo(v)
         for name in (DB_CHILDREN, DB_LRU, DB_SEGS):
             txn.drop(sh.dbs[name], delete=False)
-        kids = Counter(r.parent for _, r in recs if r.parent is not None)
+        kids = Counter(parent_dbkey(r) for _, r in recs if r.parent is not None)
         for p, n in kids.items():
             txn.put(p, U32.pack(n), db=sh.dbs[DB_CHILDREN])
         for k, r in recs:

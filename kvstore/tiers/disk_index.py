@@ -121,8 +121,20 @@ def decode_seginfo(b: bytes) -> SegInfo:
     return SegInfo(*rest)
 
 
-def lru_key(last_access_us: int, key: bytes) -> bytes:
-    return BE64.pack(last_access_us) + key
+def dbkey(namespace_id: bytes, key: bytes) -> bytes:
+    """The LMDB key of a block: namespace id ‖ block key (64 bytes). Every namespace has a
+    key space of its own, so no tenant can shadow, skip or delete another tenant's blocks."""
+    return namespace_id + key
+
+
+def lru_key(last_access_us: int, ck: bytes) -> bytes:
+    """``lru`` key: last access (u64 BE) ‖ the block's :func:`dbkey`."""
+    return BE64.pack(last_access_us) + ck
+
+
+def parent_dbkey(rec: Rec) -> bytes | None:
+    """The :func:`dbkey` of a record's parent (a chain never leaves its namespace)."""
+    return None if rec.parent is None else rec.namespace_id + rec.parent
 
 
 # -- namespaces ------------------------------------------------------------------------------
@@ -457,9 +469,10 @@ class WriteOps:
         t[5] += data_bytes
 
     def insert(self, key: bytes, rec: Rec) -> None:
+        """``key`` here and below is the block's :func:`dbkey`."""
         txn = self.txn
         txn.put(key, encode_record(rec), db=self.blocks)
-        p = rec.parent
+        p = parent_dbkey(rec)
         if p is not None:
             c = self.children(p)
             txn.put(p, U32.pack(c + 1), db=self.children_db)
@@ -482,7 +495,7 @@ class WriteOps:
         txn.delete(key, db=self.blocks)
         if self.children(key) == 0:
             txn.delete(lru_key(rec.last_access_us, key), db=self.lru)
-        p = rec.parent
+        p = parent_dbkey(rec)
         if p is not None:
             c = self.children(p)
             if c <= 1:

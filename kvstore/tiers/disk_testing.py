@@ -120,10 +120,10 @@ def populate_fake_index(path: str, n: int, ns: Namespace, *, txn_size: int = 250
                 i = first + j
                 parent = kb[j - 1] if j % 16 else None
                 if parent is not None:
-                    kids.append((parent, di.U32.pack(1)))
+                    kids.append((ns.id + parent, di.U32.pack(1)))
                 if j % 16 == 15 or j == m - 1:
-                    leaves.append((di.lru_key(1_700_000_000_000_000 + i, k), b""))
-                recs.append((k, di.encode_record(di.Rec(
+                    leaves.append((di.lru_key(1_700_000_000_000_000 + i, ns.id + k), b""))
+                recs.append((ns.id + k, di.encode_record(di.Rec(
                     0, 0, 1 + i // seg_blocks, 4096 + (i % seg_blocks) * nb, nb, nb, 0,
                     1_700_000_000_000_000 + i, 1_700_000_000_000_000 + i, ns.id, parent))))
             txn.cursor(db=blocks).putmulti(recs, append=False)
