@@ -1,4 +1,5 @@
-"""Paged gather/scatter: CUDA kernels (``ext/paged_copy.cu`` through CuPy) or torch.
+"""Paged gather/scatter: CUDA kernels (``kvstore/paged_copy.cu``, package data, through CuPy)
+or torch.
 
 The kernels serve the ``flash`` layout on CUDA when CuPy is importable and
 ``KVSTORE_NO_CUDA_KERNELS`` is unset; everything else uses the torch reference in
@@ -9,14 +10,13 @@ from __future__ import annotations
 
 import functools
 import os
-from pathlib import Path
+from importlib.resources import files
 
 import torch
 
 from kvstore.layout import KVLayout
 from kvstore.paged import FLASH, PagedGeometry, _layer_tensors, gather_layer, scatter_layer
 
-_SOURCE = Path(__file__).resolve().parent.parent / "ext" / "paged_copy.cu"
 _THREADS = 256
 
 
@@ -29,19 +29,13 @@ def _module():  # noqa: ANN202 - a cupy.RawModule
         import cupy
     except ImportError:
         return None
-    src = _SOURCE.read_text() if _SOURCE.exists() else _packaged_source()
-    if src is None:
-        return None
-    return cupy.RawModule(code=src, options=("-std=c++14",), name_expressions=None)
+    return cupy.RawModule(code=kernel_source(), options=("-std=c++14",), name_expressions=None)
 
 
-def _packaged_source() -> str | None:
-    try:
-        from importlib.resources import files
-
-        return (files("kvstore") / "paged_copy.cu").read_text()
-    except (FileNotFoundError, ModuleNotFoundError, OSError):
-        return None
+def kernel_source() -> str:
+    """The CUDA source, shipped inside the package (a wheel without it is a broken build:
+    this raises rather than silently falling back to torch)."""
+    return (files("kvstore") / "paged_copy.cu").read_text()
 
 
 def cuda_kernels_available() -> bool:

@@ -3,7 +3,7 @@
 
     python tools/gpu_check.py            # prints a table last; JSON to $OUT/gpu_check.json
 
-1. CuPy gather/scatter kernels (ext/paged_copy.cu) against the torch reference, on fresh
+1. CuPy gather/scatter kernels (kvstore/paged_copy.cu) against the torch reference, on fresh
    random data (never zeros), several page sizes and dtypes.
 2. H2D: ``fetch`` from the pinned warm tier into device memory vs a raw pinned ``copy_`` of
    the same bytes; D2H: ``put`` of device tensors into the warm tier (hot tier disabled) vs
