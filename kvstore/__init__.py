@@ -10,7 +10,11 @@ Embedded use::
         store.put(keys[n:], kv_new)
 """
 
-from kvstore.client import connect
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
 from kvstore.errors import (
     ConfigError,
     DiskError,
@@ -26,13 +30,46 @@ from kvstore.errors import (
     TokenError,
     TransferError,
 )
-from kvstore.keys import BlockKey, KeyChain
-from kvstore.layout import KVLayout
-from kvstore.namespace import Namespace
 from kvstore.sizes import format_size, parse_size
-from kvstore.stats import StoreStats, TierStats
-from kvstore.store import PinReceipt, Store, open_store
-from kvstore.transfer import Transfer
+
+if TYPE_CHECKING:
+    from kvstore.client import connect
+    from kvstore.keys import BlockKey, KeyChain
+    from kvstore.layout import KVLayout
+    from kvstore.namespace import Namespace
+    from kvstore.stats import StoreStats, TierStats
+    from kvstore.store import PinReceipt, Store, open_store
+    from kvstore.transfer import Transfer
+
+# Names that need torch are imported on first use, so that ``kvstore --help``, ``kvstore ls``
+# and other tools that never touch a tensor start without loading torch (~2.4 s).
+_LAZY = {
+    "connect": "kvstore.client",
+    "BlockKey": "kvstore.keys",
+    "KeyChain": "kvstore.keys",
+    "KVLayout": "kvstore.layout",
+    "Namespace": "kvstore.namespace",
+    "StoreStats": "kvstore.stats",
+    "TierStats": "kvstore.stats",
+    "PinReceipt": "kvstore.store",
+    "Store": "kvstore.store",
+    "open_store": "kvstore.store",
+    "Transfer": "kvstore.transfer",
+}
+
+
+def __getattr__(name: str) -> object:
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'kvstore' has no attribute {name!r}")
+    value = getattr(importlib.import_module(mod), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __version__ = "0.1.0"
 
