@@ -168,7 +168,10 @@ class Store(FetchOps, BorrowOps, PutOps, SharedMemoryOps, RoomOps, PagedOps, Dis
             itemsize = self.layout.itemsize
             self._remote = RemoteTier(
                 RemoteConfig(config.remote, codec=config.remote_codec, ttl_s=config.remote_ttl_s,
-                             budget_s=config.remote_budget_s),
+                             budget_s=config.remote_budget_s,
+                             # one key space per namespace: no tenant can shadow or delete
+                             # another's blocks, whatever keys it sends
+                             key_prefix=f"kvstore:{self.namespace_id.hex()}:"),
                 itemsize_for=lambda _ns: itemsize,
             )
         if self._disk is not None or self._remote is not None:

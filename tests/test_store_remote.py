@@ -23,7 +23,7 @@ def server(redis_server):
 
 
 def host(path, url, **kw):
-    return open_store(path, layout=LAY, model_id="remote/test", device="cpu",
+    return open_store(path, layout=LAY, model_id=kw.pop("model_id", "remote/test"), device="cpu",
                       cpu_capacity=kw.pop("cpu", 16) * LAY.block_nbytes, remote=url, **kw)
 
 
@@ -94,3 +94,39 @@ def test_dead_redis_costs_at_most_the_budget(tmp_path):
         p.resume()
         p.stop()
         p.cleanup()
+
+
+def test_other_namespace_cannot_shadow_blocks_in_the_shared_tier(server, tmp_path):
+    """An attacker on another host writes the victim's keys first (its own bytes, its own
+    model): the victim's blocks still reach Redis and a third host fetches the victim's bytes."""
+    redis.Redis(port=server.port).flushall()
+    with host(None, server.url) as v:
+        keys = v.block_keys(list(range(16)))
+    raw = [bytes(k) for k in keys]
+    with host(None, server.url, model_id="attacker") as a:
+        junk = torch.zeros(LAY.batch_shape(4), dtype=LAY.dtype)
+        a.put(raw, junk).wait()
+        a.flush()
+    with host(None, server.url) as v:
+        v.put(keys, kv_for(keys)).wait()
+        v.flush()
+    with host(None, server.url) as c:
+        assert c.lookup(keys) == 4
+        got = c.fetch(keys).wait()
+        assert got.shape[0] == 4 and same(got, kv_for(keys))
+
+
+def test_other_namespace_cannot_overwrite_blocks_in_the_shared_tier(server, tmp_path):
+    """The victim's blocks are in Redis; an attacker writes the same keys with its bytes under
+    its model: a fresh victim host still fetches the victim's own bytes."""
+    redis.Redis(port=server.port).flushall()
+    with host(None, server.url) as v:
+        keys = v.block_keys(list(range(16)))
+        v.put(keys, kv_for(keys)).wait()
+        v.flush()
+    with host(None, server.url, model_id="attacker") as a:
+        a.put([bytes(k) for k in keys], torch.zeros(LAY.batch_shape(4), dtype=LAY.dtype)).wait()
+        a.flush()
+    with host(None, server.url) as c:
+        got = c.fetch(keys).wait()
+        assert got.shape[0] == 4 and same(got, kv_for(keys))
