@@ -10,7 +10,9 @@ here, with the daemon's namespace id.
 If the daemon is down, or goes away, nothing raises into the engine: lookups and fetches
 miss, puts are dropped, a warning is logged once, and the client reconnects (with backoff)
 when the daemon is back. Only configuration errors raise: a daemon that refuses this uid,
-speaks another protocol version or cannot serve the namespace.
+speaks another protocol version or cannot serve the namespace; and ``flush``, the durability
+barrier, when it cannot vouch for puts made since the last flush (the daemon restarted
+without a clean stop, or none answers).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 
 from kvstore.errors import (
     NamespaceMismatchError,
+    PutsLostError,
     StoreClosedError,
 )
 from kvstore.kernels import gather_pages, scatter_pages
@@ -75,7 +78,7 @@ class _Session:
     frees a connection's slots as soon as it sees the connection go.
     """
 
-    __slots__ = ("channel", "hello", "slab", "pinned", "directory", "_active", "_idle")
+    __slots__ = ("channel", "hello", "slab", "pinned", "directory", "instance", "_active", "_idle")
 
     def __init__(self, channel: Channel, hello: m.HelloReply, slab: torch.Tensor,
                  pinned: bool, directory: KeyDirectory | None = None) -> None:
@@ -84,6 +87,8 @@ class _Session:
         self.slab = slab  # [slots, block_nbytes] uint8, shared with the daemon
         self.pinned = pinned
         self.directory = directory  # the warm tier's key -> slot table, read-only
+        # which daemon run this is (an older daemon does not say: its pid has to do)
+        self.instance = hello.instance or hello.server.encode()
         self._active = 0
         self._idle = threading.Condition()
 
@@ -151,6 +156,10 @@ class Client:
         self._report_lock = threading.Lock()
         self._unreported = [0, 0, 0]  # lookups, hits, misses answered from the key directory
         self._reported_at = 0.0
+        # blocks committed since the last flush that covered them, by daemon instance: a
+        # flush answered by another instance cannot vouch for them
+        self._put_lock = threading.Lock()
+        self._unflushed: dict[bytes, int] = {}
 
     # -- connection ------------------------------------------------------------------------------
     def _open(self) -> _Session:
@@ -467,7 +476,11 @@ class Client:
             raise
         # a connection lost here: the daemon aborts its granted puts itself
         stored = self._request(s, m.Commit(grant.grant_id))
-        return Transfer.completed(0 if stored is None else stored.n)  # type: ignore[attr-defined]
+        n = 0 if stored is None else stored.n  # type: ignore[attr-defined]
+        if n:
+            with self._put_lock:
+                self._unflushed[s.instance] = self._unflushed.get(s.instance, 0) + n
+        return Transfer.completed(n)
 
     def _write_slots(self, slab: torch.Tensor, kv: torch.Tensor, positions: list[int],
                      slots: list[int]) -> None:
@@ -567,9 +580,48 @@ class Client:
         return self._call(m.Ping()) is not None
 
     def flush(self, timeout: float | None = None) -> None:
-        """Return once every earlier put is durable in the daemon's disk tier."""
+        """Return once every earlier put is durable in the daemon's disk tier.
+
+        Raises :class:`~kvstore.errors.PutsLostError` (after flushing what it can) when puts
+        this client made since its last flush went to a daemon that has since restarted
+        without a clean stop, or when no daemon answers to confirm them. Puts a flush
+        reported lost are not reported again.
+        """
         self._check_open()
-        self._call(m.Flush(timeout), None)
+        s = self._get()
+        with self._put_lock:
+            pending = dict(self._unflushed)
+        if s is None:
+            self._unconfirmed(pending)
+            return
+        survived = {s.instance, *s.hello.flushed_instances}  # this daemon, or stopped clean
+        gone = sum(n for inst, n in pending.items() if inst not in survived)
+        if self._request(s, m.Flush(timeout), None) is None:  # lost while flushing
+            self._unconfirmed(pending)
+            return
+        with self._put_lock:  # puts committed meanwhile stay for the next flush
+            for inst, n in pending.items():
+                left = self._unflushed.get(inst, 0) - n
+                if left > 0:
+                    self._unflushed[inst] = left
+                else:
+                    self._unflushed.pop(inst, None)
+        if gone:
+            raise PutsLostError(
+                f"flush: {gone} block(s) put since the last flush may be lost: the kvstore "
+                f"daemon at {self.socket_path} restarted without a clean stop (killed or "
+                "crashed) before confirming them on disk; put them again if they matter "
+                "(later puts are flushed)", gone)
+
+    def _unconfirmed(self, pending: dict[bytes, int]) -> None:
+        """No daemon answered the flush: puts not yet flushed cannot be vouched for (they stay
+        counted: the next flush tells whether they survived)."""
+        n = sum(pending.values())
+        if n:
+            raise PutsLostError(
+                f"flush: {n} block(s) put since the last flush are not confirmed on disk: no "
+                f"kvstore daemon answers at {self.socket_path} (they are lost if it restarts "
+                "without a clean stop); flush again once it is back", n)
 
     @property
     def connected(self) -> bool:

@@ -38,7 +38,7 @@ from kvstore.admin.testing import (
 )
 from kvstore.cli import main
 from kvstore.namespace import Namespace
-from kvstore.tiers.disk import DiskTier, DiskWrite
+from kvstore.tiers.disk import DISK_FORMAT_VERSION, DiskTier, DiskWrite
 
 LAY = small_layout()
 BIG = small_layout(head_dim=64)  # 4 KiB blocks
@@ -217,7 +217,7 @@ def test_inspect(base_store, capsys):
         for t in d["tiers"]:
             t.pop("filesystem_free_bytes")
     assert data == lib
-    assert data["format_version"] == 1 and data["tiers"][0]["blocks"] == 34
+    assert data["format_version"] == DISK_FORMAT_VERSION and data["tiers"][0]["blocks"] == 34
     assert data["tiers"][0]["capacity_bytes"] is None
     assert data["counters"] == {"hits": 4, "misses": None}
     assert data["index"]["file_bytes"] > 0 and data["index"]["namespaces"] == 4
@@ -225,7 +225,7 @@ def test_inspect(base_store, capsys):
     assert f["segments"] >= 7 and f["live_bytes"] == 46 * 1024
     assert main(["inspect", "--store", str(p)]) == 0
     out = capsys.readouterr().out
-    for word in ("disk format version 1", "34 blocks", "fragmentation", "index", "hits",
+    for word in (f"disk format version {DISK_FORMAT_VERSION}", "34 blocks", "fragmentation", "index", "hits",
                  "meta/llama-a", "old/model", "kvstore stats --socket"):
         assert word in out
 
@@ -389,4 +389,5 @@ def test_rm_bad_ambiguous_and_unknown_targets(store, capsys):
 def test_findings_dataclass_fields_are_the_json_fields():
     # the documented finding object is exactly the dataclass
     names = [f.name for f in dataclasses.fields(FindingEntry)]
-    assert names == ["kind", "path", "key", "detail", "fixed", "nbytes"]
+    assert names == ["kind", "path", "key", "detail", "fixed", "nbytes", "action",
+                     "namespace_id"]

@@ -61,6 +61,21 @@ def store(base, tmp_path):
     return dst, chains
 
 
+def _descendants(p, keys: set[str]) -> set[str]:
+    """Keys (hex) of the blocks below ``keys`` that are not in ``keys``."""
+    recs = _records(p)
+    out: set[str] = set()
+    grew = True
+    while grew:
+        grew = False
+        for r in recs:
+            k = r.key.hex()
+            if r.parent is not None and r.parent.hex() in (keys | out) and k not in keys | out:
+                out.add(k)
+                grew = True
+    return out
+
+
 def _by_segment(p) -> dict[int, list]:
     out: dict[int, list] = {}
     for r in _records(p):
@@ -80,7 +95,11 @@ def test_verify_clean_store(store, capsys):
     assert list(data) == _fields(VerifyResult)
     assert data == {"store": str(p), "fix": False, "blocks_checked": 18,
                     "bytes_checked": 18 * 1024, "segments_checked": 6, "findings": [],
-                    "unfixed": 0}
+                    "unfixed": 0, "grace_s": 60.0, "plan": {
+                        "drop_blocks": 0, "drop_bytes": 0, "unreachable_blocks": 0,
+                        "unreachable_bytes": 0, "repair_blocks": 0, "repair_bytes": 0,
+                        "repair_segments": 0, "remove_files": 0, "remove_file_bytes": 0,
+                        "rebuild_index": False, "young_unreachable": 0}}
 
 
 def test_verify_finds_planted_damage_and_fix_removes_it(store, capsys):
@@ -102,32 +121,46 @@ def test_verify_finds_planted_damage_and_fix_removes_it(store, capsys):
     gone = segs[sids[2]]
     os.unlink(os.path.join(p, "segments", seg.segment_name(sids[2])))
     bad_keys = {flip.key.hex(), cut.key.hex()} | {r.key.hex() for r in gone}
+    # their descendants can no longer be looked up: dropped with them
+    below = _descendants(p, bad_keys)
+    assert below  # the flipped block is the second of its prompt
 
     assert main(["verify", "--store", str(p), "--format", "json"]) == 1
     data = _json(capsys, "kvstore.verify/1")
     found = {f["key"]: f for f in data["findings"]}
-    assert set(found) == bad_keys
+    assert set(found) == bad_keys | below
     assert found[flip.key.hex()]["kind"] == "checksum_mismatch"
     assert found[cut.key.hex()]["kind"] == "short_segment"
     assert {found[r.key.hex()]["kind"] for r in gone} == {"missing_segment"}
-    assert not any(f["fixed"] for f in data["findings"]) and data["unfixed"] == len(bad_keys)
+    assert {found[k]["kind"] for k in below} == {"unreachable"}
+    assert {f["action"] for f in data["findings"]} == {"drop"}
+    n = len(bad_keys | below)
+    assert not any(f["fixed"] for f in data["findings"]) and data["unfixed"] == n
     assert all(list(f) == _fields(FindingEntry) for f in data["findings"])
+    assert data["plan"]["drop_blocks"] == len(bad_keys)
+    assert data["plan"]["unreachable_blocks"] == len(below)
     # the library gives the same answer (a read-only verify changed nothing)
     lib = verify(p)
-    assert {f.key for f in lib.findings} == bad_keys and lib.unfixed == len(bad_keys)
+    assert {f.key for f in lib.findings} == bad_keys | below and lib.unfixed == n
     # human output
     assert main(["verify", "--store", str(p)]) == 1
     out = capsys.readouterr().out
     assert "checksum_mismatch" in out and "short_segment" in out and "missing_segment" in out
-    assert f"{len(bad_keys)} problem(s), 0 fixed" in out and "verify --fix" in out
+    assert "unreachable" in out
+    assert f"{n} problem(s), 0 fixed" in out and "verify --fix" in out
 
-    assert main(["verify", "--store", str(p), "--fix", "--format", "json"]) == 0
+    # --fix plans and asks: without a terminal and without -y it refuses, changing nothing
+    assert main(["verify", "--store", str(p), "--fix", "--format", "json"]) == 1
+    assert "pass -y" in capsys.readouterr().err
+    assert len(_records(p)) == 18
+    assert main(["verify", "--store", str(p), "--fix", "-y", "--format", "json"]) == 0
     data = _json(capsys, "kvstore.verify/1")
-    assert {f["key"] for f in data["findings"]} == bad_keys
+    assert {f["key"] for f in data["findings"]} == bad_keys | below
     assert all(f["fixed"] for f in data["findings"]) and data["unfixed"] == 0
+    assert data["fix"] is True
     assert main(["verify", "--store", str(p)]) == 0
     left = {r.key.hex() for r in _records(p)}
-    assert not left & bad_keys and len(left) == 18 - len(bad_keys)
+    assert not left & (bad_keys | below) and len(left) == 18 - n
     ok, bad = check_disk_bytes(p)
     assert ok == len(left) and bad == []
 

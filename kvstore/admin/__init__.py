@@ -8,6 +8,7 @@ creates a store, is safe while engines and daemons use it, and returns a frozen 
 from kvstore.admin.common import (
     AdminError,
     StoreNotFoundError,
+    StoreServedError,
     default_store_path,
     format_age,
     to_jsonable,
@@ -42,6 +43,7 @@ from kvstore.admin.maintenance import (
     PruneResult,
     RemovalPlan,
     RemovalResult,
+    RepairPlan,
     TargetError,
     VerifyResult,
     compact,
@@ -50,6 +52,7 @@ from kvstore.admin.maintenance import (
     preview_removal,
     prune,
     remove,
+    repair,
     verify,
 )
 
@@ -73,7 +76,9 @@ __all__ = [
     "PruneResult",
     "RemovalPlan",
     "RemovalResult",
+    "RepairPlan",
     "StoreNotFoundError",
+    "StoreServedError",
     "StoreSummary",
     "TargetError",
     "TierUsage",
@@ -92,6 +97,7 @@ __all__ = [
     "preview_removal",
     "prune",
     "remove",
+    "repair",
     "store_stats",
     "to_jsonable",
     "verify",

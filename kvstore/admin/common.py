@@ -32,6 +32,37 @@ class StoreNotFoundError(AdminError, FileNotFoundError):
     """There is no kvstore store at the path (admin commands never create one)."""
 
 
+class StoreServedError(AdminError):
+    """A ``kvstore serve`` daemon serves the store: a change that its memory tier would not
+    see is refused (stop the daemon first, or go through it)."""
+
+    def __init__(self, message: str, socket: str) -> None:
+        super().__init__(message)
+        self.socket = socket
+
+
+def serving_socket(path: str | os.PathLike[str] | None) -> str | None:
+    """The socket of the daemon serving the store at ``path``, or None (also when this
+    kvstore cannot tell: the daemon lock support is missing)."""
+    try:
+        from kvstore.admin.live import serving_daemon
+    except ImportError:  # older kvstore.admin.live: no daemon lock to read
+        return None
+    return serving_daemon(path)
+
+
+def refuse_if_served(path: str | os.PathLike[str] | None, what: str) -> None:
+    """Raise :class:`StoreServedError` when a daemon serves the store at ``path``: ``what``
+    (prune, verify --fix, compact) would change the disk under its warm tier, which keeps
+    serving what the disk no longer holds, and the daemon's own writes race the repair."""
+    sock = serving_socket(path)
+    if sock is not None:
+        raise StoreServedError(
+            f"the store at {resolve_store_path(path)} is served by the kvstore daemon at "
+            f"{sock}: stop it ('kvstore serve' holds the store's daemon.lock) before {what}",
+            sock)
+
+
 def default_store_path() -> Path:
     """``$KVSTORE_PATH``, else ``~/.cache/kvstore``."""
     env = os.environ.get(STORE_ENV)

@@ -25,8 +25,14 @@ __all__ = [
     "DaemonNamespaceStats",
     "DaemonStats",
     "DaemonUnavailableError",
+    "daemon_remove",
     "daemon_stats",
+    "serving_daemon",
 ]
+
+#: keys per remove request; halved while the daemon answers LIMIT (a small --max-keys or
+#: --max-frame)
+_REMOVE_BATCH = 4096
 
 
 class DaemonUnavailableError(AdminError):
@@ -96,3 +102,87 @@ def daemon_stats(socket: str | os.PathLike[str], store: str | os.PathLike[str] |
             c.close()
         out.append(DaemonNamespaceStats(nid, e.model_id, e.layout, st.hit_rate, st, srv))
     return DaemonStats(sock, listing.store, time.time(), tuple(out))
+
+
+def serving_daemon(store_path: str | os.PathLike[str] | None) -> str | None:
+    """The socket of the ``kvstore serve`` daemon serving ``store_path`` (from its
+    ``daemon.lock``), or ``None`` when no daemon holds that store. Never creates anything.
+
+    Changes that must reach the daemon's memory (``rm``) go through :func:`daemon_remove`
+    when this is not ``None``."""
+    from kvstore.admin.common import resolve_store_path
+    from kvstore.errors import ConfigError
+    from kvstore.server.lockfile import read_daemon_lock
+
+    try:
+        record = read_daemon_lock(resolve_store_path(store_path))
+    except ConfigError as e:
+        raise AdminError(str(e)) from None
+    return None if record is None else record.socket
+
+
+def daemon_remove(socket: str | os.PathLike[str], namespace_id: bytes | str,
+                  keys: Iterable[bytes | str] | None = None, *, timeout: float = 60.0) -> int:
+    """Have the daemon at ``socket`` delete blocks of ``namespace_id`` (bytes or hex) from its
+    memory (warm tier, dirty blocks not yet written included) and its disk: the named
+    ``keys`` (bytes or hex; pass leaves first, descendants included, like
+    ``RemovalPlan.keys``) or, with ``keys=None``, every block of the namespace. Returns how
+    many blocks went; blocks a client holds pinned at that moment stay. Needs the daemon's
+    uid or root; raises :class:`DaemonUnavailableError` when the daemon cannot be asked."""
+    from kvstore.server import messages as m
+    from kvstore.server.channel import Channel, ChannelClosed
+
+    sock = os.path.abspath(os.path.expanduser(os.fspath(socket)))
+    nsid = _id_bytes(namespace_id, "namespace_id")
+    blobs: list[bytes] | None = None if keys is None else [_id_bytes(k, "key") for k in keys]
+    if blobs is not None and not blobs:
+        return 0
+    try:
+        ch = Channel.connect(sock, timeout)
+    except OSError as e:
+        raise DaemonUnavailableError(f"no daemon answers at {sock} ({e.strerror or e}); is "
+                                     "'kvstore serve' running with --socket pointing there?") from None
+    try:
+        if blobs is None:
+            return _remove_call(ch, sock, m.Remove(nsid, None))
+        removed, i, batch = 0, 0, _REMOVE_BATCH
+        while i < len(blobs):
+            chunk = blobs[i : i + batch]
+            try:
+                removed += _remove_call(ch, sock, m.Remove(nsid, b"".join(chunk)))
+            except m.ServerError as e:
+                if e.code != m.ErrorCode.LIMIT or batch == 1 or ch.broken:
+                    raise
+                batch //= 2  # the daemon's --max-keys / --max-frame is smaller
+                continue
+            i += len(chunk)
+        return removed
+    except ChannelClosed as e:
+        raise DaemonUnavailableError(f"the daemon at {sock} went away during the removal "
+                                     f"({e}); blocks removed so far stay removed") from None
+    finally:
+        ch.close()
+
+
+def _remove_call(ch, sock: str, req) -> int:  # noqa: ANN001
+    from kvstore.server import messages as m
+
+    try:
+        return ch.call(req).n
+    except m.PermissionDeniedError as e:
+        raise DaemonUnavailableError(f"the daemon at {sock} refused: {e}") from None
+    except m.ServerError as e:
+        if e.code == m.ErrorCode.HELLO_REQUIRED:
+            raise DaemonUnavailableError(f"the daemon at {sock} does not support removals "
+                                         "(it is older than this kvstore); upgrade it, or "
+                                         "stop it and remove offline") from None
+        if e.code == m.ErrorCode.LIMIT:
+            raise
+        raise DaemonUnavailableError(f"the daemon at {sock} could not remove: {e}") from None
+
+
+def _id_bytes(v: bytes | str, what: str) -> bytes:
+    b = bytes.fromhex(v) if isinstance(v, str) else bytes(v)
+    if len(b) != 32:
+        raise AdminError(f"{what} must be 32 bytes (64 hex digits), got {len(b)} bytes")
+    return b

@@ -1,17 +1,22 @@
 """Changing a store while engines use it: ``rm`` (namespaces and blocks, with their
-descendants), ``prune`` (orphan files, temp files, records without payload), ``verify``
-(checksums of every block, index/segment agreement; ``fix`` drops what is bad) and ``compact``.
+descendants), ``prune`` (orphan files, temp files, records without payload, blocks no lookup
+can reach), ``verify`` (checksums of every block, index/segment agreement, unreachable blocks;
+its result carries a repair plan that :func:`repair` carries out) and ``compact``.
 
 Every change goes through :class:`~kvstore.tiers.disk.DiskTier`, which takes LMDB's write
 lock like every engine and unlinks a payload file only after the transaction that removed its
 last record has committed; readers in other processes that find a file gone re-read the
-record (compaction) or see a miss (removal) — never wrong bytes.
+record (compaction) or see a miss (removal) — never wrong bytes. A store that a
+``kvstore serve`` daemon serves is changed through the daemon (``rm``) or not at all
+(``prune``, ``repair``, ``compact`` raise :class:`~kvstore.admin.common.StoreServedError`):
+its warm tier would keep serving what the disk no longer holds.
 """
 
 from __future__ import annotations
 
 import bisect
 import contextlib
+import dataclasses
 import os
 import time
 from collections.abc import Callable, Iterable
@@ -19,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstore.admin.common import AdminError, open_disk, quiet_disk_log
+from kvstore.admin.common import AdminError, open_disk, quiet_disk_log, refuse_if_served
 
 __all__ = [
     "CompactReport",
@@ -27,6 +32,7 @@ __all__ = [
     "NamespaceTarget",
     "PruneResult",
     "RemovalPlan",
+    "RepairPlan",
     "RemovalResult",
     "TargetError",
     "VerifyResult",
@@ -36,6 +42,7 @@ __all__ = [
     "preview_removal",
     "prune",
     "remove",
+    "repair",
     "verify",
 ]
 
@@ -87,6 +94,8 @@ class RemovalResult:
     freed_bytes: int  # stored bytes of the removed blocks (dead space from now on)
     released_bytes: int  # segment files unlinked now (all their blocks gone)
     dead_bytes: int  # dead bytes left in segment files: ``kvstore compact`` reclaims them
+    daemon: str | None = None  # socket of the daemon the removal went through (it serves
+    #                            the store: its memory tier dropped the blocks too)
 
 
 def _norm_target(t: str) -> str:
@@ -206,7 +215,15 @@ def _segment_files(segdir: str, sids: Iterable[int]) -> dict[int, int]:
 
 def execute_removal(plan: RemovalPlan) -> RemovalResult:
     """Remove the plan's blocks in one write transaction, then any child another process
-    wrote under a removed block meanwhile (so the store stays prefix-closed)."""
+    wrote under a removed block meanwhile (so the store stays prefix-closed).
+
+    When a ``kvstore serve`` daemon serves the store, the removal goes through it instead:
+    its warm tier would otherwise keep serving the blocks (and write dirty ones back)."""
+    from kvstore.admin.common import serving_socket
+
+    sock = serving_socket(plan.store)
+    if sock is not None:
+        return _remove_through_daemon(plan, sock)
     with open_disk(plan.store, readonly=False) as t:
         doomed = [bytes.fromhex(k) for k in plan.keys]
         recs = {k: t.get_record(k) for k in doomed}
@@ -237,6 +254,38 @@ def execute_removal(plan: RemovalPlan) -> RemovalResult:
                          released, dead)
 
 
+def _remove_through_daemon(plan: RemovalPlan, sock: str) -> RemovalResult:
+    """The plan, carried out by the daemon at ``sock``: whole namespaces by id (blocks only
+    in its memory go too), other blocks by key, per namespace, leaves first (its store drops
+    them from memory and disk, with their cached descendants). Blocks a client holds pinned
+    at that moment stay."""
+    from kvstore.admin.live import daemon_remove
+
+    with open_disk(plan.store, readonly=True) as t:
+        recs = {k: t.get_record(bytes.fromhex(k)) for k in plan.keys}
+        recs = {k: r for k, r in recs.items() if r is not None}
+        segdir = os.path.join(t.path, "segments")
+        before = _segment_files(segdir, (r.segment for r in recs.values()))
+    whole = {n.namespace_id for n in plan.namespaces}
+    by_ns: dict[str, list[str]] = {}
+    for k in plan.keys:  # leaves first, as planned
+        r = recs.get(k)
+        if r is not None and r.namespace_id.hex() not in whole:
+            by_ns.setdefault(r.namespace_id.hex(), []).append(k)
+    removed = 0
+    for nid in sorted(whole):
+        removed += daemon_remove(sock, nid, None)
+    for nid, keys in by_ns.items():
+        removed += daemon_remove(sock, nid, keys)
+    with open_disk(plan.store, readonly=True) as t:
+        left = {k for k in recs if t.get_record(bytes.fromhex(k)) is not None}
+        after = _segment_files(segdir, before)
+        dead = t.stats().dead_bytes
+    freed = sum(r.stored_nbytes for k, r in recs.items() if k not in left)
+    released = sum(size for sid, size in before.items() if sid not in after)
+    return RemovalResult(plan, False, removed, 0, (), freed, released, dead, sock)
+
+
 def preview_removal(plan: RemovalPlan, *, dry_run: bool = True) -> RemovalResult:
     """The result of not executing ``plan`` (a dry run, or nothing to remove)."""
     with open_disk(plan.store, readonly=True) as t:
@@ -255,23 +304,51 @@ def remove(path: str | os.PathLike[str] | None, targets: Iterable[str], *,
 
 # -- findings (prune, verify) ------------------------------------------------------------------
 
+#: what fixing a finding does: ``drop`` its record (the block becomes a miss), ``repair`` it
+#: (rewrite the block into a fresh segment), ``remove`` the file, ``rebuild`` the side indexes,
+#: or ``none`` (files that are not the store's are never touched)
+_ACTIONS = {"orphan_segment": "remove", "temp_file": "remove", "unknown_file": "none",
+            "bad_index": "rebuild", "bad_header": "repair"}
+_FILE_KINDS = ("orphan_segment", "temp_file", "unknown_file")
+
+
 @dataclass(frozen=True, slots=True)
 class FindingEntry:
-    """One problem found (``kind`` as in :class:`kvstore.tiers.disk.Finding`)."""
+    """One problem found (``kind`` as in :class:`kvstore.tiers.disk.Finding`, plus
+    ``unreachable``) and what fixing it does (``action``)."""
 
     kind: str  # orphan_segment | temp_file | missing_segment | short_segment |
-    #            checksum_mismatch | bad_record | bad_index | unknown_file
+    #            checksum_mismatch | bad_record | bad_header | unreachable | bad_index |
+    #            unknown_file
     path: str
     key: str | None  # the block (hex), for record findings
     detail: str
     fixed: bool
     nbytes: int  # file bytes (orphan_segment, temp_file, unknown_file), the block's stored
     #              bytes (record findings), 0 when not known (bad_index)
+    action: str = "none"  # drop | repair | remove | rebuild | none
+    namespace_id: str | None = None  # the block's namespace (hex), for record findings
 
 
-def _finding(f, nbytes: int = 0) -> FindingEntry:  # noqa: ANN001 - a disk Finding
-    return FindingEntry(f.kind, f.path, None if f.key is None else f.key.hex(), f.detail,
-                        bool(f.fixed), nbytes)
+def _bk(namespace_id: bytes, key: bytes) -> bytes:
+    """A block's identity: namespace id ‖ key (every namespace has a key space of its own;
+    this is also the disk index's LMDB key, ``disk_index.dbkey``)."""
+    return namespace_id + key
+
+
+def _entry_bk(f: FindingEntry) -> bytes:
+    """A record finding's block identity (:func:`_bk`), or its bare key when the namespace is
+    not known (an undecodable record)."""
+    assert f.key is not None
+    key = bytes.fromhex(f.key)
+    return key if f.namespace_id is None else bytes.fromhex(f.namespace_id) + key
+
+
+def _finding(f, nbytes: int = 0, namespace_id: bytes | None = None) -> FindingEntry:  # noqa: ANN001 - a disk Finding
+    key = None if f.key is None else bytes(f.key).hex()
+    return FindingEntry(f.kind, f.path, key, f.detail, bool(f.fixed), nbytes,
+                        _ACTIONS.get(f.kind, "drop"),
+                        None if namespace_id is None else namespace_id.hex())
 
 
 def _file_sizes(segdir: str) -> dict[str, int]:
@@ -286,18 +363,152 @@ def _file_sizes(segdir: str) -> dict[str, int]:
     return out
 
 
-_FILE_KINDS = ("orphan_segment", "temp_file", "unknown_file")
-
-
-def _entries(findings, sizes: dict[str, int], stored: dict[bytes, int]) -> list[FindingEntry]:  # noqa: ANN001
+def _entries(findings, sizes: dict[str, int], recs: dict[bytes, object]) -> list[FindingEntry]:  # noqa: ANN001
+    """Findings of ``DiskTier.check`` as entries; ``recs``: block key -> its record (for the
+    stored bytes and the namespace)."""
     out = []
     for f in findings:
+        r = recs.get(bytes(f.key)) if f.key is not None else None
         if f.kind in _FILE_KINDS:
-            n = sizes.get(f.path, 0)
+            out.append(_finding(f, sizes.get(f.path, 0)))
+        elif r is not None:
+            out.append(_finding(f, r.stored_nbytes, r.namespace_id))
         else:
-            n = stored.get(f.key, 0) if f.key is not None else 0
-        out.append(_finding(f, n))
+            out.append(_finding(f))
     return out
+
+
+def _check_grace(grace_s: float) -> None:
+    if not grace_s >= 0:  # also refuses NaN
+        raise AdminError(f"grace must be a number of seconds >= 0, got {grace_s}")
+
+
+# -- unreachable blocks ------------------------------------------------------------------------
+
+def _unreachable(recs: Iterable, gone: set[bytes], segdir: str, *, now: float,
+                 grace_s: float, why_gone: str) -> tuple[list[FindingEntry], int]:  # noqa: ANN001
+    """Blocks that no lookup can reach, because their parent is not in the index (or is in
+    ``gone``: dropped by this pass), with their whole subtrees, as findings (action ``drop``);
+    and how many were left alone because the block whose parent is missing was written less
+    than ``grace_s`` ago (its parent may be a write in flight in another process). Blocks in
+    ``gone`` are not listed."""
+    from kvstore.tiers import segments as seg
+
+    present = {_bk(r.namespace_id, r.key): r for r in recs}
+    present = {k: r for k, r in present.items() if k not in gone}
+    children: dict[bytes, list[bytes]] = {}
+    for k, r in present.items():
+        if r.parent is not None:  # a chain never leaves its namespace
+            children.setdefault(_bk(r.namespace_id, r.parent), []).append(k)
+    out: list[FindingEntry] = []
+    young = 0
+    seen: set[bytes] = set()
+    for root in sorted(present):
+        r = present[root]
+        if r.parent is None:
+            continue
+        p = _bk(r.namespace_id, r.parent)
+        if p in present:
+            continue
+        if p in gone or r.parent in gone:
+            head = f"its parent {r.parent.hex()[:16]} is {why_gone}"
+        elif now - r.created < grace_s:
+            if root not in seen:
+                seen.add(root)
+                young += 1 + _subtree_size(root, children, seen)
+            continue
+        else:
+            head = f"its parent {r.parent.hex()[:16]} is not in the store"
+        stack = [root]
+        while stack:
+            k = stack.pop()
+            if k in seen:
+                continue
+            seen.add(k)
+            b = present[k]
+            detail = (f"{head}: no lookup can reach this block" if k == root else
+                      f"below block {r.key.hex()[:16]}, whose parent is missing: no lookup "
+                      "can reach this block")
+            out.append(FindingEntry("unreachable", os.path.join(segdir, seg.segment_name(b.segment)),
+                                    b.key.hex(), detail, False, b.stored_nbytes, "drop",
+                                    b.namespace_id.hex()))
+            stack.extend(children.get(k, ()))
+    return out, young
+
+
+def _subtree_size(root: bytes, children: dict[bytes, list[bytes]], seen: set[bytes]) -> int:
+    n = 0
+    stack = list(children.get(root, ()))
+    while stack:
+        k = stack.pop()
+        if k in seen:
+            continue
+        seen.add(k)
+        n += 1
+        stack.extend(children.get(k, ()))
+    return n
+
+
+def _remove_unreachable(t, planned: Iterable[bytes], removed: set[bytes]) -> tuple[set[bytes], list, set[bytes]]:  # noqa: ANN001
+    """Delete the ``planned`` blocks that still no lookup can reach, and every block now below
+    one of them or below a block in ``removed`` (written meanwhile, or orphaned by this pass).
+    Returns (keys gone now, records of the removed blocks that were not planned, planned keys
+    that a lookup can reach again: their parent was written meanwhile)."""
+    planned = set(planned)
+    gone: set[bytes] = set()
+    late: list = []
+    reachable: set[bytes] = set()
+    roots = planned | removed
+    for round_ in range(8):  # children committed by another process while we worked
+        recs = {_bk(r.namespace_id, r.key): r for r in t.records()}
+        children: dict[bytes, list[bytes]] = {}
+        for k, r in recs.items():
+            if r.parent is not None:
+                children.setdefault(_bk(r.namespace_id, r.parent), []).append(k)
+        cut: dict[bytes, bool] = {}
+
+        def unreachable(k: bytes, recs=recs, cut=cut) -> bool:
+            path = []
+            while k not in cut:
+                r = recs.get(k)
+                if r is None:
+                    cut[k] = True
+                    break
+                if r.parent is None:
+                    cut[k] = False
+                    break
+                path.append(k)
+                k = _bk(r.namespace_id, r.parent)
+                if len(path) > len(recs):  # a cycle of corrupt records: reachable from nowhere
+                    cut[k] = True
+                    break
+            val = cut[k]
+            for x in path:
+                cut[x] = val
+            return val
+
+        cands: set[bytes] = set()
+        stack = [k for k in roots if k in recs] + [c for k in roots for c in children.get(k, ())]
+        while stack:
+            k = stack.pop()
+            if k in cands:
+                continue
+            cands.add(k)
+            stack.extend(children.get(k, ()))
+        doomed = [k for k in cands if k not in gone and unreachable(k)]
+        if round_ == 0:
+            reachable = {k for k in planned if k in recs and not unreachable(k)}
+        if not doomed:
+            break
+        by_ns: dict[bytes, list[bytes]] = {}
+        for k in doomed:
+            by_ns.setdefault(k[:32], []).append(k[32:])
+        for ns, keys in by_ns.items():  # DiskTier.delete keeps the children/LRU dbs right
+            t.delete(keys, namespace_id=ns)
+        gone.update(k for k in doomed if t.get_record(k[32:], namespace_id=k[:32]) is None)
+        late.extend(recs[k] for k in doomed if k not in planned)
+        roots = set(doomed)
+    return gone, late, reachable
 
 
 # -- prune -------------------------------------------------------------------------------------
@@ -310,39 +521,103 @@ class PruneResult:
     findings: tuple[FindingEntry, ...]
     removed: int  # findings fixed
     freed_bytes: int  # file bytes removed (orphan segments, temp files)
+    unreachable: int  # blocks removed (or, dry run, to remove) that no lookup could reach
+    unreachable_bytes: int  # their stored bytes
+    young_unreachable: int  # unreachable blocks written less than grace_s ago: left alone
 
 
 def prune(path: str | os.PathLike[str] | None = None, *, dry_run: bool = False,
           grace_s: float = DEFAULT_GRACE_S) -> PruneResult:
     """Remove orphan segment files and temp files older than ``grace_s``, records whose
-    payload is missing or cut off, undecodable records, and rebuild inconsistent side
-    indexes (``DiskTier.check(fix=True, verify_data=False)``; no block data is read — use
-    :func:`verify` for checksums). ``dry_run`` only reports."""
-    if grace_s < 0:
-        raise AdminError(f"grace must be >= 0 seconds, got {grace_s}")
+    payload is missing or cut off, undecodable records, blocks that no lookup can reach (their
+    parent is not in the index: the whole subtree below a missing block), and rebuild
+    inconsistent side indexes (``DiskTier.check(fix=True, verify_data=False)``; no block data
+    is read — use :func:`verify` for checksums). ``dry_run`` only reports."""
+    _check_grace(grace_s)
+    if not dry_run:
+        refuse_if_served(path, "pruning")
     with open_disk(path, readonly=dry_run) as t, quiet_disk_log():
         segdir = os.path.join(t.path, "segments")
         sizes = _file_sizes(segdir)
-        stored = {r.key: r.stored_nbytes for r in t.records()}
+        before = {r.key: r for r in t.records()}
         found = t.check(fix=not dry_run, grace_s=grace_s, verify_data=False)
+        entries = _entries(found, sizes, before)
+        gone = {_entry_bk(e) for e in entries
+                if e.key is not None and e.action == "drop" and (dry_run or e.fixed)}
+        unreach, young = _unreachable(t.records(), gone, segdir, now=time.time(),
+                                      grace_s=grace_s, why_gone="dropped by this prune")
+        if not dry_run and unreach:
+            done, late, _ = _remove_unreachable(t, (_entry_bk(e) for e in unreach), gone)
+            unreach = [dataclasses.replace(e, fixed=_entry_bk(e) in done)
+                       for e in unreach] + _late_entries(late, segdir)
         store = t.path
-    entries = _entries(found, sizes, stored)
+    entries += unreach
     fixed = [e for e in entries if e.fixed]
     freed = sum(e.nbytes for e in fixed if e.kind in ("orphan_segment", "temp_file"))
-    return PruneResult(store, dry_run, float(grace_s), tuple(entries), len(fixed), freed)
+    counted = [e for e in unreach if e.fixed or dry_run]
+    return PruneResult(store, dry_run, float(grace_s), tuple(entries), len(fixed), freed,
+                       len(counted), sum(e.nbytes for e in counted), young)
+
+
+def _late_entries(late: Iterable, segdir: str) -> list[FindingEntry]:  # noqa: ANN001
+    """Findings for blocks removed with the planned ones although not in the plan: written
+    meanwhile below one of them, or orphaned by this pass."""
+    from kvstore.tiers import segments as seg
+
+    return [FindingEntry("unreachable", os.path.join(segdir, seg.segment_name(r.segment)),
+                         r.key.hex(), "below a block removed by this pass (written meanwhile, "
+                         "or its parent was dropped now): no lookup can reach this block", True,
+                         r.stored_nbytes, "drop", r.namespace_id.hex()) for r in late]
 
 
 # -- verify ------------------------------------------------------------------------------------
 
 @dataclass(frozen=True, slots=True)
+class RepairPlan:
+    """What fixing a :func:`verify`'s findings does; ``kvstore verify --fix`` shows it and
+    asks before :func:`repair` carries it out."""
+
+    drop_blocks: int  # damaged blocks whose records go (they become misses)
+    drop_bytes: int
+    unreachable_blocks: int  # blocks no lookup can reach (below a missing or dropped block)
+    unreachable_bytes: int
+    repair_blocks: int  # intact blocks whose segment header is damaged: rewritten elsewhere
+    repair_bytes: int
+    repair_segments: int  # segments with a damaged header
+    remove_files: int  # orphan segments and temp files
+    remove_file_bytes: int
+    rebuild_index: bool  # side indexes are rebuilt from the block records
+    young_unreachable: int  # unreachable blocks written less than grace ago: left alone
+
+    @property
+    def empty(self) -> bool:
+        return not (self.drop_blocks or self.unreachable_blocks or self.repair_blocks
+                    or self.remove_files or self.rebuild_index)
+
+
+def _plan(findings: Iterable[FindingEntry], young: int) -> RepairPlan:
+    todo = [f for f in findings if not f.fixed and f.action != "none"]
+    drop = [f for f in todo if f.action == "drop" and f.kind != "unreachable"]
+    unreach = [f for f in todo if f.kind == "unreachable"]
+    rep = [f for f in todo if f.action == "repair"]
+    files = [f for f in todo if f.action == "remove"]
+    return RepairPlan(len(drop), sum(f.nbytes for f in drop), len(unreach),
+                      sum(f.nbytes for f in unreach), len(rep), sum(f.nbytes for f in rep),
+                      len({f.path for f in rep}), len(files), sum(f.nbytes for f in files),
+                      any(f.action == "rebuild" for f in todo), young)
+
+
+@dataclass(frozen=True, slots=True)
 class VerifyResult:
     store: str
-    fix: bool
+    fix: bool  # the plan was carried out (``fixed`` says what is fixed)
     blocks_checked: int
     bytes_checked: int  # raw bytes read back and checksummed
     segments_checked: int
     findings: tuple[FindingEntry, ...]
     unfixed: int  # findings not fixed: non-zero exit status
+    grace_s: float
+    plan: RepairPlan  # what fixing the findings does (does, or did with ``fix``)
 
     @property
     def ok(self) -> bool:
@@ -356,112 +631,193 @@ VerifyProgress = Callable[[int, int, int, int], None]
 def verify(path: str | os.PathLike[str] | None = None, *, fix: bool = False,
            grace_s: float = DEFAULT_GRACE_S,
            progress: VerifyProgress | None = None) -> VerifyResult:
-    """Check the whole store: the index against the segment files (missing or cut-off
-    segments, segment headers listing each block at its recorded offset, orphan and temp
-    files older than ``grace_s``, side-index consistency) and the checksum of every block,
-    read back in full. With ``fix``, bad records are dropped (only if they are still the
-    ones found bad), orphans unlinked and side indexes rebuilt; a block that a concurrent
-    writer moved meanwhile is verified again at its new place, not dropped."""
+    """Check the whole store, read-only: the index against the segment files (missing or
+    cut-off segments, segment headers listing each block at its recorded offset, orphan and
+    temp files older than ``grace_s``, side-index consistency), the checksum of every block,
+    read back in full, and blocks that no lookup can reach. The result's ``plan`` says what
+    fixing the findings does; ``fix`` carries it out at once (:func:`repair`): damaged blocks
+    and unreachable ones are dropped, intact blocks of a damaged segment header are rewritten
+    into a fresh segment, orphans are unlinked and side indexes rebuilt."""
     from kvstore.tiers import segments as seg
     from kvstore.tiers.disk import ReadStatus
+    from kvstore.tiers.disk_check import Listing, listing_problem, segment_listing
 
+    _check_grace(grace_s)
+    if fix:  # before the long read, not after it
+        refuse_if_served(path, "fixing it")
     with open_disk(path, readonly=True) as ro, quiet_disk_log():
         segdir = os.path.join(ro.path, "segments")
         sizes = _file_sizes(segdir)
-        rw_cm = open_disk(ro.path, readonly=False) if fix else None
-        rw = rw_cm.__enter__() if rw_cm is not None else None
-        try:
-            snapshot = list(ro.records())
-            # 1. structure (no data read): missing/short segments, orphans, temps, indexes
-            structural = (rw or ro).check(fix=fix, grace_s=grace_s, verify_data=False)
-            flagged = {f.key for f in structural if f.key is not None}
-            findings = _entries(structural, sizes,
-                                {r.key: r.stored_nbytes for r in snapshot if r.key in flagged})
-            # 2. every remaining block: header agreement and checksum
-            recs = [r for r in snapshot if r.key not in flagged]
-            recs.sort(key=lambda r: (r.segment, r.offset))
-            total_blocks = len(recs)
-            total_bytes = sum(r.raw_nbytes for r in recs)
-            done_blocks = done_bytes = 0
+        snapshot = list(ro.records())
+        # 1. structure (no data read): missing/short segments, orphans, temps, indexes
+        structural = ro.check(fix=False, grace_s=grace_s, verify_data=False)
+        flagged = {bytes(f.key) for f in structural if f.key is not None}
+        findings = _entries(structural, sizes, {r.key: r for r in snapshot if r.key in flagged})
+        # 2. every remaining block: checksum, and header agreement
+        recs = [r for r in snapshot if r.key not in flagged]
+        recs.sort(key=lambda r: (r.segment, r.offset))
+        total_blocks = len(recs)
+        total_bytes = sum(r.raw_nbytes for r in recs)
+        done_blocks = done_bytes = 0
+        if progress is not None:
+            progress(0, total_blocks, 0, total_bytes)
+        listings: dict[int, Listing] = {}
+        scratch = torch.empty(max([min(_VERIFY_BATCH_BYTES, total_bytes)]
+                                  + [r.raw_nbytes for r in recs]), dtype=torch.uint8)
+        i = 0
+        while i < len(recs):
+            batch = []
+            nbytes = 0
+            while i < len(recs) and (not batch or nbytes + recs[i].raw_nbytes
+                                     <= _VERIFY_BATCH_BYTES):
+                batch.append(recs[i])
+                nbytes += recs[i].raw_nbytes
+                i += 1
+            dsts, off = [], 0
+            for r in batch:
+                dsts.append(scratch[off:off + r.raw_nbytes])
+                off += r.raw_nbytes
+            # the header does not matter to a read (records hold the offsets): blocks of a
+            # damaged header are read too, and kept if their bytes verify
+            statuses = _read_batch(ro, batch, dsts)
+            for r, status in zip(batch, statuses, strict=True):
+                if r.segment not in listings:
+                    listings[r.segment] = segment_listing(segdir, r.segment)
+                bad = listing_problem(listings[r.segment], r.key, r.offset, r.stored_nbytes)
+                if status is ReadStatus.OK:
+                    if bad is not None:
+                        findings.extend(_confirm_header_problem(ro, r, bad, segdir, seg))
+                    continue
+                f = _confirm_damage(ro, r, segdir, seg, bad)
+                if f is not None:
+                    findings.append(f)
+            done_blocks += len(batch)
+            done_bytes += nbytes
             if progress is not None:
-                progress(0, total_blocks, 0, total_bytes)
-            headers: dict[int, dict[str, tuple[int, int]] | str | None] = {}
-            scratch = torch.empty(max([min(_VERIFY_BATCH_BYTES, total_bytes)]
-                                      + [r.raw_nbytes for r in recs]), dtype=torch.uint8)
-            i = 0
-            while i < len(recs):
-                batch = []
-                nbytes = 0
-                while i < len(recs) and (not batch or nbytes + recs[i].raw_nbytes
-                                         <= _VERIFY_BATCH_BYTES):
-                    batch.append(recs[i])
-                    nbytes += recs[i].raw_nbytes
-                    i += 1
-                todo = []
-                for r in batch:
-                    bad = _header_problem(headers, segdir, r, seg)
-                    if bad is None:
-                        todo.append(r)
-                    else:
-                        findings.extend(_confirm_header_problem(ro, rw, r, bad, segdir, seg))
-                dsts, off = [], 0
-                for r in todo:
-                    dsts.append(scratch[off:off + r.raw_nbytes])
-                    off += r.raw_nbytes
-                statuses = ro.read_many([r.key for r in todo], dsts) if todo else []
-                for r, status in zip(todo, statuses, strict=True):
-                    if status is not ReadStatus.OK:
-                        f = _confirm_damage(ro, rw, r, segdir, seg)
-                        if f is not None:
-                            findings.append(f)
-                done_blocks += len(batch)
-                done_bytes += nbytes
-                if progress is not None:
-                    progress(done_blocks, total_blocks, done_bytes, total_bytes)
-        finally:
-            if rw_cm is not None:
-                rw_cm.__exit__(None, None, None)
+                progress(done_blocks, total_blocks, done_bytes, total_bytes)
+        # 3. blocks below a missing block, or below one that fixing drops
+        gone = {_entry_bk(f) for f in findings if f.key is not None and f.action == "drop"}
+        unreach, young = _unreachable(snapshot, gone, segdir, now=time.time(), grace_s=grace_s,
+                                      why_gone="dropped by this fix (damaged)")
+        # a block that goes because no lookup can reach it is not worth a rewrite
+        doomed = {_entry_bk(f) for f in unreach}
+        findings = [f for f in findings
+                    if not (f.kind == "bad_header" and _entry_bk(f) in doomed)] + unreach
         store = ro.path
     unfixed = sum(1 for f in findings if not f.fixed)
-    return VerifyResult(store, fix, total_blocks, total_bytes,
-                        len({r.segment for r in recs}), tuple(findings), unfixed)
+    res = VerifyResult(store, False, total_blocks, total_bytes, len({r.segment for r in recs}),
+                       tuple(findings), unfixed, float(grace_s), _plan(findings, young))
+    return repair(res) if fix else res
 
 
-def _header_problem(headers: dict, segdir: str, r, seg) -> str | None:  # noqa: ANN001
-    h = headers.get(r.segment, False)
-    if h is False:
-        path = os.path.join(segdir, seg.segment_name(r.segment))
-        try:
-            obj, start, _ = seg.read_header(path)
-            h = seg.header_tensors(obj, start)
-        except FileNotFoundError:
-            h = None  # moved or removed meanwhile: the read below decides
-        except (OSError, seg.SegmentFormatError) as e:
-            h = f"segment header unreadable: {e}"
-        headers[r.segment] = h
-    if h is None:
-        return None
-    if isinstance(h, str):
-        return h
-    if h.get(r.key.hex()) != (r.offset, r.stored_nbytes):
-        return "segment header does not list this block at the recorded offset"
-    return None
+def repair(result: VerifyResult) -> VerifyResult:
+    """Carry out ``result.plan`` (the findings of a read-only :func:`verify`) and return the
+    result with ``fixed`` set. Each item is judged again first, so that nothing changes for a
+    problem that is gone meanwhile: a record is dropped only if it is still damaged (a block
+    that a concurrent compaction moved is verified at its new place), a block of a damaged
+    header is rewritten only if its header still does not list it and its bytes verify (if
+    they do not, it is dropped), an unreachable block is removed only if still no lookup can
+    reach it (with any block written below it meanwhile). Nothing outside the plan is touched."""
+    from kvstore.tiers.disk import ReadStatus
+    from kvstore.tiers.disk_check import FixScope, check_scoped, rewrite_unlisted
+
+    todo = [f for f in result.findings if not f.fixed and f.action != "none"]
+    if not todo:
+        return dataclasses.replace(result, fix=True)
+    refuse_if_served(result.store, "fixing it")
+    drops = [f for f in todo if f.action == "drop" and f.kind != "unreachable" and f.key is not None]
+    drop = {_entry_bk(f) for f in drops}
+    files = frozenset(f.path for f in todo if f.action == "remove")
+    rebuild = any(f.action == "rebuild" for f in todo)
+    rewrite = [_entry_bk(f) for f in todo if f.action == "repair" and f.key is not None]
+    unreachable = [_entry_bk(f) for f in todo if f.kind == "unreachable"]
+    fixed_keys: set[bytes] = set()
+    dropped: set[bytes] = set()  # records removed by this pass
+    notes: dict[bytes, str] = {}
+    with open_disk(result.store, readonly=False) as rw, quiet_disk_log():
+        # 1. structure, as planned: records without payload, undecodable records, files,
+        #    side indexes (check finds each again first and fixes it only if still there;
+        #    it names blocks by key, so the planned ones are matched by key)
+        planned = {bytes.fromhex(f.key): _entry_bk(f) for f in drops}
+        found = check_scoped(rw, grace_s=result.grace_s,
+                             scope=FixScope(frozenset(planned), files, rebuild))
+        recheck = set(drop)
+        files_fixed = set()
+        index_left = False
+        for f in found:
+            bk = planned.get(bytes(f.key)) if f.key is not None else None
+            if bk is not None:
+                recheck.discard(bk)
+                if f.fixed:
+                    fixed_keys.add(bk)
+                    dropped.add(bk)
+            elif f.path in files and f.fixed:
+                files_fixed.add(f.path)
+            elif f.kind == "bad_index" and not f.fixed:
+                index_left = True
+        # 2. damaged blocks: a read through a writable tier drops the record if (and only if)
+        #    it is still the damaged one; a block rewritten or moved meanwhile reads OK
+        for k in sorted(recheck):
+            key, ns = (k[32:], k[:32]) if len(k) == 64 else (k, None)
+            if len(key) != 32:
+                continue  # a malformed index key: only check drops it (step 1)
+            r = rw.get_record(key, namespace_id=ns)
+            if r is None:
+                fixed_keys.add(k)
+                continue
+            dst = torch.empty(r.raw_nbytes, dtype=torch.uint8)
+            if rw.read_into(key, dst, namespace_id=ns) is ReadStatus.OK:
+                fixed_keys.add(k)
+                notes[k] = "reads OK now (rewritten or moved meanwhile): kept"
+            elif rw.get_record(key, namespace_id=ns) is None:
+                fixed_keys.add(k)
+                dropped.add(k)
+        # 3. intact blocks of damaged headers: into fresh segments
+        rw_res = rewrite_unlisted(rw, rewrite) if rewrite else None
+        if rw_res is not None:
+            fixed_keys.update(rw_res.rewritten, rw_res.unchanged, rw_res.dropped)
+            dropped.update(rw_res.dropped)
+            for k in rw_res.dropped:
+                notes[k] = "its bytes failed the checksum when rewritten: dropped"
+        # 4. blocks no lookup can reach, and any block orphaned by this pass
+        gone, late, again = _remove_unreachable(rw, unreachable, dropped)
+        fixed_keys.update(gone, again)
+        for k in again:
+            notes[k] = "a lookup can reach it again (its parent was written meanwhile): kept"
+        late_entries = _late_entries(late, os.path.join(rw.path, "segments"))
+    findings = []
+    for f in result.findings:
+        if f.fixed or f.action == "none":
+            findings.append(f)
+            continue
+        if f.action == "remove":
+            ok = f.path in files_fixed
+        elif f.action == "rebuild":
+            ok = not index_left
+        else:
+            ok = f.key is not None and _entry_bk(f) in fixed_keys
+        note = notes.get(_entry_bk(f)) if f.key is not None else None
+        findings.append(dataclasses.replace(f, fixed=ok,
+                                            detail=f"{f.detail}; {note}" if note else f.detail))
+    findings.extend(late_entries)
+    unfixed = sum(1 for f in findings if not f.fixed)
+    return dataclasses.replace(result, fix=True, findings=tuple(findings), unfixed=unfixed)
 
 
 def _same_place(cur, r) -> bool:  # noqa: ANN001
     return cur is not None and (cur.segment, cur.offset) == (r.segment, r.offset)
 
 
-def _confirm_header_problem(ro, rw, r, detail: str, segdir: str, seg) -> list[FindingEntry]:  # noqa: ANN001
-    cur = ro.get_record(r.key)
-    if not _same_place(cur, r):
-        return []  # removed or moved meanwhile
+def _confirm_header_problem(ro, r, detail: str, segdir: str, seg) -> list[FindingEntry]:  # noqa: ANN001
+    """The bytes verify but the header does not describe the block: repairable, unless the
+    record moved meanwhile (then its new segment lists it)."""
+    if not _same_place(ro.get_record(r.key, namespace_id=r.namespace_id), r):
+        return []
     path = os.path.join(segdir, seg.segment_name(r.segment))
-    fixed = False
-    if rw is not None:
-        rw.delete([r.key])  # a block not listed in its segment cannot be moved by compaction
-        fixed = rw.get_record(r.key) is None
-    return [FindingEntry("bad_record", path, r.key.hex(), detail, fixed, r.stored_nbytes)]
+    return [FindingEntry("bad_header", path, r.key.hex(),
+                         f"{detail}; the block's bytes verify", False, r.stored_nbytes,
+                         "repair",
+                         r.namespace_id.hex())]
 
 
 def _classify(r, segdir: str, seg) -> tuple[str, str]:  # noqa: ANN001
@@ -476,29 +832,39 @@ def _classify(r, segdir: str, seg) -> tuple[str, str]:  # noqa: ANN001
     return "checksum_mismatch", "the block's bytes do not match its checksum"
 
 
-def _confirm_damage(ro, rw, r, segdir: str, seg) -> FindingEntry | None:  # noqa: ANN001
+def _confirm_damage(ro, r, segdir: str, seg, header: str | None) -> FindingEntry | None:  # noqa: ANN001
     """A read failed: was it damage, or did another process remove/move the block?"""
     from kvstore.tiers.disk import ReadStatus
 
-    cur = ro.get_record(r.key)
+    cur = ro.get_record(r.key, namespace_id=r.namespace_id)
     if cur is None:
         return None  # removed meanwhile
     if not _same_place(cur, r):  # moved (compaction): verify it at its new place
         dst = torch.empty(cur.raw_nbytes, dtype=torch.uint8)
-        if ro.read_into(r.key, dst) is ReadStatus.OK:
+        if ro.read_into(r.key, dst, namespace_id=r.namespace_id) is ReadStatus.OK:
             return None
         r = cur
+        header = None
     kind, detail = _classify(r, segdir, seg)
+    if header is not None:
+        detail = f"{detail} (and {header})"
     path = os.path.join(segdir, seg.segment_name(r.segment))
-    fixed = False
-    if rw is not None:
-        # a read through a writable tier drops the entry if (and only if) it is still the
-        # damaged record; a block rewritten meanwhile reads OK and stays
-        dst = torch.empty(r.raw_nbytes, dtype=torch.uint8)
-        if rw.read_into(r.key, dst) is ReadStatus.OK:
-            return None
-        fixed = not _same_place(rw.get_record(r.key), r)
-    return FindingEntry(kind, path, r.key.hex(), detail, fixed, r.stored_nbytes)
+    return FindingEntry(kind, path, r.key.hex(), detail, False, r.stored_nbytes, "drop",
+                        r.namespace_id.hex())
+
+
+def _read_batch(ro, batch: list, dsts: list) -> list:  # noqa: ANN001
+    """``read_many`` of a batch of records, each in its own namespace's key space."""
+    out: list = [None] * len(batch)
+    by_ns: dict[bytes, list[int]] = {}
+    for i, r in enumerate(batch):
+        by_ns.setdefault(r.namespace_id, []).append(i)
+    for ns, idx in by_ns.items():
+        got = ro.read_many([batch[i].key for i in idx], [dsts[i] for i in idx],
+                           namespace_id=ns)
+        for i, st in zip(idx, got, strict=True):
+            out[i] = st
+    return out
 
 
 # -- compact -----------------------------------------------------------------------------------
@@ -526,6 +892,7 @@ def compact(path: str | os.PathLike[str] | None = None, *, threshold: float | No
     counts segments."""
     if threshold is not None and not 0.0 <= float(threshold) <= 1.0:
         raise AdminError(f"threshold must be in [0, 1], got {threshold}")
+    refuse_if_served(path, "compacting it")
     t0 = time.perf_counter()
     with open_disk(path, readonly=False) as t, quiet_disk_log():
         thr = t.compact_threshold if threshold is None else float(threshold)

@@ -1,8 +1,9 @@
 """``kvstore ls / inspect / rm / prune / verify / compact / stats``: see what a store holds and
 clean it without stopping the engines. Thin over :mod:`kvstore.admin`; see ``docs/cli.md``.
 
-Exit status: 0 ok; 1 findings (verify), refused or declined (rm, prune), targets not found
-(rm); 2 usage or store error.
+Exit status: 0 ok; 1 findings (verify), refused or declined (rm, prune, verify --fix), targets
+not found (rm); 2 usage or store error, or a daemon serves the store (prune, verify --fix,
+compact).
 """
 
 from __future__ import annotations
@@ -252,8 +253,8 @@ def _run_inspect(args: argparse.Namespace) -> int:
 # -- rm ----------------------------------------------------------------------------------------
 
 def _run_rm(args: argparse.Namespace) -> int:
-
     from kvstore.admin import execute_removal, plan_removal
+    from kvstore.admin.common import serving_socket
     from kvstore.admin.maintenance import preview_removal
 
     targets: list[str] = []
@@ -273,7 +274,9 @@ def _run_rm(args: argparse.Namespace) -> int:
     status = EXIT_FINDINGS if plan.not_found else EXIT_OK
     human = args.format != "json"
     con = _out_console() if human else err
-    if not plan.keys:
+    # a serving daemon may hold blocks of a named namespace that are not on disk yet
+    daemon = serving_socket(args.store) if plan.keys or plan.namespaces else None
+    if not plan.keys and daemon is None:
         if human:
             con.print("Nothing to remove.")
         else:
@@ -300,11 +303,16 @@ def _run_rm(args: argparse.Namespace) -> int:
                       "never be looked up)")
         con.print(f"{'Would remove' if args.dry_run else 'Will remove'} {len(plan.keys)} "
                   f"block(s): {_size(plan.stored_bytes)} ({_size(plan.raw_bytes)} raw).")
+        if daemon is not None:
+            con.print(f"The kvstore daemon at {daemon} serves this store: the removal goes "
+                      "through it, so its memory drops the blocks too (also those of the "
+                      "named namespaces that are not on disk yet).")
     if args.dry_run:
         if not human:
             _emit_json("rm", preview_removal(plan))
         return status
-    if not _confirm("rm", f"Remove {len(plan.keys)} block(s) ({_size(plan.stored_bytes)})?",
+    what = f"{len(plan.keys)} block(s) ({_size(plan.stored_bytes)})"
+    if not _confirm("rm", f"Remove {what}{' through the daemon' if daemon else ''}?",
                     yes=args.yes, stdin_used=stdin_used):
         return EXIT_FINDINGS
     res = execute_removal(plan)
@@ -313,8 +321,10 @@ def _run_rm(args: argparse.Namespace) -> int:
         return status
     late = (f" (including {res.late_descendants} written meanwhile under removed blocks)"
             if res.late_descendants else "")
-    con.print(f"Removed {res.removed_blocks} block(s){late}, {_size(res.freed_bytes)}; "
-              f"{_size(res.released_bytes)} of segment files released now.")
+    via = (f" through the daemon at {res.daemon} (from its memory and the disk)"
+           if res.daemon else "")
+    con.print(f"Removed {res.removed_blocks} block(s){late}{via}, {_size(res.freed_bytes)} on "
+              f"disk; {_size(res.released_bytes)} of segment files released now.")
     if res.dead_bytes:
         con.print(f"{_size(res.dead_bytes)} of dead bytes remain in partly used segments: "
                   "'kvstore compact' reclaims them.")
@@ -323,28 +333,82 @@ def _run_rm(args: argparse.Namespace) -> int:
 
 # -- prune / verify findings -------------------------------------------------------------------
 
-def _findings_table(findings, *, show_fixed: bool):  # noqa: ANN001
-    cols = [("KIND", "left"), ("WHERE", "left"), ("SIZE", "right"), ("DETAIL", "left")]
+#: at most this many ``unreachable`` rows in a human table (a lost root can orphan a whole
+#: tree; ``--format json`` lists every one)
+_UNREACHABLE_ROWS = 20
+
+
+def _findings_table(findings, *, show_fixed: bool, show_action: bool = False):  # noqa: ANN001
+    cols = [("KIND", "left"), ("WHERE", "left"), ("SIZE", "right")]
+    if show_action:
+        cols.append(("ACTION", "left"))
+    cols.append(("DETAIL", "left"))
     if show_fixed:
         cols.append(("FIXED", "left"))
     rows = []
-    for f in findings:
+    unreachable = [f for f in findings if f.kind == "unreachable"]
+    shown = findings
+    if len(unreachable) > _UNREACHABLE_ROWS:
+        skip = {id(f) for f in unreachable[_UNREACHABLE_ROWS:]}
+        shown = [f for f in findings if id(f) not in skip]
+    for f in shown:
         where = f"block {f.key[:16]}" if f.key else f.path
-        row = [f.kind, where, _size(f.nbytes) if f.nbytes else "-", f.detail]
+        row = [f.kind, where, _size(f.nbytes) if f.nbytes else "-"]
+        if show_action:
+            row.append(f.action)
+        row.append(f.detail)
         if show_fixed:
             row.append("yes" if f.fixed else "no")
         rows.append(row)
+    more = len(findings) - len(shown)
+    if more:
+        n = more + _UNREACHABLE_ROWS
+        row = ["unreachable", f"+ {more} more", _size(sum(f.nbytes for f in unreachable[
+            _UNREACHABLE_ROWS:]))]
+        if show_action:
+            row.append("drop")
+        row.append(f"{n} unreachable block(s) in all; --format json lists every one")
+        if show_fixed:
+            fixed = sum(1 for f in unreachable if f.fixed)
+            row.append(f"{fixed} of {n}")
+        rows.append(row)
     return _table(cols, rows, wrap=("WHERE", "DETAIL"))
+
+
+def _grace(text: str) -> float:
+    """``--grace``: seconds, a number >= 0 (argparse type: a usage error otherwise)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not v >= 0:  # also NaN
+        raise argparse.ArgumentTypeError(
+            f"must be a number of seconds >= 0 (got {text}): files and blocks younger than "
+            "this are left alone because another process may be writing them")
+    return v
+
+
+def _refuse_if_served(cmd: str, store: str | None, what: str) -> int | None:
+    """Exit status 2 with a one-line message when a daemon serves the store, else None."""
+    from kvstore.admin.common import StoreServedError, refuse_if_served
+
+    try:
+        refuse_if_served(store, what)
+    except StoreServedError as e:
+        return _error(cmd, str(e))
+    return None
 
 
 def _run_prune(args: argparse.Namespace) -> int:
     from kvstore.admin import prune
 
+    if not args.dry_run and (rc := _refuse_if_served("prune", args.store, "pruning")) is not None:
+        return rc
     human = args.format != "json"
     con = _out_console() if human else _err_console()
     if args.dry_run or not args.yes:
         preview = prune(args.store, dry_run=True, grace_s=args.grace)
-        act = [f for f in preview.findings if f.kind != "unknown_file"]
+        act = [f for f in preview.findings if f.action != "none"]
         if human:
             if preview.findings:
                 con.print(_findings_table(preview.findings, show_fixed=False))
@@ -352,9 +416,9 @@ def _run_prune(args: argparse.Namespace) -> int:
                 con.print("Nothing to prune.")
             else:
                 con.print(f"{'Would remove' if args.dry_run else 'Will remove'} {len(act)} "
-                          f"item(s), {_size(sum(f.nbytes for f in act if f.kind in ('orphan_segment', 'temp_file')))} of files "
-                          f"(files younger than {args.grace:g} s are left alone: they may be "
-                          "writes in flight).")
+                          f"item(s): {_prune_items(preview)} (files younger than "
+                          f"{args.grace:g} s are left alone: they may be writes in flight).")
+            _young_note(con, preview.young_unreachable, args.grace)
         if args.dry_run or not act:
             if not human:
                 _emit_json("prune", preview)
@@ -367,13 +431,44 @@ def _run_prune(args: argparse.Namespace) -> int:
         return EXIT_OK
     if args.yes and res.findings:
         con.print(_findings_table(res.findings, show_fixed=True))
-    con.print(f"Pruned {res.removed} item(s), freed {_size(res.freed_bytes)} of files."
+    con.print(f"Pruned {res.removed} item(s): {_prune_items(res, fixed_only=True)}."
               if res.removed else "Nothing pruned.")
     left = [f for f in res.findings if not f.fixed]
     if left:
         con.print(f"{len(left)} item(s) left alone (see above; unknown files are never "
                   "touched).")
+    if args.yes:
+        _young_note(con, res.young_unreachable, args.grace)
     return EXIT_OK
+
+
+def _prune_items(res, *, fixed_only: bool = False) -> str:  # noqa: ANN001
+    """``freed 9.3 KiB of files, 5 unreachable block(s) (5.0 KiB), 2 record(s) without
+    payload`` for a prune result."""
+    fs = [f for f in res.findings if f.action != "none" and (f.fixed or not fixed_only)]
+    files = [f for f in fs if f.kind in ("orphan_segment", "temp_file")]
+    recs = [f for f in fs if f.key is not None and f.kind != "unreachable"]
+    parts = []
+    if files or not fs:
+        verb = "freed " if fixed_only else ""
+        parts.append(f"{verb}{_size(sum(f.nbytes for f in files))} of files")
+    if recs:
+        parts.append(f"{len(recs)} record(s) without usable payload "
+                     f"({_size(sum(f.nbytes for f in recs))})")
+    if res.unreachable:
+        parts.append(f"{res.unreachable} unreachable block(s) "
+                     f"({_size(res.unreachable_bytes)}; their parent is gone, so no lookup "
+                     "can reach them)")
+    if any(f.action == "rebuild" for f in fs):
+        parts.append("side indexes rebuilt" if fixed_only else "side indexes to rebuild")
+    return ", ".join(parts)
+
+
+def _young_note(con, young: int, grace: float) -> None:  # noqa: ANN001
+    if young:
+        con.print(f"{young} unreachable block(s) written less than {grace:g} s ago are left "
+                  "alone (their parent may be a write in flight elsewhere); --grace 0 "
+                  "includes them.")
 
 
 def _progress(err, what: str):  # noqa: ANN001
@@ -392,9 +487,34 @@ def _progress(err, what: str):  # noqa: ANN001
                     disable=not err.is_terminal)
 
 
-def _run_verify(args: argparse.Namespace) -> int:
-    from kvstore.admin import verify
+def _plan_summary(plan, *, verb: str) -> str:  # noqa: ANN001
+    """``Will drop 1 damaged block(s) (1.0 KiB; they become misses), ...`` of a RepairPlan."""
+    parts = []
+    if plan.drop_blocks:
+        parts.append(f"drop {plan.drop_blocks} damaged block(s) ({_size(plan.drop_bytes)}; "
+                     "they become misses)")
+    if plan.unreachable_blocks:
+        parts.append(f"drop {plan.unreachable_blocks} unreachable block(s) "
+                     f"({_size(plan.unreachable_bytes)}; below a missing or dropped block)")
+    if plan.repair_blocks:
+        parts.append(f"repair {plan.repair_blocks} intact block(s) ({_size(plan.repair_bytes)}) "
+                     f"of {plan.repair_segments} segment(s) with a damaged header, rewriting "
+                     "them into a fresh segment")
+    if plan.remove_files:
+        parts.append(f"remove {plan.remove_files} orphan or temp file(s) "
+                     f"({_size(plan.remove_file_bytes)})")
+    if plan.rebuild_index:
+        parts.append("rebuild the side indexes")
+    return f"{verb} " + "; ".join(parts) + "."
 
+
+def _run_verify(args: argparse.Namespace) -> int:
+    from kvstore.admin.maintenance import repair, verify
+
+    fix = args.fix or args.dry_run
+    if args.fix and not args.dry_run and (
+            rc := _refuse_if_served("verify", args.store, "fixing it")) is not None:
+        return rc
     err = _err_console()
     with _progress(err, "verifying blocks") as bar:
         task = bar.add_task("verify", total=None, extra="")
@@ -403,23 +523,57 @@ def _run_verify(args: argparse.Namespace) -> int:
             bar.update(task, completed=done, total=total,
                        extra=f"{_size(done_b)} / {_size(total_b)}")
 
-        res = verify(args.store, fix=args.fix, grace_s=args.grace, progress=tick)
-    status = EXIT_OK if res.ok else EXIT_FINDINGS
-    if args.format == "json":
-        _emit_json("verify", res)
-        return status
-    con = _out_console()
-    if res.findings:
-        con.print(_findings_table(res.findings, show_fixed=True))
+        res = verify(args.store, grace_s=args.grace, progress=tick)  # read-only: the plan
+    human = args.format != "json"
+    con = _out_console() if human else err
     head = (f"Verified {res.blocks_checked} block(s) ({_size(res.bytes_checked)}) in "
             f"{res.segments_checked} segment(s)")
-    if not res.findings:
-        con.print(f"{head}: no problems found.")
-    else:
-        fixed = len(res.findings) - res.unfixed
-        con.print(f"{head}: {len(res.findings)} problem(s), {fixed} fixed, {res.unfixed} left."
-                  + ("" if args.fix or not res.unfixed else
-                     " 'kvstore verify --fix' drops bad blocks (they become misses)."))
+    if not fix or res.plan.empty:
+        if not human:
+            _emit_json("verify", res)
+        else:
+            if res.findings:
+                con.print(_findings_table(res.findings, show_fixed=True, show_action=True))
+            if not res.findings:
+                con.print(f"{head}: no problems found.")
+            else:
+                hint = "" if res.plan.empty else (
+                    " 'kvstore verify --fix' shows what it would change and asks first "
+                    "(damaged blocks are dropped and become misses; intact blocks of a "
+                    "damaged segment header are rewritten).")
+                con.print(f"{head}: {len(res.findings)} problem(s), 0 fixed, {res.unfixed} "
+                          f"left.{hint}")
+            _young_note(con, res.plan.young_unreachable, args.grace)
+        return EXIT_OK if res.ok else EXIT_FINDINGS
+    # --fix: show the plan, ask, carry it out (with -y the result's table shows it all)
+    if human:
+        if not args.yes or args.dry_run:
+            con.print(_findings_table(res.findings, show_fixed=False, show_action=True))
+        con.print(f"{head}: {len(res.findings)} problem(s).")
+        con.print(_plan_summary(res.plan, verb="Would" if args.dry_run else "Will"))
+        _young_note(con, res.plan.young_unreachable, args.grace)
+    if args.dry_run:
+        if not human:
+            _emit_json("verify", res)
+        return EXIT_FINDINGS
+    n = len([f for f in res.findings if f.action != "none"])
+    if not _confirm("verify", f"Fix {n} problem(s) as listed?", yes=args.yes):
+        if not human:
+            _emit_json("verify", res)
+        return EXIT_FINDINGS
+    done = repair(res)
+    status = EXIT_OK if done.ok else EXIT_FINDINGS
+    if not human:
+        _emit_json("verify", done)
+        return status
+    left = [f for f in done.findings if not f.fixed]
+    if args.yes or left:  # asked: the plan is on the screen already; show what is left
+        con.print(_findings_table(done.findings if args.yes else left, show_fixed=True,
+                                  show_action=True))
+    fixed = len(done.findings) - done.unfixed
+    con.print(f"Fixed {fixed} of {len(done.findings)} problem(s), {done.unfixed} left."
+              + (" Unknown files are never touched: remove them yourself." if any(
+                  f.kind == "unknown_file" for f in done.findings) else ""))
     return status
 
 
@@ -428,6 +582,8 @@ def _run_verify(args: argparse.Namespace) -> int:
 def _run_compact(args: argparse.Namespace) -> int:
     from kvstore.admin import compact
 
+    if (rc := _refuse_if_served("compact", args.store, "compacting it")) is not None:
+        return rc
     err = _err_console()
     with _progress(err, "compacting segments") as bar:
         task = bar.add_task("compact", total=None, extra="")
@@ -611,21 +767,31 @@ def register(sub: argparse._SubParsersAction) -> None:
     _add_store(p)
     p.add_argument("--dry-run", action="store_true", help="only show what would be removed")
     p.add_argument("-y", "--yes", action="store_true", help="do not ask for confirmation")
-    p.add_argument("--grace", type=float, default=60.0, metavar="SECONDS",
-                   help="leave files younger than this alone: another process may be writing "
-                   "them (default: 60)")
+    p.add_argument("--grace", type=_grace, default=60.0, metavar="SECONDS",
+                   help="leave files and unreachable blocks younger than this alone: another "
+                   "process may be writing them (default: 60)")
     _add_format(p)
     p.set_defaults(func=_guard("prune", _run_prune))
 
     p = sub.add_parser("verify", help="check every block's checksum and the index/segments",
                        description="Read every block back and check its checksum, and check "
-                       "the index against the segment files. Exit status 1 when problems are "
-                       "found (and not fixed).")
+                       "the index against the segment files and for blocks no lookup can "
+                       "reach. Exit status 1 when problems are found (and not fixed). --fix "
+                       "shows what it would change and asks first (refuses without a "
+                       "terminal unless -y).")
     _add_store(p)
     p.add_argument("--fix", action="store_true",
-                   help="drop bad blocks (they become misses), remove orphans, rebuild indexes")
-    p.add_argument("--grace", type=float, default=60.0, metavar="SECONDS",
-                   help="unreferenced files younger than this are not findings (default: 60)")
+                   help="fix what was found, after showing the plan and asking: drop damaged "
+                   "and unreachable blocks (they become misses), rewrite intact blocks of a "
+                   "damaged segment header into a fresh segment, remove orphans, rebuild "
+                   "indexes")
+    p.add_argument("--dry-run", action="store_true",
+                   help="only show what --fix would change")
+    p.add_argument("-y", "--yes", action="store_true",
+                   help="with --fix: do not ask for confirmation")
+    p.add_argument("--grace", type=_grace, default=60.0, metavar="SECONDS",
+                   help="unreferenced files and unreachable blocks younger than this are not "
+                   "findings (default: 60)")
     _add_format(p)
     p.set_defaults(func=_guard("verify", _run_verify))
 

@@ -137,11 +137,18 @@ class Channel:
                 raise ChannelClosed("not connected")
             try:
                 self._set_timeout(t)
-                rid = self._send(req)
+                unsent: OSError | None = None
+                try:
+                    rid = self._send(req)
+                except (BrokenPipeError, ConnectionResetError) as e:
+                    # the daemon may have refused us (uid, connections) and hung up before
+                    # reading the request: its reason, an error about the connection (id 0),
+                    # may still wait unread in our socket
+                    rid, unsent = -1, e
                 while True:
                     body = self._reader.read(MAX_REPLY_FRAME)
                     if body is None:
-                        raise ConnectionError("the daemon closed the connection")
+                        raise unsent or ConnectionError("the daemon closed the connection")
                     r_rid, status, rbody = m.decode_reply(unpack(body, self._codec))
                     if r_rid == rid or (r_rid == 0 and status == m.ERROR):
                         break

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from typing import TYPE_CHECKING
 
@@ -18,7 +19,7 @@ from kvstore.errors import KVStoreError, StoreClosedError
 from kvstore.server import messages as m
 from kvstore.server.codec import CodecError, CodecLimits, pack, unpack
 from kvstore.server.framing import FrameError, FrameTooLarge, encode_frame, read_frame
-from kvstore.server.handlers import HANDLERS
+from kvstore.server.handlers import ADMIN_HANDLERS, HANDLERS
 from kvstore.server.leases import Holdings
 from kvstore.server.messages import BadRequest, ErrorCode
 from kvstore.server.protocol import PROTOCOL_VERSION, check_version, derive_namespace
@@ -29,6 +30,9 @@ if TYPE_CHECKING:
     from kvstore.server.namespaces import NamespaceEntry
 
 log = logging.getLogger("kvstore.server")
+
+#: how long a refused connection is kept open for the peer's hello to arrive
+_LINGER_S = 1.0
 
 
 class _Close(Exception):
@@ -102,12 +106,12 @@ class Connection:
             if not self.daemon.policy.allows(self.cred):
                 self.metrics.refused.labels("uid").inc()
                 log.warning("refused pid %d uid %d: not in the allow-list", self.cred.pid, self.cred.uid)
-                await self._send_error(0, ErrorCode.NOT_ALLOWED, self.daemon.policy.refusal(self.cred))
+                await self._refuse(ErrorCode.NOT_ALLOWED, self.daemon.policy.refusal(self.cred))
                 return
             if len(self.daemon.connections) > self.limits.max_connections:
                 self.metrics.refused.labels("connections").inc()
-                await self._send_error(0, ErrorCode.LIMIT, "the daemon has too many connections "
-                                       "(--max-connections); try again later")
+                await self._refuse(ErrorCode.LIMIT, "the daemon has too many connections "
+                                   "(--max-connections); try again later")
                 return
             if not await self._hello():
                 return
@@ -130,24 +134,36 @@ class Connection:
         finally:
             await self._cleanup()
 
+    async def _refuse(self, code: int, message: str) -> None:
+        """Send a refusal (request id 0), then read what the peer sends until it hangs up (at
+        most its hello and one second) before closing: closing first would fail the client's
+        hello with EPIPE, and it would never read why it was refused."""
+        await self._send_error(0, code, message)
+        with contextlib.suppress(Exception):  # the peer is gone or slow: close anyway
+            async with asyncio.timeout(_LINGER_S):
+                await read_frame(self.reader, self.limits.max_frame, _LINGER_S)
+
     async def _hello(self) -> bool:
         body = await self._read(self.limits.hello_timeout)
         if body is None:
             return False
         t0 = time.perf_counter()
-        rid = 0
+        rid, op, args = 0, "", None
         try:
             rid, op, args = m.decode_envelope(unpack(body, self.codec))
-            if op != m.Hello.OP:
+            if op in m.ADMIN_OPS:
+                pass  # served below, outside this hello's error handling
+            elif op != m.Hello.OP:
                 raise BadRequest(f"the first request must be hello, got {op[:40]!r}",
                                  ErrorCode.HELLO_REQUIRED)
-            check_version(args)
-            hello = m.Hello.from_wire(args)
-            ns = derive_namespace(hello, self.cred.uid,
-                                  force_per_uid=self.daemon.config.salt_policy == "per-uid")
-            if self.daemon.stopping:
-                raise BadRequest("the daemon is shutting down", ErrorCode.SHUTTING_DOWN)
-            self.entry = await self.daemon.registry.acquire(ns, hello.warm_capacity, self)
+            else:
+                check_version(args)
+                hello = m.Hello.from_wire(args)
+                ns = derive_namespace(hello, self.cred.uid,
+                                      force_per_uid=self.daemon.config.salt_policy == "per-uid")
+                if self.daemon.stopping:
+                    raise BadRequest("the daemon is shutting down", ErrorCode.SHUTTING_DOWN)
+                self.entry = await self.daemon.registry.acquire(ns, hello.warm_capacity, self)
         except CodecError as e:
             await self._send_error(0, ErrorCode.BAD_FRAME, str(e))
             return False
@@ -160,21 +176,73 @@ class Connection:
             log.exception("hello from pid %d failed", self.cred.pid)
             await self._send_error(rid, ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
             return False
+        if op in m.ADMIN_OPS:
+            await self._admin(rid, op, args)
+            return False
         e = self.entry
         log.info("hello from pid %d uid %d (%s): namespace %s", self.cred.pid, self.cred.uid,
                  hello.client or "-", e.label)
         await self._send(m.encode_reply(rid, m.HelloReply(
             PROTOCOL_VERSION, ns.id, str(e.shm_path), e.slots, ns.layout.block_nbytes,
             self.limits.max_frame, self.limits.max_keys, self.limits.max_leases,
-            self.daemon.server_name)))
+            self.daemon.server_name, self.daemon.instance, self.daemon.flushed_instances)))
         self.metrics.observe("hello", time.perf_counter() - t0)
         return True
+
+    async def _admin(self, rid: int, op: str, args: object) -> None:
+        """An admin connection: admin ops (and ``ping``) until the peer hangs up. They reach
+        every namespace, so only the daemon's own uid and root may send them."""
+        if self.cred.uid not in (os.getuid(), 0):
+            self.metrics.refused.labels("uid").inc()
+            log.warning("refused %s from pid %d uid %d: admin ops are for uid %d or root",
+                        op[:40], self.cred.pid, self.cred.uid, os.getuid())
+            await self._send_error(rid, ErrorCode.NOT_ALLOWED, (
+                f"{op} is an admin operation: only uid {os.getuid()} (the daemon's) or root "
+                f"may send it, not uid {self.cred.uid}; run the admin command as that user"))
+            return
+        while True:
+            t0 = time.perf_counter()
+            try:
+                if op not in m.ADMIN_OPS and op != m.Ping.OP:
+                    raise BadRequest(f"an admin connection takes {', '.join(sorted(m.ADMIN_OPS))} "
+                                     "and ping only; open another connection and say hello",
+                                     ErrorCode.HELLO_REQUIRED)
+                req = m.parse_request(op, args)
+                reply = await ADMIN_HANDLERS[type(req)](self, req)
+            except BadRequest as e:
+                await self._send_error(rid, e.code, e.message)
+                if e.code in (*m.FATAL_CODES, ErrorCode.HELLO_REQUIRED):
+                    return
+            except KVStoreError as e:
+                await self._send_error(rid, ErrorCode.BAD_REQUEST, str(e))
+            except Exception as e:
+                log.exception("admin request %s failed", op[:40])
+                await self._send_error(rid, ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
+            else:
+                await self._send(m.encode_reply(rid, reply))
+                self.metrics.observe(op, time.perf_counter() - t0)
+            if self.daemon.stopping:
+                return
+            body = await self._read()
+            if body is None:
+                return
+            try:
+                rid, op, args = m.decode_envelope(unpack(body, self.codec))
+            except CodecError as e:
+                await self._send_error(0, ErrorCode.BAD_FRAME, str(e))
+                return
+            except BadRequest as e:
+                await self._send_error(0, e.code, e.message)
+                return
 
     async def _answer(self, body: bytes) -> None:
         t0 = time.perf_counter()
         rid, op = 0, "?"
         try:
             rid, op, args = m.decode_envelope(unpack(body, self.codec))
+            if op in m.ADMIN_OPS:
+                raise BadRequest(f"{op} is an admin operation: send it on a connection of its "
+                                 "own, instead of hello")
             req = m.parse_request(op, args)
             reply = await HANDLERS[type(req)](self, req)
         except CodecError as e:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from kvstore.server.config import DaemonConfig
 from kvstore.server.connection import Connection
+from kvstore.server.lockfile import DaemonLock
 from kvstore.server.metrics import DaemonMetrics
 from kvstore.server.namespaces import NamespaceRegistry
 from kvstore.server.protocol import PROTOCOL_VERSION
@@ -42,6 +43,11 @@ class Daemon:
         self.config = config
         self.policy = PeerPolicy(config.allow_uids)
         self.server_name = f"kvstore {__version__} protocol {PROTOCOL_VERSION} pid {os.getpid()}"
+        # told to every client in its hello reply: a client that reconnects to another
+        # instance knows that puts it did not flush may be gone (Client.flush)
+        self.instance = os.urandom(16)
+        self.flushed_instances: tuple[bytes, ...] = ()
+        self._lock: DaemonLock | None = None
         self.connections: set[Connection] = set()
         self.stopping = False
         self.metrics_port: int | None = None
@@ -61,9 +67,18 @@ class Daemon:
     # -- start -------------------------------------------------------------------------------
     async def start(self) -> None:
         cfg = self.config
-        for p in remove_stale_shm(cfg.shm_base):
-            log.info("removed %s, left behind by a daemon that died", p)
-        self._shm_dir = make_shm_dir(cfg.shm_base)
+        # one daemon per store path: a second one would keep a warm tier of its own that
+        # admin deletions and the first daemon's clients never see
+        self._lock = DaemonLock.acquire(cfg.path, os.path.abspath(cfg.socket_path),
+                                        self.instance.hex())
+        self.flushed_instances = tuple(bytes.fromhex(x) for x in self._lock.record.flushed)
+        try:
+            for p in remove_stale_shm(cfg.shm_base):
+                log.info("removed %s, left behind by a daemon that died", p)
+            self._shm_dir = make_shm_dir(cfg.shm_base)
+        except BaseException:
+            self._lock.release(clean=False)
+            raise
         try:
             self.registry = NamespaceRegistry(cfg, self._shm_dir, self.run_blocking)
             self.metrics = DaemonMetrics(self.registry.snapshot)
@@ -83,6 +98,7 @@ class Daemon:
             if self._metrics_task is not None:
                 self._metrics_task.cancel()
             remove_path(self._shm_dir)
+            self._lock.release(clean=False)
             raise
         log.info("serving %s on %s (store %s, warm %d B per namespace, disk %d B)",
                  self.server_name, cfg.socket_path, cfg.path, cfg.cpu_capacity, cfg.disk_capacity)
@@ -147,7 +163,7 @@ class Daemon:
             self._metrics_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._metrics_task
-        await self.registry.close_all()
+        clean = await self.registry.close_all()
         if self.config.metrics_path is not None:
             with contextlib.suppress(Exception):
                 self.metrics.write_file(self.config.metrics_path)
@@ -156,6 +172,9 @@ class Daemon:
         if self._shm_dir is not None:
             remove_path(self._shm_dir)
         self._executor.shutdown(wait=True)
+        if self._lock is not None:
+            # every committed put is on disk only if there is a disk and every store closed
+            self._lock.release(clean=clean and bool(self.config.disk_capacity))
         log.info("stopped")
 
 

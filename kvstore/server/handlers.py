@@ -7,6 +7,7 @@ run inline to save the thread hop on the latency-critical ``lookup``.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
@@ -17,6 +18,8 @@ from kvstore.server.namespaces import free_warm_slots
 
 if TYPE_CHECKING:
     from kvstore.server.connection import Connection
+
+log = logging.getLogger("kvstore.server")
 
 
 def _chain(conn: Connection, blob: bytes, parent: bytes | None = None) -> KeyChain:
@@ -138,6 +141,20 @@ async def lookup_report(conn: Connection, req: m.LookupReport) -> m.Empty:
     return m.Empty()
 
 
+async def remove(conn: Connection, req: m.Remove) -> m.Count:
+    """Admin: the named namespace's blocks out of the daemon's memory and off its disk."""
+    n = req.count
+    if n > conn.limits.max_keys:
+        raise BadRequest(f"{n} keys in one request; the daemon takes at most "
+                         f"{conn.limits.max_keys} (--max-keys)", ErrorCode.LIMIT)
+    keys = None if req.keys is None else m.split_keys(req.keys)
+    removed = await conn.daemon.registry.remove(req.namespace_id, keys)
+    log.info("removed %d block(s) of namespace %s for pid %d uid %d (%s)", removed,
+             req.namespace_id.hex()[:16], conn.cred.pid, conn.cred.uid,
+             "all" if keys is None else f"{n} named")
+    return m.Count(removed)
+
+
 async def hello_again(conn: Connection, req: m.Hello) -> m.Empty:
     raise BadRequest("this connection already said hello; open another connection for "
                      "another namespace", ErrorCode.HELLO_REQUIRED)
@@ -148,4 +165,8 @@ HANDLERS: dict[type, Callable[[Connection, object], Awaitable[object]]] = {
     m.Abort: abort, m.Prefetch: prefetch, m.Pin: pin, m.Unpin: unpin, m.Evict: evict,
     m.Stats: stats, m.Flush: flush, m.Ping: ping, m.Hello: hello_again,
     m.LookupReport: lookup_report,
+}
+#: what an admin connection (no hello, no namespace) may ask
+ADMIN_HANDLERS: dict[type, Callable[[Connection, object], Awaitable[object]]] = {
+    m.Remove: remove, m.Ping: ping,
 }

@@ -397,15 +397,44 @@ class LookupReport:
                      for v, name in zip(a, ("lookups", "hits", "misses"), strict=True)))
 
 
+@dataclass(frozen=True, slots=True)
+class Remove:
+    """Admin: delete blocks of any namespace from the daemon's memory and disk -> :class:`Count`.
+
+    Sent instead of ``hello`` (an admin connection has no namespace of its own), by the
+    daemon's uid or root only. ``keys`` nil: every block of the namespace."""
+
+    OP: ClassVar[str] = "remove"
+    namespace_id: bytes
+    keys: bytes | None = None
+
+    def to_wire(self) -> list:
+        return [self.namespace_id, self.keys]
+
+    @classmethod
+    def from_wire(cls, args: object) -> Remove:
+        a = _args(args, 2, cls.OP)
+        nsid = a[0]
+        if not isinstance(nsid, bytes) or len(nsid) != KEY_BYTES:
+            raise BadRequest(f"remove: namespace_id must be {KEY_BYTES} bytes")
+        return cls(nsid, None if a[1] is None else _keys(a[1]))
+
+    @property
+    def count(self) -> int:
+        return 0 if self.keys is None else len(self.keys) // KEY_BYTES
+
+
 #: ops the daemon answers only when they fail (a client that only reports lookups must not
 #: have replies pile up unread in its socket)
 SILENT_OPS = frozenset({LookupReport.OP})
+#: ops of an admin connection: sent instead of hello, by the daemon's uid or root only
+ADMIN_OPS = frozenset({Remove.OP})
 
 Request = (Hello | Lookup | Fetch | Put | Prefetch | Pin | Unpin | Release | Commit | Abort
-           | Evict | Stats | Flush | Ping | LookupReport)
+           | Evict | Stats | Flush | Ping | LookupReport | Remove)
 REQUESTS: dict[str, type] = {c.OP: c for c in (
     Hello, Lookup, Fetch, Put, Prefetch, Pin, Unpin, Release, Commit, Abort, Evict, Stats,
-    Flush, Ping, LookupReport)}
+    Flush, Ping, LookupReport, Remove)}
 
 
 def encode_request(rid: int, req: Request) -> list:
@@ -442,21 +471,34 @@ class HelloReply:
     max_keys: int
     max_leases: int
     server: str  # e.g. "kvstore 0.1.0 pid 1234"
+    instance: bytes = b""  # random per daemon start (b"": a daemon that does not say)
+    #: earlier daemons on this store path that stopped with every committed put on disk
+    flushed_instances: tuple[bytes, ...] = ()
 
     def to_wire(self) -> list:
         return [self.version, self.namespace_id, self.shm_path, self.slots, self.block_nbytes,
-                self.max_frame, self.max_keys, self.max_leases, self.server]
+                self.max_frame, self.max_keys, self.max_leases, self.server, self.instance,
+                list(self.flushed_instances)]
 
     @classmethod
     def from_wire(cls, body: object) -> HelloReply:
-        a = _args(body, 9, "hello reply")
+        if not isinstance(body, list) or not 9 <= len(body) <= 64:
+            raise BadRequest("hello reply must be an array of at least 9 fields")
+        a = body  # fields after the ones known here are a newer daemon's: ignored
         nsid = a[1]
         if not isinstance(nsid, bytes) or len(nsid) != KEY_BYTES:
             raise BadRequest("hello reply: namespace_id must be 32 bytes")
+        instance = a[9] if len(a) > 9 else b""
+        flushed = a[10] if len(a) > 10 else []
+        if not isinstance(instance, bytes) or len(instance) > 64:
+            raise BadRequest("hello reply: instance must be bytes")
+        if not isinstance(flushed, list) or not all(
+                isinstance(x, bytes) and len(x) <= 64 for x in flushed):
+            raise BadRequest("hello reply: flushed_instances must be an array of bytes")
         return cls(_int(a[0], "version"), nsid, _str(a[2], "shm_path", 4096),
                    _int(a[3], "slots"), _int(a[4], "block_nbytes", 1),
                    _int(a[5], "max_frame", 64), _int(a[6], "max_keys", 1),
-                   _int(a[7], "max_leases", 1), _str(a[8], "server"))
+                   _int(a[7], "max_leases", 1), _str(a[8], "server"), instance, tuple(flushed))
 
 
 @dataclass(frozen=True, slots=True)
@@ -592,7 +634,7 @@ class StatsReply:
 REPLIES: dict[type, type] = {
     Hello: HelloReply, Lookup: Count, Fetch: Lease, Put: Grant, Prefetch: Count, Pin: Count,
     Unpin: Count, Release: Empty, Commit: Count, Abort: Empty, Evict: Count, Stats: StatsReply,
-    Flush: Empty, Ping: Empty, LookupReport: Empty,
+    Flush: Empty, Ping: Empty, LookupReport: Empty, Remove: Count,
 }
 
 

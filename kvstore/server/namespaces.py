@@ -63,6 +63,21 @@ def _reserve(path: Path, nbytes: int) -> None:
         os.close(fd)
 
 
+def _remove_from_disk(path: Path, namespace_id: bytes, keys: list[bytes] | None) -> int:
+    """The namespace's disk records of ``keys`` (or all) in the store at ``path``, for a
+    namespace the daemon has not open (nothing in its memory) or a daemon without a disk tier
+    of its own (embedded writers may share the path). Only records of that namespace go,
+    whatever keys are named."""
+    from kvstore.admin.common import StoreNotFoundError, open_disk
+
+    try:
+        with open_disk(path, readonly=False) as disk:
+            doomed = [r.key for r in disk.records(namespace_id)] if keys is None else keys
+            return len(disk.delete_owned(doomed, namespace_id)) if doomed else 0
+    except StoreNotFoundError:
+        return 0  # nothing was ever written there
+
+
 class NamespaceRegistry:
     def __init__(self, config: DaemonConfig, shm_dir: Path, run_blocking: RunBlocking) -> None:
         self._config = config
@@ -70,6 +85,7 @@ class NamespaceRegistry:
         self._run = run_blocking
         self._entries: dict[bytes, NamespaceEntry] = {}
         self._lock = asyncio.Lock()
+        self._close_failed = False
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -98,6 +114,29 @@ class NamespaceRegistry:
             entry.connections.add(conn)
             entry.last_used = time.monotonic()
             return entry
+
+    async def remove(self, namespace_id: bytes, keys: list[bytes] | None) -> int:
+        """Delete a namespace's blocks (``keys``, or all) from its store's memory and from
+        disk; blocks pinned by a client right now stay. Holds the registry lock, so the
+        namespace is neither opened nor closed (flushing its dirty blocks back to disk)
+        meanwhile."""
+        async with self._lock:
+            entry = self._entries.get(namespace_id)
+            if entry is not None:
+                store = entry.store
+
+                def _remove() -> int:
+                    # blocks the disk writer is writing right now are pinned, and an evict
+                    # skips them (then they land on disk after it): let it finish first
+                    store.flush()
+                    # a plain key list: the store's own namespace check decides what is its own
+                    n = store.evict(keys, tier=None)
+                    if entry.memory_only:  # embedded writers may have blocks on that disk
+                        n += _remove_from_disk(self._config.path, namespace_id, keys)
+                    return n
+
+                return await self._run(_remove)
+            return await self._run(_remove_from_disk, self._config.path, namespace_id, keys)
 
     async def release(self, entry: NamespaceEntry, conn: object) -> None:
         entry.connections.discard(conn)
@@ -157,13 +196,21 @@ class NamespaceRegistry:
         victim = idle[0]
         del self._entries[victim.namespace.id]
         log.info("closing idle namespace %s to make room", victim.label)
-        await self._run(victim.store.close)
+        try:
+            await self._run(victim.store.close)
+        except BaseException:
+            self._close_failed = True  # its dirty blocks may not have reached disk
+            raise
 
-    async def close_all(self) -> None:
+    async def close_all(self) -> bool:
+        """Flush and close every store; False if one failed (now or earlier, for room)."""
         async with self._lock:
             entries, self._entries = list(self._entries.values()), {}
+        ok = not self._close_failed
         for e in entries:
             try:
                 await self._run(e.store.close)  # flushes what is dirty to disk
             except Exception:
+                ok = False
                 log.exception("closing namespace %s failed", e.label)
+        return ok

@@ -228,7 +228,7 @@ class NamespaceInfo:
 @dataclass(frozen=True, slots=True)
 class Finding:
     kind: str  # orphan_segment | temp_file | missing_segment | short_segment |
-    #            checksum_mismatch | bad_record | bad_index | unknown_file
+    #            checksum_mismatch | bad_record | bad_header | bad_index | unknown_file
     path: str
     key: bytes | None
     detail: str
@@ -1385,7 +1385,9 @@ class DiskTier:
               verify_data: bool = True) -> list[Finding]:
         """Find (and with ``fix`` remove) orphan segments and temp files older than the grace
         period, records pointing at missing or short segments, checksum failures, undecodable
-        records and inconsistent side indexes. Records are removed before files."""
+        records and inconsistent side indexes. Records are removed before files. Intact
+        blocks of a segment whose header is damaged are rewritten into a fresh segment, not
+        dropped."""
         from kvstore.tiers.disk_check import run_check
 
         self._ensure()
