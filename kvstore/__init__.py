@@ -34,12 +34,13 @@ from kvstore.errors import (
 from kvstore.sizes import format_size, parse_size
 
 if TYPE_CHECKING:
+    from kvstore.api import PinReceipt
     from kvstore.client import connect
     from kvstore.keys import BlockKey, KeyChain
     from kvstore.layout import KVLayout
     from kvstore.namespace import Namespace
     from kvstore.stats import StoreStats, TierStats
-    from kvstore.store import PinReceipt, Store, open_store
+    from kvstore.store import Store, open_store
     from kvstore.transfer import Transfer
 
 # Names that need torch are imported on first use, so that ``kvstore --help``, ``kvstore ls``
@@ -52,7 +53,7 @@ _LAZY = {
     "Namespace": "kvstore.namespace",
     "StoreStats": "kvstore.stats",
     "TierStats": "kvstore.stats",
-    "PinReceipt": "kvstore.store",
+    "PinReceipt": "kvstore.api",
     "Store": "kvstore.store",
     "open_store": "kvstore.store",
     "Transfer": "kvstore.transfer",

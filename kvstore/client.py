@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from kvstore.api import PinReceipt
 from kvstore.errors import (
     NamespaceMismatchError,
     PutsLostError,
@@ -42,7 +43,7 @@ from kvstore.server.channel import Channel, ChannelClosed
 from kvstore.server.messages import PermissionDeniedError, ProtocolVersionError, ServerError
 from kvstore.server.protocol import PROTOCOL_VERSION, derive_namespace, make_hello
 from kvstore.stats import StoreStats
-from kvstore.store import PinReceipt, _resolve_device
+from kvstore.store import _resolve_device
 from kvstore.tiers.key_directory import KeyDirectory
 from kvstore.tiers.slab import directory_path, map_shared, register_pinned, runs, unregister_pinned
 from kvstore.transfer import Transfer
@@ -531,7 +532,7 @@ class Client:
         r = self._call(m.Pin(blob, parent)) if n else None
         got = 0 if r is None else r.n  # type: ignore[attr-defined]
         ks = [BlockKey(blob[i * KEY_BYTES : (i + 1) * KEY_BYTES]) for i in range(got)]
-        return PinReceipt(self, ks)  # type: ignore[arg-type]
+        return PinReceipt(self.unpin, ks)
 
     def unpin(self, keys: Sequence[bytes]) -> int:
         """Drop one of this client's pins from each of ``keys``; returns how many were pinned."""

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from kvstore.api import PinReceipt, PutGrant
 from kvstore.copy_engine import CopyEngine
 from kvstore.errors import (
     ConfigError,
@@ -40,7 +41,7 @@ from kvstore.storeops.fetch import FetchOps, FetchPlan
 from kvstore.storeops.paged import PagedOps
 from kvstore.storeops.put import OverflowJob, PutOps
 from kvstore.storeops.room import RoomOps
-from kvstore.storeops.shared import PutGrant, SharedMemoryOps
+from kvstore.storeops.shared import SharedMemoryOps
 from kvstore.tiers.memory import MemoryTier
 from kvstore.transfer import Transfer
 from kvstore.writer import WriteBehind
@@ -68,31 +69,6 @@ class StoreConfig:
     remote_codec: str = "zstd"
     remote_budget_s: float = 0.05
     remote_ttl_s: float | None = None
-
-
-class PinReceipt:
-    """Pins held on some blocks; release with :meth:`release` or by leaving a ``with`` block."""
-
-    __slots__ = ("_store", "keys", "_released")
-
-    def __init__(self, store: Store, keys: list[BlockKey]) -> None:
-        self._store = store
-        self.keys = keys
-        self._released = False
-
-    def __len__(self) -> int:
-        return len(self.keys)
-
-    def release(self) -> None:
-        if not self._released:
-            self._released = True
-            self._store.unpin(self.keys)
-
-    def __enter__(self) -> PinReceipt:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
 
 
 def _run_in(held: dict, ks: list[BlockKey], start: int) -> int:
@@ -330,7 +306,7 @@ class Store(FetchOps, BorrowOps, PutOps, SharedMemoryOps, RoomOps, PagedOps, Dis
                     break
                 self._catalog.pin(k)
                 pinned.append(k)
-            return PinReceipt(self, pinned)
+            return PinReceipt(self.unpin, pinned)
 
     def unpin(self, keys: Sequence[bytes]) -> int:
         """Drop one pin from each of ``keys``; returns how many were pinned."""

@@ -39,11 +39,11 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from kvstore.api import BorrowedBlocks
 from kvstore.errors import ConfigError, TensorMismatchError
 from kvstore.keys import KeyChain
 from kvstore.layout import KVLayout
 from kvstore.store import Store, open_store
-from kvstore.storeops.borrow import BorrowedBlocks
 from kvstore.transfer import Transfer
 
 try:  # transformers >= 4.56: one cache-layer object per layer

@@ -76,6 +76,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from kvstore.api import ZeroCopy
 from kvstore.errors import ConfigError
 from kvstore.kernels import scatter_pages
 from kvstore.keys import KeyChain
@@ -756,12 +757,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._layer_index = {n: i for i, n in enumerate(names)}
         self._pages = [self._page_view(n, kv_caches[n]) for n in names]
         self._geo = paged_geometry(self.layout, self._pages)
-        slab = getattr(self.store, "warm_slab", None)
-        self._direct = (
-            self._page_kind == "cpu" and slab is not None and slab.numel() > 0
-            and all(hasattr(self.store, m) for m in
-                    ("lease_warm", "release_lease", "grant_put", "commit_put", "abort_put"))
-        )
+        slab = self.store.warm_slab if isinstance(self.store, ZeroCopy) else None
+        self._direct = self._page_kind == "cpu" and slab is not None and slab.numel() > 0
         if self._direct:
             lay = self.layout
             self._blocks = slab.view(lay.dtype).view(slab.shape[0], *lay.block_shape)

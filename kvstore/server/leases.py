@@ -11,6 +11,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvstore.api import PutGrant
 from kvstore.keys import BlockKey
 from kvstore.server.messages import BadRequest, ErrorCode
 
@@ -22,7 +23,7 @@ class Holdings:
     max_leases: int
     max_pins: int
     leases: dict[int, list[BlockKey]] = field(default_factory=dict)
-    grants: dict[int, object] = field(default_factory=dict)  # Store.PutGrant
+    grants: dict[int, PutGrant] = field(default_factory=dict)
     pins: Counter = field(default_factory=Counter)  # key -> pins this connection holds
     _next_id: int = 1
 

@@ -7,46 +7,13 @@ pinned in their slots until it calls ``release()``.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
+from kvstore.api import BorrowedBlocks
 from kvstore.keys import BlockKey
 from kvstore.tiers.slab import paired_runs
-
-
-class BorrowedBlocks:
-    """The leading resident run of some keys, pinned: ``blocks`` ``[n, L, P, T, H, D]`` on the
-    store's device, a view of the store's slab when the run sits in consecutive slots of one
-    tier (else a gathered copy). Do not write to ``blocks``; call :meth:`release` (or leave
-    the ``with`` block) once done reading, after which ``blocks`` may change under you."""
-
-    __slots__ = ("blocks", "keys", "zero_copy", "_release", "_lock")
-
-    def __init__(self, blocks: torch.Tensor, keys: list[BlockKey], zero_copy: bool,
-                 release: Callable[[list[BlockKey]], None]) -> None:
-        self.blocks = blocks
-        self.keys = keys
-        self.zero_copy = zero_copy
-        self._release: Callable[[list[BlockKey]], None] | None = release
-        self._lock = threading.Lock()
-
-    def __len__(self) -> int:
-        return len(self.keys)
-
-    def release(self) -> None:
-        """Unpin the blocks (idempotent)."""
-        with self._lock:
-            fn, self._release = self._release, None
-        if fn is not None:
-            fn(self.keys)
-
-    def __enter__(self) -> BorrowedBlocks:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
 
 
 class BorrowOps:

@@ -3,24 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
+from kvstore.api import PutGrant
 from kvstore.errors import ConfigError
 from kvstore.keys import BlockKey
-
-
-@dataclass(slots=True)
-class PutGrant:
-    """Warm slots reserved for the new blocks of a put, filled by someone else."""
-
-    keys: list[BlockKey]  # the new keys, in order
-    parents: list[BlockKey | None]
-    positions: list[int]  # their positions in the keys the put was asked for
-    slots: list[int]  # warm slots to fill, one per key
-    duplicates: int
-
 
 
 class SharedMemoryOps:
