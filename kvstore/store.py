@@ -235,11 +235,13 @@ class Store(FetchOps, BorrowOps, PutOps, SharedMemoryOps, RoomOps, PagedOps, Dis
             self._warm is not None and key in self._warm
         )
 
-    def _leading_run(self, ks: list[BlockKey], remote_at: list[int] | None = None) -> int:
+    def _leading_run(self, ks: list[BlockKey], remote_at: list[int] | None = None,
+                     located: dict[int, bytes] | None = None) -> int:
         """Leading ``ks`` held by memory, disk or the remote tier, consulted in that order one
         stretch at a time (each lower tier answers a whole stretch in one call).
 
-        Positions only the remote tier holds are appended to ``remote_at``.
+        Positions only the remote tier holds are appended to ``remote_at``; the disk's index
+        records of the positions it holds go into ``located`` (a fetch reads with them).
         """
         i, n = 0, len(ks)
         hot = self._hot._slots if self._hot is not None else {}
@@ -256,7 +258,12 @@ class Store(FetchOps, BorrowOps, PutOps, SharedMemoryOps, RoomOps, PagedOps, Dis
             if m:
                 i += m
                 continue
-            m = self._disk.leading_run(ks[i:], self.namespace_id) if self._disk is not None else 0
+            m = 0
+            if self._disk is not None:
+                recs = self._disk.locate(ks[i:], self.namespace_id)
+                m = len(recs)
+                if located is not None:
+                    located.update(zip(range(i, i + m), recs, strict=True))
             if m == 0 and self._remote is not None:
                 j = i
                 while j < n and not self._held(ks[j]):

@@ -35,6 +35,7 @@ class FetchPlan:
     staging: torch.Tensor | None = None  # host rows for disk blocks without a warm slot
     promote_failed: bool = False  # the hot copies were not made: release the hot slots
     remote: set[int] = field(default_factory=set)  # lower positions the remote tier serves
+    located: dict[int, bytes] = field(default_factory=dict)  # disk records found at planning
 
 
 class FetchOps:
@@ -177,9 +178,11 @@ class FetchOps:
     ) -> FetchPlan:
         hot, warm, cat = self._hot, self._warm, self._catalog
         remote_at: list[int] = []
-        n = self._leading_run(ks, remote_at)
+        located: dict[int, bytes] = {}
+        n = self._leading_run(ks, remote_at, located)
         plan = FetchPlan(ks[:n], parent, [], [], [], [], [], [])
         plan.remote = set(remote_at)
+        plan.located = located
         disk_pos: list[int] = []
         # per-block work of every fetch: plain dict lookups, no method call per key
         hot_slots = hot._slots if hot is not None else {}
@@ -270,8 +273,11 @@ class FetchOps:
                         mirrors = [warm[plan.disk[j][1]] if plan.disk[j][1] >= 0 else None
                                    for j in idx]
                         mirrored.update(idx)
+                    # the records found while planning: no second index transaction
+                    recs = [plan.located.get(plan.disk[j][0]) for j in idx]
                     got = tier.read_many(keys, [dsts[j] for j in idx], mirrors=mirrors,
-                                         namespace_id=self.namespace_id)
+                                         namespace_id=self.namespace_id,
+                                         records=recs if None not in recs else None)
             except StoreClosedError:
                 raise
             except Exception as e:  # a damaged index or tier: a counted miss, never wrong KV

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import enum
 import errno
 import heapq
 import logging
@@ -42,7 +41,6 @@ import torch
 from kvstore.errors import (
     ConfigError,
     DiskError,
-    KeyFormatError,
     NamespaceMismatchError,
     StoreClosedError,
     TensorMismatchError,
@@ -53,6 +51,7 @@ from kvstore.namespace import Namespace
 from kvstore.sizes import parse_size
 from kvstore.tiers import codec as _codec
 from kvstore.tiers import segments as _seg
+from kvstore.tiers.base import ReadStatus, as_byte_tensor, check_key
 from kvstore.tiers.disk_index import (
     BE64,
     DB_BLOCKS,
@@ -158,12 +157,6 @@ def _mirror(idx: Iterable[int], out: list, dsts: Sequence[torch.Tensor],
         m = mirrors[i]
         if m is not None and out[i] is ReadStatus.OK:
             m.copy_(dsts[i])
-
-
-class ReadStatus(enum.Enum):
-    OK = "ok"
-    MISSING = "missing"  # not in the index, or its segment file is gone
-    DAMAGED = "damaged"  # short read, checksum mismatch, undecodable payload
 
 
 @dataclass(frozen=True, slots=True)
@@ -290,23 +283,10 @@ class _Counters:
 
 
 def _as_buffer(t: torch.Tensor, what: str) -> memoryview:
-    if not isinstance(t, torch.Tensor):
-        raise TensorMismatchError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != "cpu" or t.dtype != torch.uint8 or t.dim() != 1 or not t.is_contiguous():
-        raise TensorMismatchError(
-            f"{what} must be a CPU, contiguous, 1-D torch.uint8 tensor; got device={t.device}, "
-            f"dtype={t.dtype}, shape={tuple(t.shape)}, contiguous={t.is_contiguous()}"
-        )
-    return memoryview(t.detach().numpy())
+    return memoryview(as_byte_tensor(t, what).numpy())
 
 
-def _check_key(k: object, what: str = "key") -> bytes:
-    if isinstance(k, bytes) and len(k) == _KEY_BYTES:
-        return k
-    if isinstance(k, (bytearray, memoryview)) and len(k) == _KEY_BYTES:
-        return bytes(k)
-    raise KeyFormatError(f"{what} must be 32 bytes, got {type(k).__name__}"
-                         + (f" of length {len(k)}" if isinstance(k, (bytes, bytearray)) else ""))
+_check_key = check_key
 
 
 def _record(key: bytes, r: Rec) -> DiskRecord:
@@ -508,11 +488,18 @@ class DiskTier:
     def leading_run(self, keys: Sequence[bytes], namespace_id: bytes | None = None) -> int:
         """Number of leading ``keys`` held on disk (one short read transaction), in
         ``namespace_id``'s key space (default: whichever namespace holds each key)."""
+        return len(self.locate(keys, namespace_id))
+
+    def locate(self, keys: Sequence[bytes], namespace_id: bytes | None = None) -> list[bytes]:
+        """The index records of the leading ``keys`` held on disk, read in one short
+        transaction. Hand them to ``read_many(records=...)`` to read those blocks without
+        another transaction (a record gone stale meanwhile is handled there: a segment
+        compacted away is looked up again, and a checksum is bound to its key)."""
         sh = self._ensure()
         db = sh.dbs[DB_BLOCKS]
         if not all_keys(keys):
             keys = [_check_key(k) for k in keys]
-        i = 0
+        out: list[bytes] = []
         with sh.read() as txn:
             get = txn.get
             if namespace_id is None:
@@ -521,10 +508,11 @@ class DiskTier:
                 ns = _check_key(namespace_id, "namespace_id")
                 cks = [ns + k for k in keys]
             for ck in cks:
-                if get(ck, db=db) is None:
-                    return i
-                i += 1
-        return i
+                raw = get(ck, db=db)
+                if raw is None:
+                    break
+                out.append(raw)
+        return out
 
     def _get_rec(self, ck: bytes) -> Rec | None:
         sh = self._sh
@@ -562,14 +550,15 @@ class DiskTier:
     def read_many(
         self, keys: Sequence[bytes], dsts: Sequence[torch.Tensor],
         *, mirrors: Sequence[torch.Tensor | None] | None = None,
-        namespace_id: bytes | None = None,
+        namespace_id: bytes | None = None, records: Sequence[bytes | None] | None = None,
     ) -> list[ReadStatus]:
         """Read several blocks (a small thread pool); one independent status per key.
 
         ``mirrors[i]`` (optional; same shape and dtype as ``dsts[i]``, or None) also receives
         block ``i`` once it has been read and verified, copied by the reading thread while
         other reads are still in flight (a store keeps a warm copy of what it read straight
-        into a caller's buffer this way, off the end of the fetch).
+        into a caller's buffer this way, off the end of the fetch). ``records`` (one per key,
+        from :meth:`locate` with the same ``namespace_id``) saves the index transaction.
         """
         sh = self._ensure()
         if len(keys) != len(dsts):
@@ -579,9 +568,14 @@ class DiskTier:
         keys = [_check_key(k) for k in keys]
         bufs = [_as_buffer(d, f"dsts[{i}]") for i, d in enumerate(dsts)]
         db = sh.dbs[DB_BLOCKS]
-        with sh.read() as txn:
-            keys = self._dbkeys(txn, keys, namespace_id)  # from here on: LMDB keys
-            raws = [txn.get(k, db=db) for k in keys]
+        if records is not None and namespace_id is not None and len(records) == len(keys):
+            ns = _check_key(namespace_id, "namespace_id")
+            keys = [ns + k for k in keys]  # from here on: LMDB keys
+            raws = list(records)
+        else:
+            with sh.read() as txn:
+                keys = self._dbkeys(txn, keys, namespace_id)  # from here on: LMDB keys
+                raws = [txn.get(k, db=db) for k in keys]
         out: list[ReadStatus | None] = [None] * len(keys)
         if len(keys) <= 1:
             for i in range(len(keys)):
@@ -1028,8 +1022,11 @@ class DiskTier:
         if self.readonly:
             return
         keys = [_check_key(k) for k in keys]
-        with sh.read() as txn:
-            keys = self._dbkeys(txn, keys, namespace_id)
+        if namespace_id is not None:
+            keys = self._dbkeys(None, keys, namespace_id)  # no transaction needed
+        else:
+            with sh.read() as txn:
+                keys = self._dbkeys(txn, keys, None)
         now = self._now_us()
         with self._touch_lock:
             buf = self._touches

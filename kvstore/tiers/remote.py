@@ -44,9 +44,9 @@ import numpy as np
 import redis
 import torch
 
-from kvstore.errors import ConfigError, KeyFormatError, StoreClosedError, TensorMismatchError
+from kvstore.errors import ConfigError, StoreClosedError, TensorMismatchError
 from kvstore.tiers import remote_format as fmt
-from kvstore.tiers.disk import ReadStatus
+from kvstore.tiers.base import ReadStatus, as_byte_tensor, check_key
 from kvstore.tiers.remote_conn import (
     Breaker,
     ClusterTopology,
@@ -215,22 +215,10 @@ def _pipeline(client: redis.Redis, cmds: list[tuple]) -> list:
 
 
 def _as_array(t: torch.Tensor, what: str) -> np.ndarray:
-    if not isinstance(t, torch.Tensor):
-        raise TensorMismatchError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != "cpu" or t.dtype != torch.uint8 or t.dim() != 1 or not t.is_contiguous():
-        raise TensorMismatchError(
-            f"{what} must be a CPU, contiguous, 1-D torch.uint8 tensor; got device={t.device}, "
-            f"dtype={t.dtype}, shape={tuple(t.shape)}, contiguous={t.is_contiguous()}")
-    return t.detach().numpy()
+    return as_byte_tensor(t, what).numpy()
 
 
-def _check_key(k: object, what: str = "key") -> bytes:
-    if isinstance(k, bytes) and len(k) == _KEY_BYTES:
-        return k
-    if isinstance(k, (bytearray, memoryview)) and len(k) == _KEY_BYTES:
-        return bytes(k)
-    raise KeyFormatError(f"{what} must be 32 bytes, got {type(k).__name__}"
-                         + (f" of length {len(k)}" if isinstance(k, (bytes, bytearray)) else ""))
+_check_key = check_key
 
 
 class RemoteTier:
@@ -404,9 +392,10 @@ class RemoteTier:
         return out, not late
 
     # -- lookups --------------------------------------------------------------------------------
-    def leading_run(self, keys: Sequence[bytes]) -> int:
+    def leading_run(self, keys: Sequence[bytes], namespace_id: bytes | None = None) -> int:
         """Number of leading ``keys`` present, asked in one round trip (a pipeline of ``EXISTS``
-        per node, all nodes at once). Unreachable nodes count as absent."""
+        per node, all nodes at once). Unreachable nodes count as absent. ``namespace_id`` is
+        accepted for the LowerTier contract: the tier's key space is its ``key_prefix``."""
         self._ensure()
         keys = [_check_key(k) for k in keys]
         if not keys:
@@ -589,17 +578,26 @@ class RemoteTier:
 
     def delete(self, keys: Sequence[bytes]) -> int:
         """Delete blocks; returns how many existed (0 for unreachable nodes)."""
+        return len(self._delete(keys))
+
+    def delete_owned(self, keys: Sequence[bytes], namespace_id: bytes) -> list[bytes]:
+        """Delete blocks of this tier's key space (its ``key_prefix``: a store's namespace);
+        returns the keys that existed."""
+        _check_key(namespace_id, "namespace_id")
+        return self._delete(keys)
+
+    def _delete(self, keys: Sequence[bytes]) -> list[bytes]:
         self._ensure()
         keys = [_check_key(k) for k in keys]
         if not keys:
-            return 0
+            return []
         rkeys = [self.redis_key(k) for k in keys]
         replies, _ = self._dispatch(rkeys, lambda idx: [(("DEL", rkeys[i]), {}) for i in idx],
                                     time.monotonic() + self.config.write_budget_s, write=True,
                                     what="delete")
-        n = sum(int(r) for r in replies if isinstance(r, int))
-        self._counters.add(deleted=n)
-        return n
+        gone = [k for k, r in zip(keys, replies, strict=True) if isinstance(r, int) and r > 0]
+        self._counters.add(deleted=len(gone))
+        return gone
 
     # -- stats, lifecycle -----------------------------------------------------------------------
     def stats(self) -> RemoteStats:
