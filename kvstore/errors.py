@@ -47,10 +47,6 @@ class FormatVersionError(KVStoreError, RuntimeError):
     """An on-disk store was written by an incompatible format version."""
 
 
-class StoreBusyError(KVStoreError, RuntimeError):
-    """The store could not take the request now (for example, every slot is pinned)."""
-
-
 class TransferError(KVStoreError, RuntimeError):
     """A data transfer failed for a reason other than damaged or missing data."""
 

@@ -68,11 +68,6 @@ async def read_frame(
         raise FrameError(f"stream ended inside a {n}-byte frame") from None
 
 
-def write_frame(writer: asyncio.StreamWriter, body: bytes) -> None:
-    """Queue one frame (await ``writer.drain()`` for back-pressure)."""
-    writer.write(encode_frame(body))
-
-
 # -- blocking sockets (client side) --------------------------------------------------------
 def send_frame(sock: socket.socket, body: bytes) -> None:
     sock.sendall(encode_frame(body))

@@ -113,7 +113,6 @@ class PutOps:
                 tier.insert(k, s)
                 cat.pin(k)  # pending until the copy lands: not evicted, not read by the writer
                 written.append(k)
-            tier.counters.puts_in += len(pos)
         if written:
             # the whole chain again, leaf first, now with its new blocks: inserted root-first,
             # a chain's root would be its oldest block and every eviction would walk past all

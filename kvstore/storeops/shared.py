@@ -125,7 +125,6 @@ class SharedMemoryOps:
                 warm.insert(k, s)
                 if self._writer is not None and self.config.admission == "always":
                     cat.mark_dirty(k)
-            warm.counters.puts_in += len(grant.keys)
             self._counters.put_blocks += len(grant.keys)
             self._touch_chain(grant.keys)
         if grant.keys and self._writer is not None:

@@ -52,13 +52,6 @@ class CodecError(ValueError):
     """Stored bytes could not be decoded (corrupt frame, wrong size, unknown codec)."""
 
 
-def codec_name(codec_id: int) -> str:
-    try:
-        return CODEC_NAMES[codec_id]
-    except KeyError:
-        raise CodecError(f"unknown codec id {codec_id}") from None
-
-
 def shuffle(raw: np.ndarray, width: int) -> np.ndarray:
     """Byte-shuffle ``raw`` (1-D uint8, length a multiple of ``width``), MSB plane first."""
     if width == 1:

@@ -65,7 +65,6 @@ class KeyDirectory:
         self._raw = memoryview(buf)
         self._words = self._raw[HEADER_BYTES : HEADER_BYTES + cap * WORDS * 8].cast("Q")
         self._removed = 0
-        self._live = 0
         self._closed = False
 
     # -- files ---------------------------------------------------------------------------------
@@ -114,7 +113,6 @@ class KeyDirectory:
                 off = HEADER_BYTES + i * WORDS * 8
                 raw[off : off + 32] = key  # the key before the slot: a reader never sees a
                 words[i * WORDS + 4] = slot + 1  # slot under the wrong key (x86 keeps stores in order)
-                self._live += 1
                 return
             i = (i + 1) & mask
         raise SizeError("key directory full")  # pragma: no cover - capacity >= 2 x slots
@@ -131,7 +129,6 @@ class KeyDirectory:
             if v != _GONE and raw[off : off + 32] == key:
                 words[i * WORDS + 4] = _GONE  # withdrawn first, then the key wiped
                 raw[off : off + 32] = _ZERO_KEY
-                self._live -= 1
                 self._removed += 1
                 if self._removed > self.capacity // 4:
                     self._rebuild()
@@ -165,7 +162,6 @@ class KeyDirectory:
             pending = pending[~placed[pending]]
             pos[pending] = (pos[pending] + np.uint64(1)) & mask
         self._removed = 0
-        self._live = len(live)
 
     # -- readers ---------------------------------------------------------------------------------
     def leading_run(self, blob: bytes) -> int:

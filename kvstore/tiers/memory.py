@@ -18,7 +18,6 @@ class TierCounters:
     evictions: int = 0  # blocks that left this tier to make room or on request
     demotions_in: int = 0  # blocks copied in from the tier above
     promotions_in: int = 0  # blocks copied in from a tier below
-    puts_in: int = 0  # blocks written by put
 
 
 class MemoryTier:
@@ -53,10 +52,6 @@ class MemoryTier:
 
     def __len__(self) -> int:
         return len(self._slots)
-
-    @property
-    def capacity_blocks(self) -> int:
-        return self.slab.slots
 
     @property
     def used_bytes(self) -> int:
