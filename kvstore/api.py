@@ -111,7 +111,7 @@ class BorrowedBlocks:
 
 @runtime_checkable
 class KVCache(Protocol):
-    """The engine-facing API (DESIGN §5, docs/architecture.md "Public API")."""
+    """The engine-facing API (docs/architecture.md "Public API")."""
 
     namespace_id: bytes
 

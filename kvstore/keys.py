@@ -1,4 +1,4 @@
-"""Content keys: chained SHA-256 over token blocks (DESIGN.md §2).
+"""Content keys: chained SHA-256 over token blocks (``docs/architecture.md`` "Keys").
 
 ``root = SHA-256(b"kvstore/1" || namespace_id || salt)``;
 ``key_i = SHA-256(key_{i-1} || tokens_i as uint32 LE || extra_i)`` with ``key_{-1} = root``.

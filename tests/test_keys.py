@@ -17,7 +17,7 @@ NID = bytes(range(32))
 
 
 def spec_keys(nid, tokens, bt, salt=b"", extras=None):
-    """DESIGN.md §2 written out longhand, independent of kvstore.keys."""
+    """docs/architecture.md "Keys" written out longhand, independent of kvstore.keys."""
     k = hashlib.sha256(b"kvstore/1" + nid + salt).digest()
     out = []
     for i in range(len(tokens) // bt):

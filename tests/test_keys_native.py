@@ -34,7 +34,7 @@ U32_MAX = 2**32 - 1
 
 
 def spec_keys(nid, tokens, bt, salt=b"", extras=None):
-    """DESIGN.md §2 written out longhand with hashlib, independent of kvstore."""
+    """docs/architecture.md "Keys" written out longhand with hashlib, independent of kvstore."""
     k = hashlib.sha256(b"kvstore/1" + nid + salt).digest()
     out = []
     for i in range(len(tokens) // bt):

@@ -1,5 +1,5 @@
 """The remote shared tier: KV blocks in Redis (one server) or a Redis Cluster, shared by many
-inference hosts (DESIGN.md §4, ``docs/scale-out.md``).
+inference hosts (``docs/architecture.md`` "Tiers", ``docs/scale-out.md``).
 
 A lower tier like the disk tier, with the same shapes: ``leading_run(keys)``,
 ``read_many(keys, dsts) -> list[ReadStatus]``, ``write_blocks(items)``, ``delete(keys)``,
