@@ -5,7 +5,7 @@ Run with the vLLM virtual environment's python (tools/ci_vllm.sh builds it)::
 
     .venv-vllm/bin/python tools/vllm_bench.py [--json OUT.json] [--prompt-tokens 4096]
 
-Every engine is a fresh process (``kvstore.integrations.vllm_testing``), single-process vLLM
+Every engine is a fresh process (``tests/support/vllm_helpers.py``), single-process vLLM
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the figures are not dominated by IPC. TTFT is the
 wall time of ``LLM.generate`` for one prompt with ``max_tokens=1``, after a warm-up request in
 the same engine. The model is a scaled-down Llama with seeded random weights (hidden 1024,
@@ -26,14 +26,17 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvstore.integrations.vllm_testing import (
+# the engine harness is shared with tests/vllm: tests/support/vllm_helpers.py
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from support.vllm_helpers import (  # noqa: E402
     example_transfer,
-    kvstore_transfer,
     make_llama,
     prompt,
-    read_stats,
     run_engine_subprocess,
 )
+
+from kvstore.integrations.vllm import kvstore_transfer, read_stats  # noqa: E402
 
 BS = 32
 MODEL = dict(hidden=1024, layers=8, heads=16, kv_heads=4, head_dim=64, intermediate=2816,

@@ -22,8 +22,6 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-import torch
-
 from kvstore.admin.common import AdminError, open_disk, quiet_disk_log, refuse_if_served
 
 __all__ = [
@@ -638,13 +636,17 @@ def verify(path: str | os.PathLike[str] | None = None, *, fix: bool = False,
     fixing the findings does; ``fix`` carries it out at once (:func:`repair`): damaged blocks
     and unreachable ones are dropped, intact blocks of a damaged segment header are rewritten
     into a fresh segment, orphans are unlinked and side indexes rebuilt."""
+    from kvstore.admin.common import check_store
     from kvstore.tiers import segments as seg
     from kvstore.tiers.disk import ReadStatus
     from kvstore.tiers.disk_check import Listing, listing_problem, segment_listing
+    from kvstore.tiers.disk_guard import require_intact
 
     _check_grace(grace_s)
     if fix:  # before the long read, not after it
         refuse_if_served(path, "fixing it")
+    # every page of the index, whatever its size (opening walks only small indexes in full)
+    require_intact(os.path.join(check_store(path), "index"))
     with open_disk(path, readonly=True) as ro, quiet_disk_log():
         segdir = os.path.join(ro.path, "segments")
         sizes = _file_sizes(segdir)
@@ -662,6 +664,8 @@ def verify(path: str | os.PathLike[str] | None = None, *, fix: bool = False,
         if progress is not None:
             progress(0, total_blocks, 0, total_bytes)
         listings: dict[int, Listing] = {}
+        import torch  # reading blocks back needs tensors; listing and planning do not
+
         scratch = torch.empty(max([min(_VERIFY_BATCH_BYTES, total_bytes)]
                                   + [r.raw_nbytes for r in recs]), dtype=torch.uint8)
         i = 0
@@ -765,6 +769,8 @@ def repair(result: VerifyResult) -> VerifyResult:
             if r is None:
                 fixed_keys.add(k)
                 continue
+            import torch
+
             dst = torch.empty(r.raw_nbytes, dtype=torch.uint8)
             if rw.read_into(key, dst, namespace_id=ns) is ReadStatus.OK:
                 fixed_keys.add(k)
@@ -840,6 +846,8 @@ def _confirm_damage(ro, r, segdir: str, seg, header: str | None) -> FindingEntry
     if cur is None:
         return None  # removed meanwhile
     if not _same_place(cur, r):  # moved (compaction): verify it at its new place
+        import torch
+
         dst = torch.empty(cur.raw_nbytes, dtype=torch.uint8)
         if ro.read_into(r.key, dst, namespace_id=r.namespace_id) is ReadStatus.OK:
             return None

@@ -8,5 +8,6 @@ COMMANDS = (
     "kvstore.commands.demo",
     "kvstore.commands.serve",
     "kvstore.commands.admin",
+    "kvstore.commands.recover",
     "kvstore.commands.bench",
 )

@@ -1,11 +1,12 @@
-"""The disk tier: an LMDB index plus append-only safetensors segment files (DESIGN.md §4).
+"""The disk tier: an LMDB index plus append-only safetensors segment files
+(``docs/architecture.md`` "Tiers").
 
 Synchronous and thread-safe; several processes may open the same path at once. The store
 (memory tiers, background writer) drives it; see ``docs/format.md`` for the on-disk format.
 
 Guarantees:
 
-* ``write_blocks`` is durable on return: segment written under a temp name, fsynced, renamed,
+* ``write_blocks`` is durable on return: segment written under a temp name, fsynced, linked into place (never over an existing file),
   directory fsynced, then the LMDB transaction (synchronous) commits the records. On error it
   raises :class:`DiskError` and nothing new is visible.
 * Reads go straight into the caller's tensor (``preadv``) and are verified against the xxh3_64
@@ -33,21 +34,20 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import lmdb
 import numpy as np
-import torch
 
 from kvstore.errors import (
     ConfigError,
     DiskError,
+    KVStoreError,
     NamespaceMismatchError,
     StoreClosedError,
     TensorMismatchError,
 )
 from kvstore.keys import all_keys
-from kvstore.layout import dtype_from_name, dtype_name
-from kvstore.namespace import Namespace
 from kvstore.sizes import parse_size
 from kvstore.tiers import codec as _codec
 from kvstore.tiers import segments as _seg
@@ -81,6 +81,11 @@ from kvstore.tiers.disk_index import (
     parent_dbkey,
     release_env,
 )
+
+if TYPE_CHECKING:  # torch is imported by whoever hands us tensors: listing needs none
+    import torch
+
+    from kvstore.namespace import Namespace
 
 __all__ = [
     "DISK_FORMAT_VERSION",
@@ -208,7 +213,7 @@ class NamespaceInfo:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=dtype_from_name(self.dtype)).element_size()
+        return _seg.DTYPE_SIZES[self.dtype]
 
     @property
     def block_nbytes(self) -> int:
@@ -432,6 +437,9 @@ class DiskTier:
 
     def register_namespace(self, ns: Namespace) -> None:
         """Persist the namespace's layout record (idempotent)."""
+        from kvstore.layout import dtype_name
+        from kvstore.namespace import Namespace
+
         sh = self._ensure()
         if not isinstance(ns, Namespace):
             raise ConfigError(f"register_namespace takes a kvstore Namespace, got {type(ns).__name__}")
@@ -456,6 +464,19 @@ class DiskTier:
                 self._write_raw(fn)
         with self._ns_lock:
             self._ns[nid] = _ns_cache_entry(info)
+
+    def _ns_records(self, ids: Iterable[bytes]) -> dict[bytes, bytes]:
+        """The index records of the namespaces ``ids`` (for a segment's header)."""
+        out = {}
+        for nid in set(ids):
+            e = self._namespace(nid)
+            if e is not None:
+                i = e.info
+                out[nid] = encode_namespace((i.model_id, i.model_revision, i.dtype, i.num_layers,
+                                             i.kv_planes, i.block_tokens, i.num_kv_heads,
+                                             i.head_dim, i.tp_rank, i.tp_size, i.format_version,
+                                             tuple(i.extras)))
+        return out
 
     def namespaces(self) -> list[NamespaceInfo]:
         self._ensure()
@@ -957,7 +978,9 @@ class DiskTier:
         committed = False
         try:
             for sid, group in zip(sids, groups, strict=True):
-                path, fsize, offsets = _seg.write_segment(self._segdir, sid, [g[6] for g in group])
+                path, fsize, offsets = _seg.write_segment(
+                    self._segdir, sid, [g[6] for g in group],
+                    self._ns_records(g[2] for g in group))
                 written.append((sid, path, fsize, sum(g[6].nbytes for g in group), offsets, group))
             _seg.fsync_dir(self._segdir)
             now = self._now_us()
@@ -1040,7 +1063,7 @@ class DiskTier:
         if due:
             try:
                 self.flush_touches()
-            except DiskError as e:
+            except KVStoreError as e:  # disk full, or a damaged index: not the caller's problem
                 log.warning("disk tier %s: could not persist access times: %s", self.path, e)
 
     def _take_touches(self) -> dict[bytes, tuple[int, int]]:
@@ -1349,7 +1372,8 @@ class DiskTier:
         (sid,) = self._alloc_segment_ids(1)
         entries = [self._entry_for(k, r, p) for k, r, p in pending]
         try:
-            path, fsize, offsets = _seg.write_segment(self._segdir, sid, entries)
+            path, fsize, offsets = _seg.write_segment(
+                self._segdir, sid, entries, self._ns_records(r.namespace_id for _k, r, _p in pending))
             _seg.fsync_dir(self._segdir)
         except OSError as e:
             raise DiskError(e.errno, f"compaction cannot write a segment in {self._segdir}: "
@@ -1407,7 +1431,7 @@ class DiskTier:
                 if not self.readonly:
                     try:
                         self.flush_touches()
-                    except (DiskError, lmdb.Error, OSError) as e:
+                    except (KVStoreError, lmdb.Error, OSError) as e:
                         log.warning("disk tier %s: access times not persisted at close: %s",
                                     self.path, e)
                 if self._pool is not None:

@@ -1,7 +1,7 @@
 """``DiskTier.check``: consistency check and repair of a disk tier.
 
 Safe while other processes use the store: unreferenced files younger than the grace period are
-left alone (an in-flight writer renames its segment before committing the records), anything
+left alone (an in-flight writer links its segment into place before committing the records), anything
 that looks missing is re-checked against a fresh transaction before it is reported, and repairs
 remove records only if they still are the ones that were found bad, records before files.
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import logging
 import os
 import struct
@@ -22,6 +23,7 @@ import lmdb
 import msgpack
 
 from kvstore.errors import DiskError, FormatVersionError
+from kvstore.tiers import disk_guard as _guard
 
 log = logging.getLogger("kvstore.disk")
 
@@ -57,6 +59,9 @@ _ZERO32 = bytes(32)
 _MAX_HITS = 0xFFFFFFFF
 _U64_MAX = (1 << 64) - 1
 NS_RECORD_VERSION = 1
+#: a record claiming a larger block (or offset) is damaged: RecordError, not an allocation
+MAX_BLOCK_BYTES = 1 << 30
+MAX_SEGMENT_OFFSET = 1 << 48
 
 DEFAULT_MAP_SIZE = 64 << 30
 
@@ -89,6 +94,17 @@ def encode_record(r: Rec) -> bytes:
     )
 
 
+def check_record_bounds(codec: int, segment: int, offset: int, stored: int, raw: int) -> None:
+    """Sane bounds of a record's sizes and place, so that a flipped bit is a RecordError and
+    never an absurd allocation or read."""
+    if not 0 < raw <= MAX_BLOCK_BYTES:
+        raise RecordError(f"index record has {raw} raw bytes (at most {MAX_BLOCK_BYTES})")
+    if not 0 < stored <= raw + (raw >> 6) + 4096 or (codec == 0 and stored != raw):
+        raise RecordError(f"index record has {stored} stored bytes for {raw} raw (codec {codec})")
+    if not 1 <= segment < 1 << 63 or not 8 <= offset <= MAX_SEGMENT_OFFSET:
+        raise RecordError(f"index record points at segment {segment:#x} offset {offset}")
+
+
 def decode_record(b: bytes) -> Rec:
     if len(b) != RECORD.size:
         raise RecordError(f"index record has {len(b)} bytes, expected {RECORD.size}")
@@ -96,8 +112,11 @@ def decode_record(b: bytes) -> Rec:
      ns, parent) = RECORD.unpack(b)
     if ver != RECORD_VERSION:
         raise RecordError(f"index record version {ver}, expected {RECORD_VERSION}")
-    if flags & ~FLAG_HAS_PARENT:
-        raise RecordError(f"index record has unknown flags {flags:#x}")
+    if flags & ~FLAG_HAS_PARENT or _res:
+        raise RecordError(f"index record has unknown flags {flags:#x}/{_res:#x}")
+    if not flags & FLAG_HAS_PARENT and parent != _ZERO32:
+        raise RecordError("index record has a parent key but no parent flag")
+    check_record_bounds(codec, seg, off, stored, raw)
     return Rec(codec, hits, seg, off, stored, raw, csum, created, last, ns,
                parent if flags & FLAG_HAS_PARENT else None)
 
@@ -115,10 +134,26 @@ def encode_seginfo(s: SegInfo) -> bytes:
 
 
 def decode_seginfo(b: bytes) -> SegInfo:
-    if len(b) != SEGINFO.size or b[0] != 1:
+    if len(b) != SEGINFO.size or b[0] != 1 or b[1:4] != b"\0\0\0":
         raise RecordError("segment record does not decode")
     _v, *rest = SEGINFO.unpack(b)
-    return SegInfo(*rest)
+    s = SegInfo(*rest)
+    if s.data_bytes > s.file_bytes or s.file_bytes > MAX_SEGMENT_OFFSET:
+        raise RecordError(f"segment record has {s.file_bytes} file and {s.data_bytes} data bytes")
+    return s
+
+
+def decode_totals(b: bytes | None) -> list[int]:
+    """``meta.totals`` as 6 ints; RecordError when missing or malformed."""
+    if b is None or len(b) != TOTALS.size:
+        raise RecordError("the totals record is missing or malformed")
+    return list(TOTALS.unpack(b))
+
+
+def decode_u32(b: bytes | None, what: str = "value") -> int:
+    if b is None or len(b) != 4:
+        raise RecordError(f"{what} has {None if b is None else len(b)} bytes, expected 4")
+    return U32.unpack(b)[0]
 
 
 def dbkey(namespace_id: bytes, key: bytes) -> bytes:
@@ -170,7 +205,35 @@ def decode_namespace(b: bytes) -> tuple:
         isinstance(kv, list) and len(kv) == 2 and all(isinstance(x, str) for x in kv) for kv in extras
     ):
         raise RecordError("namespace record has malformed extras")
+    from kvstore.tiers.segments import ST_DTYPES
+
+    if dtype not in ST_DTYPES:  # a flipped name must not fail later, in the layout
+        raise RecordError(f"namespace record has an unknown dtype {dtype[:40]!r}")
+    L, P, T, H, D, rank, size, _fv = ints
+    if min(L, T, H, D, size) < 1 or P not in (1, 2) or not 0 <= rank < size or max(ints) >= 1 << 32:
+        raise RecordError("namespace record has out-of-range layout fields")
     return (model_id, rev, dtype, *ints, tuple((k, v) for k, v in extras))
+
+
+#: ``kvstore.namespace``'s hashing tag and order, without importing it (it imports torch,
+#: which an admin command opening an index does not need); ``tests/test_index_damage.py``
+#: pins that both give the same ids
+_NAMESPACE_TAG = "kvstore-namespace/1"
+
+
+def namespace_record_id(fields: tuple) -> bytes | None:
+    """The namespace id that the fields of a decoded namespace record hash to — the key the
+    record must be stored under (``Namespace.id``: sha256 of its canonical msgpack) — or None
+    when they make no valid namespace."""
+    (model_id, rev, dtype, L, P, T, H, D, rank, size, fv, extras) = fields
+    if not model_id or size < 1 or not 0 <= rank < size:
+        return None
+    canonical = msgpack.packb(
+        [_NAMESPACE_TAG, fv, model_id, rev, dtype, [L, P, T, H, D], [rank, size],
+         [list(kv) for kv in extras]],
+        use_bin_type=True,
+    )
+    return hashlib.sha256(canonical).digest()
 
 
 # -- a readers/writer gate: every transaction holds it shared; map resizes and fork hold it
@@ -250,6 +313,8 @@ class SharedEnv:
                     return
             except lmdb.MapResizedError:
                 self._adopt_map_size()
+            except _guard.LMDB_CORRUPT as e:
+                raise _guard.corrupt_error(self.realpath, e) from e
         raise DiskError(errno.EIO, f"LMDB index at {self.realpath} keeps resizing")
 
     def write(self, fn):
@@ -263,6 +328,8 @@ class SharedEnv:
                 self._grow()
             except lmdb.MapResizedError:
                 self._adopt_map_size()
+            except _guard.LMDB_CORRUPT as e:
+                raise _guard.corrupt_error(self.realpath, e) from e
         raise DiskError(errno.ENOSPC, f"LMDB index at {self.realpath} cannot grow its map")
 
     def _grow(self) -> None:
@@ -284,6 +351,9 @@ _registry_lock = threading.Lock()
 def _open_env(index_dir: str, *, create: bool, readonly: bool, map_size: int) -> SharedEnv:
     kw = dict(subdir=True, max_dbs=len(_DB_NAMES) + 2, max_readers=1024, max_spare_txns=0,
               map_size=map_size)
+    # before LMDB maps data.mdb: never an empty index over old segment files, never a file
+    # shorter than its own metadata says (SIGBUS) — StoreCorruptError naming `kvstore recover`
+    _guard.before_open(index_dir)
     if create and not readonly:
         try:
             os.makedirs(index_dir, exist_ok=True)
@@ -291,22 +361,42 @@ def _open_env(index_dir: str, *, create: bool, readonly: bool, map_size: int) ->
             raise DiskError(e.errno, f"cannot create the disk index directory {index_dir}: {e.strerror}") from e
     elif not os.path.isdir(index_dir):
         raise DiskError(errno.ENOENT, f"no disk tier index at {index_dir} (store was never written)")
+    for attempt in range(3):
+        before = _guard.dir_id(index_dir)
+        env = _lmdb_open(index_dir, create=create, readonly=readonly, kw=kw)
+        if _guard.dir_id(index_dir) == before or attempt == 2:
+            break
+        env.close()  # ``kvstore recover`` swapped the index in while LMDB opened its files
+        _guard.before_open(index_dir)
     try:
-        env = lmdb.open(index_dir, readonly=False, create=create and not readonly, **kw)
-    except lmdb.Error as e:
-        if not readonly:
-            raise DiskError(errno.EIO, f"cannot open the LMDB index at {index_dir}: {e}") from e
-        try:  # read-only filesystem or files: open the environment read-only
-            env = lmdb.open(index_dir, readonly=True, create=False, **kw)
-        except lmdb.Error as e2:
-            raise DiskError(errno.EIO, f"cannot open the LMDB index at {index_dir}: {e2}") from e2
-    try:
+        _guard.check_snapshot(env, index_dir)  # every page LMDB will read, with plain file I/O
         writable = not env.flags()["readonly"]
         dbs = _init_dbs(env, index_dir, create=not readonly)
+        if writable:
+            _raise_next_segment(env, dbs, index_dir)
+    except _guard.LMDB_CORRUPT as e:
+        env.close()
+        raise _guard.corrupt_error(index_dir, e) from e
     except BaseException:
         env.close()
         raise
     return SharedEnv(os.path.realpath(index_dir), env, dbs, writable)
+
+
+def _lmdb_open(index_dir: str, *, create: bool, readonly: bool, kw: dict) -> lmdb.Environment:
+    try:
+        return lmdb.open(index_dir, readonly=False, create=create and not readonly, **kw)
+    except _guard.LMDB_CORRUPT as e:
+        raise _guard.corrupt_error(index_dir, e) from e
+    except lmdb.Error as e:
+        if not readonly:
+            raise DiskError(errno.EIO, f"cannot open the LMDB index at {index_dir}: {e}") from e
+        try:  # read-only filesystem or files: open the environment read-only
+            return lmdb.open(index_dir, readonly=True, create=False, **kw)
+        except _guard.LMDB_CORRUPT as e2:
+            raise _guard.corrupt_error(index_dir, e2) from e2
+        except lmdb.Error as e2:
+            raise DiskError(errno.EIO, f"cannot open the LMDB index at {index_dir}: {e2}") from e2
 
 
 def _init_dbs(env: lmdb.Environment, index_dir: str, *, create: bool) -> dict[bytes, object]:
@@ -323,6 +413,11 @@ def _init_dbs(env: lmdb.Environment, index_dir: str, *, create: bool) -> dict[by
                             dbs[name] = env.open_db(name, txn=txn, create=create)
                         meta = dbs[DB_META]
                         if create and txn.get(META_FORMAT, db=meta) is None:
+                            if (txn.stat(meta)["entries"]
+                                    or txn.stat(dbs[DB_BLOCKS])["entries"]):
+                                # not a new index: never re-initialize it (next_segment!)
+                                raise _guard.corrupt_error(
+                                    index_dir, "its meta database has no format version")
                             txn.put(META_FORMAT, U32.pack(DISK_FORMAT_VERSION), db=meta)
                             txn.put(META_NEXT_SEGMENT, U64.pack(1), db=meta)
                             txn.put(META_TOTALS, TOTALS.pack(0, 0, 0, 0, 0, 0), db=meta)
@@ -330,19 +425,55 @@ def _init_dbs(env: lmdb.Environment, index_dir: str, *, create: bool) -> dict[by
                 except lmdb.MapResizedError:
                     env.set_mapsize(0)
     except lmdb.NotFoundError:
+        with contextlib.suppress(lmdb.Error):
+            if env.stat()["entries"]:  # it has databases, but not ours where they should be
+                raise _guard.corrupt_error(index_dir, "a named database cannot be found") from None
         raise DiskError(errno.ENOENT, f"{index_dir} is not a kvstore disk index") from None
     with env.begin() as txn:
         raw = txn.get(META_FORMAT, db=dbs[DB_META])
     if raw is None or len(raw) != 4:
-        raise DiskError(errno.EINVAL, f"{index_dir} has no readable disk format version")
+        raise _guard.corrupt_error(index_dir, "it has no readable disk format version")
     (found,) = U32.unpack(raw)
     if found != DISK_FORMAT_VERSION:
+        _check_plausible(found, index_dir)
         raise FormatVersionError(
             f"the disk tier at {os.path.dirname(index_dir)} has on-disk format version {found}, "
             f"but this kvstore reads and writes format version {DISK_FORMAT_VERSION}; open it "
             f"with a kvstore release for format {found}, or point the store at a new directory"
         )
     return dbs
+
+
+def _raise_next_segment(env: lmdb.Environment, dbs: dict[bytes, object], index_dir: str) -> None:
+    """Segment ids are never reused: when ``segments/`` holds an id at or past
+    ``meta.next_segment`` (an index restored from a backup, or rebuilt), move it past them."""
+    _ids, top = _guard.segment_ids(os.path.join(_guard.store_of(index_dir), "segments"))
+    if not top:
+        return
+    meta = dbs[DB_META]
+    with env.begin() as txn:
+        raw = txn.get(META_NEXT_SEGMENT, db=meta)
+    if raw is not None and len(raw) == 8 and U64.unpack(raw)[0] > top:
+        return
+    for _ in range(8):
+        try:
+            with env.begin(write=True) as txn:
+                raw = txn.get(META_NEXT_SEGMENT, db=meta)
+                cur = U64.unpack(raw)[0] if raw is not None and len(raw) == 8 else 0
+                if cur <= top:
+                    log.warning("disk index %s: next segment id %d is not past segment %016x "
+                                "on disk; raising it to %d", index_dir, cur, top, top + 1)
+                    txn.put(META_NEXT_SEGMENT, U64.pack(top + 1), db=meta)
+            return
+        except lmdb.MapResizedError:
+            env.set_mapsize(0)
+
+
+def _check_plausible(found: int, index_dir: str) -> None:
+    """A format version no kvstore will ever write (0, or 1000 and up: a flipped high bit)
+    is a damaged record, not a store of another release."""
+    if found == 0 or found >= 1000:
+        raise _guard.corrupt_error(index_dir, f"its format version record says {found}")
 
 
 def acquire_env(index_dir: str, *, create: bool, readonly: bool,
@@ -366,8 +497,12 @@ def acquire_env(index_dir: str, *, create: bool, readonly: bool,
 def _check_version_again(sh: SharedEnv, index_dir: str) -> None:
     with sh.read() as txn:
         raw = txn.get(META_FORMAT, db=sh.dbs[DB_META])
-    (found,) = U32.unpack(raw)
+    try:
+        found = decode_u32(raw, "the format version")
+    except RecordError as e:
+        raise _guard.corrupt_error(index_dir, e) from None
     if found != DISK_FORMAT_VERSION:
+        _check_plausible(found, index_dir)
         raise FormatVersionError(
             f"the disk tier at {os.path.dirname(index_dir)} has on-disk format version {found}, "
             f"but this kvstore reads and writes format version {DISK_FORMAT_VERSION}"
@@ -441,7 +576,11 @@ class WriteOps:
         self.lru = dbs[DB_LRU]
         self.segs_db = dbs[DB_SEGS]
         self.meta = dbs[DB_META]
-        self.totals = list(TOTALS.unpack(txn.get(META_TOTALS, db=self.meta)))
+        try:
+            self.totals = decode_totals(txn.get(META_TOTALS, db=self.meta))
+        except RecordError as e:  # derived: check(fix=True) recomputes it
+            log.warning("disk index: %s; counting from zero", e)
+            self.totals = [0, 0, 0, 0, 0, 0]
         self._segs: dict[int, list[int]] = {}
         self.emptied: list[int] = []
 
@@ -451,13 +590,23 @@ class WriteOps:
 
     def children(self, key: bytes) -> int:
         raw = self.txn.get(key, db=self.children_db)
-        return 0 if raw is None else U32.unpack(raw)[0]
+        if raw is None:
+            return 0
+        try:
+            return decode_u32(raw, "a children count")
+        except RecordError as e:  # derived: check(fix=True) recomputes it
+            log.warning("disk index: %s; taken as 1", e)
+            return 1
 
     def _seg(self, sid: int) -> list[int]:
         s = self._segs.get(sid)
         if s is None:
             raw = self.txn.get(BE64.pack(sid), db=self.segs_db)
-            s = [0, 0, 0, 0, 0] if raw is None else list(decode_seginfo(raw))
+            try:
+                s = [0, 0, 0, 0, 0] if raw is None else list(decode_seginfo(raw))
+            except RecordError as e:  # derived: check(fix=True) recomputes it
+                log.warning("disk index: segment %016x: %s; counting from zero", sid, e)
+                s = [0, 0, 0, 0, 0]
             self._segs[sid] = s
         return s
 
@@ -475,7 +624,7 @@ class WriteOps:
         p = parent_dbkey(rec)
         if p is not None:
             c = self.children(p)
-            txn.put(p, U32.pack(c + 1), db=self.children_db)
+            txn.put(p, U32.pack(min(c + 1, _MAX_HITS)), db=self.children_db)
             if c == 0:
                 prec = self.get(p)
                 if prec is not None:
@@ -544,6 +693,7 @@ class WriteOps:
             else:
                 # a corrupt record's sizes can drive derived counters out of range: clamp, so
                 # that dropping such a record always commits (check(fix=True) rebuilds them)
-                txn.put(k, encode_seginfo(SegInfo(*(min(max(0, v), _U64_MAX) for v in s))),
+                txn.put(k, encode_seginfo(SegInfo(min(s[0], _MAX_HITS),
+                                                  *(min(max(0, v), _U64_MAX) for v in s[1:]))),
                         db=self.segs_db)
         txn.put(META_TOTALS, TOTALS.pack(*(min(max(0, v), _U64_MAX) for v in t)), db=self.meta)

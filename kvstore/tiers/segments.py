@@ -1,20 +1,22 @@
 """Segment files of the disk tier: append-only safetensors files (``docs/format.md``).
 
 A segment is written once, by one ``write_blocks`` batch or one compaction pass, under a
-temporary name, fsynced and renamed into place; it is never modified afterwards and is
-unlinked only after the index no longer references it. Tensor name = key hex.
+temporary name, fsynced and linked into place (never over an existing file: ids are never
+reused); it is never modified afterwards and is unlinked only after the index no longer
+references it. Tensor name = key hex.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
 import struct
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import xxhash
@@ -40,6 +42,11 @@ ST_DTYPES: dict[str, str] = {
     "uint8": "U8",
     "float8_e4m3fn": "F8_E4M3",
     "float8_e5m2": "F8_E5M2",
+}
+# bytes per element of each dtype name (without importing torch)
+DTYPE_SIZES: dict[str, int] = {
+    "float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int8": 1, "uint8": 1,
+    "float8_e4m3fn": 1, "float8_e5m2": 1,
 }
 _U64 = struct.Struct("<Q")
 _xxh3 = xxhash.xxh3_64_intdigest
@@ -86,9 +93,18 @@ def block_meta(codec: str, raw_nbytes: int, checksum: int, namespace_id: bytes,
     return f"{codec};{raw_nbytes};{checksum:016x};{namespace_id.hex()};{parent.hex() if parent else ''}"
 
 
-def encode_header(segment_id: int, entries: Sequence[SegmentEntry]) -> tuple[bytes, list[int]]:
-    """The first ``8 + N`` bytes of a segment and each entry's absolute file offset."""
+#: ``__metadata__`` key prefix of the namespace records a segment carries (one per namespace
+#: of its blocks), so that ``kvstore recover`` can rebuild the index from segments alone
+NAMESPACE_META_PREFIX = "kvstore.namespace."
+
+
+def encode_header(segment_id: int, entries: Sequence[SegmentEntry],
+                  namespaces: Mapping[bytes, bytes] | None = None) -> tuple[bytes, list[int]]:
+    """The first ``8 + N`` bytes of a segment and each entry's absolute file offset.
+    ``namespaces``: namespace id -> its index record (msgpack), written as hex."""
     meta: dict[str, str] = {"kvstore.format": SEGMENT_FORMAT, "kvstore.segment": f"{segment_id:016x}"}
+    for nid in sorted(namespaces or ()):
+        meta[NAMESPACE_META_PREFIX + nid.hex()] = namespaces[nid].hex()  # type: ignore[index]
     for e in entries:
         meta[e.name] = e.meta
     parts = ['"__metadata__":' + json.dumps(meta, separators=(",", ":"), ensure_ascii=True)]
@@ -184,13 +200,73 @@ def _write_all(fd: int, bufs: list) -> None:
                 n = 0
 
 
-def write_segment(segdir: str, segment_id: int, entries: Sequence[SegmentEntry]) -> tuple[str, int, list[int]]:
-    """Write a segment durably: temp file, fsync, rename. The caller fsyncs the directory.
+def publish(tmp: str, final: str) -> None:
+    """Give the complete file ``tmp`` the name ``final`` *without ever replacing* a file of
+    that name: ``link`` + ``unlink`` (``rename`` would silently overwrite). Segment ids are
+    never reused, so an existing ``final`` means an id was handed out twice (an index restored
+    from a backup, say): FileExistsError, and the existing file stays as it was. Filesystems
+    without hard links use ``renameat2(RENAME_NOREPLACE)``."""
+    try:
+        os.link(tmp, final)
+    except FileExistsError:
+        raise FileExistsError(errno.EEXIST, "segment file already exists; segment ids are never "
+                              "reused, so it is not overwritten", final) from None
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK,
+                           errno.EXDEV, errno.ENOSYS):
+            raise
+        _rename_noreplace(tmp, final)
+        return
+    os.unlink(tmp)
+
+
+_RENAME_NOREPLACE = 1
+_renameat2 = None
+
+
+def _rename_noreplace(src: str, dst: str) -> None:
+    global _renameat2
+    if _renameat2 is None:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = getattr(libc, "renameat2", None)
+        if fn is None:
+            _renameat2 = False
+        else:
+            fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
+                           ctypes.c_uint]
+            _renameat2 = fn
+    if _renameat2:
+        import ctypes
+
+        at_fdcwd = -100
+        if _renameat2(at_fdcwd, os.fsencode(src), at_fdcwd, os.fsencode(dst),
+                      _RENAME_NOREPLACE) == 0:
+            return
+        err = ctypes.get_errno()
+        if err == errno.EEXIST:
+            raise FileExistsError(errno.EEXIST, "segment file already exists; segment ids are "
+                                  "never reused, so it is not overwritten", dst)
+        if err not in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+            raise OSError(err, os.strerror(err), dst)
+    # last resort (no hard links, no RENAME_NOREPLACE): check, then rename
+    if os.path.lexists(dst):
+        raise FileExistsError(errno.EEXIST, "segment file already exists; segment ids are never "
+                              "reused, so it is not overwritten", dst)
+    os.rename(src, dst)
+
+
+def write_segment(segdir: str, segment_id: int, entries: Sequence[SegmentEntry],
+                  namespaces: Mapping[bytes, bytes] | None = None) -> tuple[str, int, list[int]]:
+    """Write a segment durably: temp file (``O_EXCL``), fsync, :func:`publish` under its final
+    name (never replacing an existing file). The caller fsyncs the directory.
 
     Returns ``(final path, file size, absolute data offset of each entry)``. On any error the
-    temp file is removed and the OSError propagates; nothing is left under the final name.
+    temp file is removed and the OSError propagates; nothing is left under the final name
+    (FileExistsError when a file of that name exists already: it is left as it was).
     """
-    header, offsets = encode_header(segment_id, entries)
+    header, offsets = encode_header(segment_id, entries, namespaces)
     tmp = os.path.join(segdir, temp_name(segment_id))
     final = os.path.join(segdir, segment_name(segment_id))
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
@@ -205,7 +281,7 @@ def write_segment(segdir: str, segment_id: int, entries: Sequence[SegmentEntry])
             os.fsync(fd)
         finally:
             os.close(fd)
-        os.rename(tmp, final)
+        publish(tmp, final)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)

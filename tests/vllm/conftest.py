@@ -2,17 +2,23 @@
 transformers, so they run in their own virtual environment: ``tools/ci_vllm.sh``.
 
 Without an importable ``vllm`` every test here is skipped (the main suite's interpreter).
-Each engine runs in a fresh subprocess (``kvstore.integrations.vllm_testing``).
+Each engine runs in a fresh subprocess (``tests/support/vllm_helpers.py``, imported here as
+``support.vllm_helpers``).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
 
 _HERE = Path(__file__).parent.resolve()
+# tests/ on sys.path for ``support`` (pytest's default import mode puts it there already, through
+# tests/conftest.py; not every mode does)
+if str(_HERE.parent) not in sys.path:
+    sys.path.insert(0, str(_HERE.parent))
 
 
 def _vllm_missing() -> str | None:

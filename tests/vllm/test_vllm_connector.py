@@ -15,16 +15,15 @@ import time
 from pathlib import Path
 
 import pytest
-
-from kvstore.integrations.vllm_testing import (
+from support.vllm_helpers import (
     corrupt_segments,
-    kvstore_transfer,
     make_llama,
     prompt,
-    read_stats,
     run_engine_subprocess,
     segment_files,
 )
+
+from kvstore.integrations.vllm import kvstore_transfer, read_stats
 
 BS = 32
 N = 300

