@@ -1,6 +1,6 @@
 """``kvstore.connect``: the embedded store's API, served by a ``kvstore serve`` daemon.
 
-The control plane is the daemon's Unix socket (:mod:`kvstore.server`); the data plane is
+The control plane is the daemon's Unix socket (:mod:`kvstore.wire`, served by :mod:`kvstore.daemon`); the data plane is
 the namespace's warm tier, a shared-memory slab this process maps. A fetch leases the
 blocks' slots, copies them into the caller's tensor (on its device; the mapping is
 registered as pinned memory where CUDA exists, so those copies are DMA) and releases the
@@ -38,16 +38,16 @@ from kvstore.keys import block_keys as _block_keys
 from kvstore.layout import KVLayout
 from kvstore.namespace import Namespace
 from kvstore.paged import page_index, paged_geometry
-from kvstore.server import messages as m
-from kvstore.server.channel import Channel, ChannelClosed
-from kvstore.server.messages import PermissionDeniedError, ProtocolVersionError, ServerError
-from kvstore.server.protocol import PROTOCOL_VERSION, derive_namespace, make_hello
 from kvstore.stats import StoreStats
 from kvstore.store import _resolve_device
 from kvstore.tiers.key_directory import KeyDirectory
 from kvstore.tiers.slab import directory_path, map_shared, register_pinned, runs, unregister_pinned
 from kvstore.transfer import Transfer
 from kvstore.validate import check_kv, check_out
+from kvstore.wire import messages as m
+from kvstore.wire.channel import Channel, ChannelClosed
+from kvstore.wire.messages import PermissionDeniedError, ProtocolVersionError, ServerError
+from kvstore.wire.protocol import PROTOCOL_VERSION, derive_namespace, make_hello
 
 log = logging.getLogger("kvstore.client")
 

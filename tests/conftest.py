@@ -42,7 +42,7 @@ def small_layout() -> KVLayout:
 def store_daemon(tmp_path_factory):
     """One memory-only ``kvstore serve`` for the session's parity tests (each test gets a
     namespace of its own through a unique model id)."""
-    from kvstore.server.testing import DaemonProcess
+    from kvstore.daemon.testing import DaemonProcess
 
     d = tmp_path_factory.mktemp("daemon")
     daemon = DaemonProcess(d / "store", d / "run" / "kvstore.sock", "--cpu-capacity", "64MiB",
@@ -104,7 +104,7 @@ def random_kv(layout: KVLayout, n: int, seed: int = 0) -> torch.Tensor:
 def serve(tmp_path):
     """Start ``kvstore serve`` subprocesses: ``serve(*args)`` -> a started ``DaemonProcess``
     on ``tmp_path/run/kvstore.sock`` with its store in ``tmp_path/store``; stopped at teardown."""
-    from kvstore.server.testing import DaemonProcess
+    from kvstore.daemon.testing import DaemonProcess
 
     started = []
 
@@ -139,7 +139,7 @@ MEMORY_DAEMON_ARGS = ("--cpu-capacity", "1MiB", "--disk-capacity", "0")
 @pytest.fixture(scope="module")
 def memory_daemon(tmp_path_factory):
     """A memory-only ``kvstore serve`` for a test module (give each test its own namespace)."""
-    from kvstore.server.testing import DaemonProcess
+    from kvstore.daemon.testing import DaemonProcess
 
     d = tmp_path_factory.mktemp("daemon")
     proc = DaemonProcess(d / "store", d / "run" / "kvstore.sock", *MEMORY_DAEMON_ARGS).start()

@@ -252,7 +252,7 @@ def test_stats_path(base_store, capsys):
 
 def test_stats_socket_live_daemon(tmp_path, capsys):
     from kvstore.client import connect
-    from kvstore.server.testing import DaemonProcess
+    from kvstore.daemon.testing import DaemonProcess
 
     store, sock = tmp_path / "store", tmp_path / "run" / "kvstore.sock"
     d = DaemonProcess(store, sock, "--cpu-capacity", "64KiB").start()

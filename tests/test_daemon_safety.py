@@ -19,13 +19,13 @@ from conftest import wait_until
 from kvstore import KVLayout, connect
 from kvstore.admin.live import DaemonUnavailableError, daemon_remove, serving_daemon
 from kvstore.errors import PutsLostError
-from kvstore.server import messages as m
-from kvstore.server.channel import Channel
-from kvstore.server.codec import pack
-from kvstore.server.framing import send_frame
-from kvstore.server.lockfile import LOCK_NAME, read_daemon_lock
-from kvstore.server.messages import ErrorCode, PermissionDeniedError, ServerError
-from kvstore.server.protocol import make_hello
+from kvstore.lockfile import LOCK_NAME, read_daemon_lock
+from kvstore.wire import messages as m
+from kvstore.wire.channel import Channel
+from kvstore.wire.codec import pack
+from kvstore.wire.framing import send_frame
+from kvstore.wire.messages import ErrorCode, PermissionDeniedError, ServerError
+from kvstore.wire.protocol import make_hello
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.bfloat16, block_tokens=4)
 DISK = ("--cpu-capacity", "1MiB", "--disk-capacity", "16MiB")

@@ -16,8 +16,8 @@ from conftest import wait_until
 
 from kvstore import ConfigError, KVLayout, connect
 from kvstore.client import Client
-from kvstore.server.messages import ErrorCode, ServerError
-from kvstore.server.security import SHM_PREFIX, bind_unix_socket
+from kvstore.daemon.security import SHM_PREFIX, bind_unix_socket
+from kvstore.wire.messages import ErrorCode, ServerError
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.bfloat16, block_tokens=4)
 MEMORY = ("--cpu-capacity", "1MiB", "--disk-capacity", "0")
@@ -220,7 +220,7 @@ def test_warm_tier_that_does_not_fit_in_shared_memory_is_refused(serve):
 
 
 def test_event_loop_choice(monkeypatch):
-    from kvstore.server.daemon import _loop_factory
+    from kvstore.daemon.daemon import _loop_factory
 
     monkeypatch.setenv("KVSTORE_LOOP", "asyncio")
     assert _loop_factory() is None

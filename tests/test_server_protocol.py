@@ -15,11 +15,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvstore import KVLayout, connect
-from kvstore.server import messages as m
-from kvstore.server import protocol
-from kvstore.server.channel import Channel, ChannelClosed
-from kvstore.server.codec import CodecError, CodecLimits, pack, unpack
-from kvstore.server.framing import (
+from kvstore.wire import messages as m
+from kvstore.wire import protocol
+from kvstore.wire.channel import Channel, ChannelClosed
+from kvstore.wire.codec import CodecError, CodecLimits, pack, unpack
+from kvstore.wire.framing import (
     FrameError,
     FrameReader,
     FrameTooLarge,
@@ -27,7 +27,7 @@ from kvstore.server.framing import (
     read_frame,
     recv_frame,
 )
-from kvstore.server.messages import ErrorCode, PermissionDeniedError, ProtocolVersionError
+from kvstore.wire.messages import ErrorCode, PermissionDeniedError, ProtocolVersionError
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.bfloat16, block_tokens=4)
 
@@ -218,7 +218,7 @@ def test_namespace_is_derived_by_the_daemon():
 # -- against a live daemon -------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
-    from kvstore.server.testing import DaemonProcess
+    from kvstore.daemon.testing import DaemonProcess
 
     d = tmp_path_factory.mktemp("proto")
     proc = DaemonProcess(d / "store", d / "run" / "kvstore.sock", "--cpu-capacity", "4MiB",

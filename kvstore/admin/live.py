@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 from kvstore.admin.common import AdminError
 
 if TYPE_CHECKING:
-    from kvstore.server.messages import ServerStats
     from kvstore.stats import StoreStats
+    from kvstore.wire.messages import ServerStats
 
 __all__ = [
     "DaemonNamespaceStats",
@@ -112,7 +112,7 @@ def serving_daemon(store_path: str | os.PathLike[str] | None) -> str | None:
     when this is not ``None``."""
     from kvstore.admin.common import resolve_store_path
     from kvstore.errors import ConfigError
-    from kvstore.server.lockfile import read_daemon_lock
+    from kvstore.lockfile import read_daemon_lock
 
     try:
         record = read_daemon_lock(resolve_store_path(store_path))
@@ -129,8 +129,8 @@ def daemon_remove(socket: str | os.PathLike[str], namespace_id: bytes | str,
     ``RemovalPlan.keys``) or, with ``keys=None``, every block of the namespace. Returns how
     many blocks went; blocks a client holds pinned at that moment stay. Needs the daemon's
     uid or root; raises :class:`DaemonUnavailableError` when the daemon cannot be asked."""
-    from kvstore.server import messages as m
-    from kvstore.server.channel import Channel, ChannelClosed
+    from kvstore.wire import messages as m
+    from kvstore.wire.channel import Channel, ChannelClosed
 
     sock = os.path.abspath(os.path.expanduser(os.fspath(socket)))
     nsid = _id_bytes(namespace_id, "namespace_id")
@@ -165,7 +165,7 @@ def daemon_remove(socket: str | os.PathLike[str], namespace_id: bytes | str,
 
 
 def _remove_call(ch, sock: str, req) -> int:  # noqa: ANN001
-    from kvstore.server import messages as m
+    from kvstore.wire import messages as m
 
     try:
         return ch.call(req).n

@@ -19,10 +19,10 @@ import torch
 
 from kvstore.bench import BenchOptions, BenchRow, best_time, throughput_row, time_row
 from kvstore.layout import KVLayout
-from kvstore.server import messages as m
-from kvstore.server.codec import pack
-from kvstore.server.framing import HEADER_BYTES, FrameReader, encode_frame
 from kvstore.store import open_store
+from kvstore.wire import messages as m
+from kvstore.wire.codec import pack
+from kvstore.wire.framing import HEADER_BYTES, FrameReader, encode_frame
 
 SECTION = "daemon"
 LOOKUP_KEYS = 1024
@@ -163,7 +163,7 @@ def _bandwidth_rows(socket_path: Path, quick: bool) -> list[BenchRow]:
 
 
 def run(opts: BenchOptions) -> list[BenchRow]:
-    from kvstore.server.testing import DaemonProcess
+    from kvstore.daemon.testing import DaemonProcess
 
     base = Path(tempfile.mkdtemp(prefix="kvstore-bench-daemon-", dir=opts.workdir))
     quick = opts.quick

@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from kvstore.server.daemon import _loop_factory
-from kvstore.server.framing import encode_frame, read_frame
+from kvstore.daemon.daemon import _loop_factory
+from kvstore.wire.framing import encode_frame, read_frame
 
 _REPLY = encode_frame(b"\x93\x01\x00\x91\x00\x00\x00\x00")
 

@@ -9,10 +9,10 @@ from pathlib import Path
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvstore.daemon.config import DaemonConfig
+    from kvstore.daemon.daemon import run_daemon
+    from kvstore.daemon.security import Limits
     from kvstore.errors import KVStoreError
-    from kvstore.server.config import DaemonConfig
-    from kvstore.server.daemon import run_daemon
-    from kvstore.server.security import Limits
     from kvstore.sizes import parse_size
 
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),

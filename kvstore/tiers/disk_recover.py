@@ -178,7 +178,7 @@ class _StoreLock:
 
 def _daemon_socket(store: str) -> str | None:
     try:
-        from kvstore.server.lockfile import read_daemon_lock
+        from kvstore.lockfile import read_daemon_lock
     except ImportError:
         return None
     try:

@@ -18,13 +18,11 @@ import signal
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from kvstore.server.config import DaemonConfig
-from kvstore.server.connection import Connection
-from kvstore.server.lockfile import DaemonLock
-from kvstore.server.metrics import DaemonMetrics
-from kvstore.server.namespaces import NamespaceRegistry
-from kvstore.server.protocol import PROTOCOL_VERSION
-from kvstore.server.security import (
+from kvstore.daemon.config import DaemonConfig
+from kvstore.daemon.connection import Connection
+from kvstore.daemon.metrics import DaemonMetrics
+from kvstore.daemon.namespaces import NamespaceRegistry
+from kvstore.daemon.security import (
     PeerPolicy,
     bind_unix_socket,
     make_shm_dir,
@@ -32,8 +30,10 @@ from kvstore.server.security import (
     remove_path,
     remove_stale_shm,
 )
+from kvstore.lockfile import DaemonLock
+from kvstore.wire.protocol import PROTOCOL_VERSION
 
-log = logging.getLogger("kvstore.server")
+log = logging.getLogger("kvstore.daemon")
 
 
 class Daemon:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvstore.daemon.security import Limits
 from kvstore.errors import ConfigError
-from kvstore.server.security import Limits
 
 #: "client": honour each hello's salt policy; "per-uid": every namespace is per uid
 DAEMON_SALT_POLICIES = ("client", "per-uid")

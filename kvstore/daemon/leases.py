@@ -2,7 +2,7 @@
 
 Everything is given back when the connection ends, however it ends (the client closed it,
 crashed, was killed): leases are released, granted puts aborted (their slots freed, nothing
-visible), pins dropped. Counts are bounded by :class:`kvstore.server.security.Limits`.
+visible), pins dropped. Counts are bounded by :class:`kvstore.daemon.security.Limits`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from kvstore.api import PutGrant
 from kvstore.keys import BlockKey
-from kvstore.server.messages import BadRequest, ErrorCode
+from kvstore.wire.messages import BadRequest, ErrorCode
 
 
 @dataclass(slots=True)

@@ -20,7 +20,7 @@ from prometheus_client.registry import Collector
 
 from kvstore.stats import StoreStats
 
-log = logging.getLogger("kvstore.server.metrics")
+log = logging.getLogger("kvstore.daemon.metrics")
 _LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3,
                     50e-3, 100e-3, 250e-3, 1.0, 5.0)
 

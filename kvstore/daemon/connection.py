@@ -15,21 +15,21 @@ import os
 import time
 from typing import TYPE_CHECKING
 
+from kvstore.daemon.handlers import ADMIN_HANDLERS, HANDLERS
+from kvstore.daemon.leases import Holdings
+from kvstore.daemon.security import PeerCredentials, is_disconnect
 from kvstore.errors import KVStoreError, StoreClosedError
-from kvstore.server import messages as m
-from kvstore.server.codec import CodecError, CodecLimits, pack, unpack
-from kvstore.server.framing import FrameError, FrameTooLarge, encode_frame, read_frame
-from kvstore.server.handlers import ADMIN_HANDLERS, HANDLERS
-from kvstore.server.leases import Holdings
-from kvstore.server.messages import BadRequest, ErrorCode
-from kvstore.server.protocol import PROTOCOL_VERSION, check_version, derive_namespace
-from kvstore.server.security import PeerCredentials, is_disconnect
+from kvstore.wire import messages as m
+from kvstore.wire.codec import CodecError, CodecLimits, pack, unpack
+from kvstore.wire.framing import FrameError, FrameTooLarge, encode_frame, read_frame
+from kvstore.wire.messages import BadRequest, ErrorCode
+from kvstore.wire.protocol import PROTOCOL_VERSION, check_version, derive_namespace
 
 if TYPE_CHECKING:
-    from kvstore.server.daemon import Daemon
-    from kvstore.server.namespaces import NamespaceEntry
+    from kvstore.daemon.daemon import Daemon
+    from kvstore.daemon.namespaces import NamespaceEntry
 
-log = logging.getLogger("kvstore.server")
+log = logging.getLogger("kvstore.daemon")
 
 #: how long a refused connection is kept open for the peer's hello to arrive
 _LINGER_S = 1.0

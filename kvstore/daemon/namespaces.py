@@ -17,14 +17,14 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvstore.daemon.config import DaemonConfig
 from kvstore.errors import KVStoreError
 from kvstore.namespace import Namespace
-from kvstore.server.config import DaemonConfig
-from kvstore.server.messages import BadRequest, ErrorCode
 from kvstore.stats import StoreStats
 from kvstore.store import Store, open_store
+from kvstore.wire.messages import BadRequest, ErrorCode
 
-log = logging.getLogger("kvstore.server")
+log = logging.getLogger("kvstore.daemon")
 
 RunBlocking = Callable[..., Awaitable]
 

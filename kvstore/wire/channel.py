@@ -18,9 +18,9 @@ import struct
 import threading
 from collections import OrderedDict
 
-from kvstore.server import messages as m
-from kvstore.server.codec import CodecError, CodecLimits, pack, unpack
-from kvstore.server.framing import DEFAULT_MAX_FRAME, FrameError, FrameReader, send_frame
+from kvstore.wire import messages as m
+from kvstore.wire.codec import CodecError, CodecLimits, pack, unpack
+from kvstore.wire.framing import DEFAULT_MAX_FRAME, FrameError, FrameReader, send_frame
 
 log = logging.getLogger("kvstore.client")
 

@@ -1,11 +1,7 @@
-"""The sidecar daemon (``kvstore serve``) and its wire protocol.
+"""The sidecar daemon (``kvstore serve``); its wire protocol is :mod:`kvstore.wire`.
 
 | module | job |
 | --- | --- |
-| ``framing`` | 4-byte big-endian length prefix; frame cap checked before the body is read |
-| ``codec`` | bounded msgpack (no pickle, no extension types) |
-| ``messages`` | typed requests/replies and their wire arrays; error codes |
-| ``protocol`` | protocol version; the hello handshake -> namespace |
 | ``security`` | socket and shared-memory permissions, SO_PEERCRED allow-list, limits |
 | ``leases`` | per-connection leases, granted puts and pins, given back on disconnect |
 | ``config`` | ``DaemonConfig``: what ``kvstore serve`` resolved from its arguments |
@@ -14,7 +10,6 @@
 | ``connection`` | one client connection: hello, then requests in order |
 | ``daemon`` | the asyncio server, its thread pool, graceful shutdown |
 | ``metrics`` | Prometheus metrics (file or 127.0.0.1 HTTP) |
-| ``channel`` | the client's end of a connection (blocking, pipelined) |
 | ``testing`` | start/stop a daemon subprocess (tests, benchmarks) |
 
 The client is :mod:`kvstore.client` (``kvstore.connect``); the protocol is documented in

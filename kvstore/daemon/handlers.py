@@ -11,15 +11,15 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
+from kvstore.daemon.namespaces import free_warm_slots
 from kvstore.keys import KeyChain
-from kvstore.server import messages as m
-from kvstore.server.messages import BadRequest, ErrorCode
-from kvstore.server.namespaces import free_warm_slots
+from kvstore.wire import messages as m
+from kvstore.wire.messages import BadRequest, ErrorCode
 
 if TYPE_CHECKING:
-    from kvstore.server.connection import Connection
+    from kvstore.daemon.connection import Connection
 
-log = logging.getLogger("kvstore.server")
+log = logging.getLogger("kvstore.daemon")
 
 
 def _chain(conn: Connection, blob: bytes, parent: bytes | None = None) -> KeyChain:

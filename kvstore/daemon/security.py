@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvstore.errors import ConfigError
-from kvstore.server.framing import DEFAULT_MAX_FRAME
+from kvstore.wire.framing import DEFAULT_MAX_FRAME
 
 SHM_PREFIX = "kvstore-serve-"
 _UCRED = struct.Struct("3i")  # pid, uid, gid
