@@ -39,7 +39,7 @@ from kvstore.layout import KVLayout
 from kvstore.namespace import Namespace
 from kvstore.paged import page_index, paged_geometry
 from kvstore.stats import StoreStats
-from kvstore.store import _resolve_device
+from kvstore.store.config import resolve_device
 from kvstore.tiers.key_directory import KeyDirectory
 from kvstore.tiers.slab import directory_path, map_shared, register_pinned, runs, unregister_pinned
 from kvstore.transfer import Transfer
@@ -136,7 +136,7 @@ class Client:
             raise ConfigError(f"layout must be a KVLayout, got {type(layout).__name__}")
         self.socket_path = os.fspath(socket_path)
         self.layout = layout
-        self.device = _resolve_device(device)
+        self.device = resolve_device(device)
         self.timeout = timeout
         self._hello = make_hello(
             layout, model_id, model_revision=model_revision, tp_rank=tp_rank, tp_size=tp_size,

@@ -9,7 +9,7 @@ import torch
 from conftest import wait_until
 
 from kvstore import KVLayout, StoreStats, connect
-from kvstore.store import PinReceipt
+from kvstore.api import PinReceipt
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.bfloat16, block_tokens=4)
 MEMORY = ("--cpu-capacity", "1MiB", "--disk-capacity", "0")

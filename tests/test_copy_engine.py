@@ -115,13 +115,13 @@ def test_fetch_layerwise_readiness():
 def test_failed_put_copy_leaves_nothing_visible(monkeypatch):
     with store(hot=0) as s:
         keys = s.block_keys(list(range(12)))
-        real = s._warm.slab.write
+        real = s.state.warm.slab.write
 
         def broken(slots, src, non_blocking=False):
             real(slots[:1], src[:1])  # part of the bytes land, then the copy fails
             raise RuntimeError("DMA error (injected)")
 
-        monkeypatch.setattr(s._warm.slab, "write", broken)
+        monkeypatch.setattr(s.state.warm.slab, "write", broken)
         t = s.put(keys, random_kv(LAY, 3))
         f = s.fetch(keys)  # queued behind the failing put
         assert t.wait(5) == 0
@@ -142,7 +142,7 @@ def test_failing_disk_read_in_the_middle_of_a_batch(tmp_path, monkeypatch):
         s.put(keys, kv).wait()
         s.flush()
         s.evict(tier="warm")
-        real = s._disk.read_many
+        real = s.state.disk.read_many
 
         def flaky(ks, dsts, **kw):
             out = real(ks, dsts, **kw)
@@ -150,7 +150,7 @@ def test_failing_disk_read_in_the_middle_of_a_batch(tmp_path, monkeypatch):
             dsts[3].fill_(0xAB)  # garbage where the bad block would be
             return out
 
-        monkeypatch.setattr(s._disk, "read_many", flaky)
+        monkeypatch.setattr(s.state.disk, "read_many", flaky)
         got = s.fetch(keys).wait(5)
         assert got.shape[0] == 3 and torch.equal(got, kv[:3])
         st = s.stats()

@@ -23,7 +23,7 @@ def test_zero_copy_view_pinned_until_released():
         with s.borrow_blocks(keys[:6]) as b:
             assert len(b) == 6 and b.zero_copy
             assert torch.equal(b.blocks, kv[:6])
-            slab = s._warm.slab.data
+            slab = s.state.warm.slab.data
             assert slab.data_ptr() <= b.blocks.data_ptr() < slab.data_ptr() + slab.numel()
             assert s.stats().pinned_blocks == 6
             assert s.evict() == 2  # only the unpinned tail can go

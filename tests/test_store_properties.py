@@ -94,7 +94,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.receipts.pop(0).release()
 
     def _held(self, k):
-        return self.store._held(k)
+        return self.store.residency.held(k)
 
     @invariant()
     def prefix_closed(self):
@@ -138,9 +138,9 @@ def test_put_chains_age_leaf_first():
                     cpu_capacity=64 * LAY.block_nbytes) as s:
         keys = s.block_keys(list(range(2 * 6)))
         s.put(keys[:4], kv_for(keys[:4])).wait()
-        assert s._warm.lru_order() == list(reversed(keys[:4]))
+        assert s.state.warm.lru_order() == list(reversed(keys[:4]))
         s.put(keys, kv_for(keys)).wait()  # extends the chain by two blocks
-        assert s._warm.lru_order() == list(reversed(keys))
+        assert s.state.warm.lru_order() == list(reversed(keys))
         other = s.block_keys(list(range(100, 108)))
         s.put(other, kv_for(other)).wait()
-        assert s._warm.lru_order() == list(reversed(keys)) + list(reversed(other))
+        assert s.state.warm.lru_order() == list(reversed(keys)) + list(reversed(other))

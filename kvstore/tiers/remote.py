@@ -277,6 +277,11 @@ class RemoteTier:
             self._refreshing = False
             self._counters.lock = threading.Lock()
 
+    @property
+    def url(self) -> str:
+        """The tier's URL, credentials redacted."""
+        return self._url
+
     def redis_key(self, key: bytes) -> bytes:
         """The Redis key of a block key."""
         return self._prefix + key.hex().encode()

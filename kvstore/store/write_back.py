@@ -7,36 +7,43 @@ import logging
 import torch
 
 from kvstore.keys import BlockKey
-from kvstore.storeops.put import OverflowJob
+from kvstore.store.put import OverflowJob
+from kvstore.store.residency import Residency
+from kvstore.store.state import StoreState
 
 log = logging.getLogger("kvstore.store")
 #: how much the background writer puts into one segment
 WRITE_BATCH_BYTES = 64 << 20
 
 
-class DiskWriteOps:
-    """The write-behind passes (mixin of :class:`kvstore.store.Store`)."""
+class WriteBack:
+    """The background writer's passes: dirty blocks into disk segments (and the remote
+    tier), put overflow straight to disk."""
 
-    def _write_pass(self) -> bool:
+    def __init__(self, st: StoreState, res: Residency) -> None:
+        self.st = st
+        self.res = res
+
+    def write_pass(self) -> bool:
         """One batch of the background writer: dirty blocks -> one disk segment, and the
         remote tier when there is one."""
-        disk, remote = self._disk, self._remote
-        per_batch = max(1, WRITE_BATCH_BYTES // self.layout.block_nbytes)
-        with self._lock:
-            if self._closed or (disk is None and remote is None):
+        disk, remote = self.st.disk, self.st.remote
+        per_batch = max(1, WRITE_BATCH_BYTES // self.st.layout.block_nbytes)
+        with self.st.lock:
+            if self.st.closed or (disk is None and remote is None):
                 return False
-            job = self._overflow.popleft() if self._overflow else None
+            job = self.st.overflow.popleft() if self.st.overflow else None
         if job is not None:
-            self._write_overflow(disk, job)
+            self.write_overflow(disk, job)
             return True
-        with self._lock:
-            cat = self._catalog
+        with self.st.lock:
+            cat = self.st.catalog
             batch = cat.take_dirty(per_batch)
             if not batch:
                 return False
             jobs: list[tuple[BlockKey, BlockKey | None, torch.Tensor, bool]] = []
             for k in batch:
-                warm, hot = self._warm, self._hot
+                warm, hot = self.st.warm, self.st.hot
                 if warm is not None and k in warm:
                     data = warm.slab.data[warm.slot(k)]
                 elif hot is not None and k in hot:
@@ -44,21 +51,21 @@ class DiskWriteOps:
                 else:
                     continue
                 cat.pin(k)
-                skip_remote = k in self._skip_remote
-                self._skip_remote.discard(k)
+                skip_remote = k in self.st.skip_remote
+                self.st.skip_remote.discard(k)
                 jobs.append((k, cat.parent(k), data, skip_remote))
         cpu = [(k, p, d if d.device.type == "cpu" else d.to("cpu"), sr) for k, p, d, sr in jobs]
-        ok = self._write_disk_batch(disk, cpu) if disk is not None else True
+        ok = self.write_disk_batch(disk, cpu) if disk is not None else True
         if remote is not None:
-            self._write_remote_batch(remote, [(k, d) for k, _, d, sr in cpu if not sr])
-        with self._lock:
+            self.write_remote_batch(remote, [(k, d) for k, _, d, sr in cpu if not sr])
+        with self.st.lock:
             for k, *_ in jobs:
-                self._catalog.unpin(k)
+                self.st.catalog.unpin(k)
                 if ok:
-                    self._catalog.set_on_disk(k)  # a lower copy exists (disk, or remote alone)
+                    self.st.catalog.set_on_disk(k)  # a lower copy exists (disk, or remote alone)
             if not ok:
-                self._counters.disk_write_dropped += len(jobs)
-            cat = self._catalog
+                self.st.counters.disk_write_dropped += len(jobs)
+            cat = self.st.catalog
         if ok and disk is not None:
             try:
                 disk.evict_to_budget(protect=lambda key: key in cat)
@@ -66,12 +73,12 @@ class DiskWriteOps:
                 log.exception("disk tier eviction failed")
         return True
 
-    def _write_disk_batch(self, disk, jobs: list) -> bool:  # noqa: ANN001
+    def write_disk_batch(self, disk, jobs: list) -> bool:  # noqa: ANN001
         from kvstore.errors import DiskError
         from kvstore.tiers.disk import DiskWrite
 
         try:
-            disk.write_blocks([DiskWrite(k, p, self.namespace_id, d) for k, p, d, _ in jobs])
+            disk.write_blocks([DiskWrite(k, p, self.st.namespace_id, d) for k, p, d, _ in jobs])
             return True
         except DiskError as e:
             log.warning("disk tier write failed, %d blocks stay memory-only: %s", len(jobs), e)
@@ -79,18 +86,18 @@ class DiskWriteOps:
             log.exception("disk tier write failed unexpectedly; %d blocks stay memory-only", len(jobs))
         return False
 
-    def _write_remote_batch(self, remote, items: list[tuple[BlockKey, torch.Tensor]]) -> None:  # noqa: ANN001
+    def write_remote_batch(self, remote, items: list[tuple[BlockKey, torch.Tensor]]) -> None:  # noqa: ANN001
         from kvstore.tiers.remote import RemoteWrite
 
         if not items:
             return
         try:  # failures are counted by the remote tier; the engine never sees them
-            remote.write_blocks([RemoteWrite(k, self.namespace_id, d, self.layout.itemsize)
+            remote.write_blocks([RemoteWrite(k, self.st.namespace_id, d, self.st.layout.itemsize)
                                  for k, d in items])
         except Exception:
             log.exception("remote tier write failed")
 
-    def _write_overflow(self, disk, job: OverflowJob) -> None:  # noqa: ANN001
+    def write_overflow(self, disk, job: OverflowJob) -> None:  # noqa: ANN001
         from kvstore.tiers.disk import DiskWrite
 
         ok = False
@@ -99,7 +106,7 @@ class DiskWriteOps:
             base = job.memory.wait()
         try:
             items = [
-                DiskWrite(k, par, self.namespace_id,
+                DiskWrite(k, par, self.st.namespace_id,
                           job.kv[p].detach().to("cpu").contiguous().reshape(-1).view(torch.uint8))
                 for k, par, p in zip(job.keys, job.parents, job.positions, strict=True)
             ]
@@ -108,8 +115,8 @@ class DiskWriteOps:
         except Exception as e:  # DiskError or worse: the blocks are lost, the engine is not
             log.warning("disk tier write failed, %d blocks of a put were dropped: %s",
                         len(job.keys), e)
-        with self._lock:
-            self._overflow_bytes -= len(job.keys) * self.layout.block_nbytes
+        with self.st.lock:
+            self.st.overflow_bytes -= len(job.keys) * self.st.layout.block_nbytes
             if not ok:
-                self._counters.disk_write_dropped += len(job.keys)
+                self.st.counters.disk_write_dropped += len(job.keys)
         job.transfer.set_result(base + (len(job.keys) if ok else 0))

@@ -11,6 +11,8 @@ import torch
 from kvstore.copy_engine import Job, copy_block_runs, layerwise_supported, mark_layer_done
 from kvstore.errors import StoreClosedError
 from kvstore.keys import BlockKey
+from kvstore.store.residency import Residency
+from kvstore.store.state import StoreState
 from kvstore.tiers.slab import paired_runs
 from kvstore.transfer import Transfer
 from kvstore.validate import check_out
@@ -38,8 +40,12 @@ class FetchPlan:
     located: dict[int, bytes] = field(default_factory=dict)  # disk records found at planning
 
 
-class FetchOps:
-    """``fetch``/``prefetch`` (mixin of :class:`kvstore.store.Store`)."""
+class Fetcher:
+    """``fetch``/``prefetch``: plan under the lock, then disk reads and layer-wise copies."""
+
+    def __init__(self, st: StoreState, res: Residency) -> None:
+        self.st = st
+        self.res = res
 
     # -- fetch ----------------------------------------------------------------------------
     def fetch(
@@ -51,51 +57,51 @@ class FetchOps:
         first miss or damaged block (damage is counted, never raised). Blocks read from disk
         land in the warm tier; blocks served from a lower tier are promoted into hot.
         """
-        ks = self._keys(keys)
+        ks = self.st.keys(keys)
         if out is not None:
-            self._check_out(out, len(ks))
-        return self._fetch(ks, self._chain_parent(keys), out, want_result=True)
+            self.check_out(out, len(ks))
+        return self.fetch_keys(ks, self.st.chain_parent(keys), out, want_result=True)
 
-    def _fetch(
+    def fetch_keys(
         self, ks: list[BlockKey], parent: BlockKey | None, out: torch.Tensor | None,
         *, want_result: bool,
     ) -> Transfer:
-        return self._submit_fetch(ks, parent, out, want_result=want_result)[0]
+        return self.submit(ks, parent, out, want_result=want_result)[0]
 
-    def _submit_fetch(
+    def submit(
         self, ks: list[BlockKey], parent: BlockKey | None, out: torch.Tensor | None,
         *, want_result: bool,
         then: Callable[[bool, BaseException | None], None] | None = None,
     ) -> tuple[Transfer, FetchPlan, torch.Tensor | None]:
         """Plan under the lock, then queue: disk reads (``disk_read``), copies (``h2d``)."""
-        lay = self.layout
-        with self._lock:
-            self._check_open()
-            plan = self._plan_fetch(ks, parent, want_result=want_result)
+        lay = self.st.layout
+        with self.st.lock:
+            self.st.check_open()
+            plan = self.plan(ks, parent, want_result=want_result)
         n = len(plan.keys)
         result = None
         if want_result:
             try:
                 if out is None:
-                    out = torch.empty(lay.batch_shape(n), dtype=lay.dtype, device=self.device)
+                    out = torch.empty(lay.batch_shape(n), dtype=lay.dtype, device=self.st.device)
                 result = out[:n]
             except BaseException:
-                with self._lock:
-                    self._finish_fetch(plan, ok=False)
+                with self.st.lock:
+                    self.release_plan(plan, ok=False)
                 raise
         t: Transfer = Transfer(lay.num_layers)
         asked = len(ks)
-        engine = self._engine
+        engine = self.st.engine
         assert engine is not None
 
         def settle(ok: bool, error: BaseException | None) -> None:
-            with self._lock:
-                self._finish_fetch(plan, ok=ok)
+            with self.st.lock:
+                self.release_plan(plan, ok=ok)
 
         def finish(ok: bool, error: BaseException | None) -> None:
-            with self._lock:
+            with self.st.lock:
                 if want_result:
-                    c = self._counters
+                    c = self.st.counters
                     c.fetches += 1
                     c.fetched_blocks += plan.valid if ok else 0
                     c.fetch_short += asked - (plan.valid if ok else 0)
@@ -119,38 +125,38 @@ class FetchOps:
             if ok and plan.promote and plan.valid:
                 # promotion into hot happens behind the caller's back, off its critical path
                 try:
-                    engine.submit("h2d", Job(Transfer(), lambda st: self._promote_copy(plan, st), settle))
+                    engine.submit("h2d", Job(Transfer(), lambda st: self.promote_copy(plan, st), settle))
                     return
                 except BaseException:  # noqa: BLE001 - closing: just settle without promoting
                     plan.promote_failed = True
             settle(ok, error)
 
         def run_copy(stream: torch.cuda.Stream | None) -> list:
-            return self._copy_fetch(plan, result, t, stream)
+            return self.copy(plan, result, t, stream)
 
         copy_job = Job(t, run_copy, finish)
         if want_result and not engine.cuda and not plan.disk and not plan.deps:
             # Host memory only, nothing in flight that these bytes wait for: copying right
             # here in whole-block runs beats a hand-off to the worker (the blocks are pinned).
             try:
-                self._copy_fetch(plan, result, t, None, whole_blocks=True)
+                self.copy(plan, result, t, None, whole_blocks=True)
             except BaseException as e:  # noqa: BLE001 - reported through the transfer
                 finish(False, e)
             else:
                 finish(True, None)
             return t, plan, result
         try:
-            self._queue_fetch(engine, plan, copy_job, result, finish, want_result)
+            self.queue(engine, plan, copy_job, result, finish, want_result)
         except BaseException:
-            with self._lock:
-                self._finish_fetch(plan, ok=False)
+            with self.st.lock:
+                self.release_plan(plan, ok=False)
             raise
         return t, plan, result
 
-    def _queue_fetch(self, engine, plan, copy_job, result, finish, want_result) -> None:  # noqa: ANN001
+    def queue(self, engine, plan, copy_job, result, finish, want_result) -> None:  # noqa: ANN001
         if plan.disk:
             def run_disk(stream: torch.cuda.Stream | None) -> list:
-                self._read_disk(plan, result)
+                self.read_lower(plan, result)
                 return []
 
             def after_disk(ok: bool, error: BaseException | None) -> None:
@@ -170,16 +176,16 @@ class FetchOps:
         else:
             finish(True, None)
 
-    def _check_out(self, out: torch.Tensor, n: int) -> None:
-        check_out(self.layout, out, n)
+    def check_out(self, out: torch.Tensor, n: int) -> None:
+        check_out(self.st.layout, out, n)
 
-    def _plan_fetch(
+    def plan(
         self, ks: list[BlockKey], parent: BlockKey | None, *, want_result: bool
     ) -> FetchPlan:
-        hot, warm, cat = self._hot, self._warm, self._catalog
+        hot, warm, cat = self.st.hot, self.st.warm, self.st.catalog
         remote_at: list[int] = []
         located: dict[int, bytes] = {}
-        n = self._leading_run(ks, remote_at, located)
+        n = self.res.leading_run(ks, remote_at, located)
         plan = FetchPlan(ks[:n], parent, [], [], [], [], [], [])
         plan.remote = set(remote_at)
         plan.located = located
@@ -187,8 +193,8 @@ class FetchOps:
         # per-block work of every fetch: plain dict lookups, no method call per key
         hot_slots = hot._slots if hot is not None else {}
         warm_slots = warm._slots if warm is not None else {}
-        pending = self._pending
-        second_hit = self._writer is not None and self.config.admission == "second-hit"
+        pending = self.st.pending
+        second_hit = self.st.writer is not None and self.st.config.admission == "second-hit"
         on_hot, on_warm, held = plan.hot.append, plan.warm.append, plan.pinned.append
         for i in range(n):
             k = ks[i]
@@ -209,42 +215,42 @@ class FetchOps:
             if second_hit and cat.use(k) >= 2:
                 cat.mark_dirty(k)
         cat.pin_many(plan.pinned)
-        self._touch_chain(plan.keys)
+        self.res.touch_chain(plan.keys)
         if disk_pos:
             assert warm is not None
-            slots = self._reserve(warm, len(disk_pos))
+            slots = self.res.reserve(warm, len(disk_pos))
             plan.disk = [(p, slots[j] if j < len(slots) else -1) for j, p in enumerate(disk_pos)]
             if not want_result and len(slots) < len(disk_pos):
                 # a prefetch has nowhere else to put blocks: it ends where the room does
-                self._truncate(plan, disk_pos[len(slots)])
+                self.truncate(plan, disk_pos[len(slots)])
         if want_result and hot is not None and (plan.warm or plan.disk):
-            plan.promote = self._reserve(hot, len(plan.warm) + sum(1 for _, s in plan.disk if s >= 0))
+            plan.promote = self.res.reserve(hot, len(plan.warm) + sum(1 for _, s in plan.disk if s >= 0))
         plan.valid = len(plan.keys)
-        if self._writer is not None and self.config.admission == "second-hit":
-            self._writer.notify()
+        if self.st.writer is not None and self.st.config.admission == "second-hit":
+            self.st.writer.notify()
         return plan
 
     @staticmethod
-    def _truncate(plan: FetchPlan, cut: int) -> None:
+    def truncate(plan: FetchPlan, cut: int) -> None:
         plan.keys = plan.keys[:cut]
         plan.hot = [(p, s) for p, s in plan.hot if p < cut]
         plan.warm = [(p, s) for p, s in plan.warm if p < cut]
         plan.disk = [(p, s) for p, s in plan.disk if p < cut and s >= 0]
 
-    def _read_disk(self, plan: FetchPlan, result: torch.Tensor | None) -> None:
+    def read_lower(self, plan: FetchPlan, result: torch.Tensor | None) -> None:
         """Read the plan's disk blocks (straight into ``result`` when it is in host memory,
         else into their warm slots or host staging rows) and cut ``plan.valid`` at damage."""
         from kvstore.tiers.disk import ReadStatus
 
-        assert self._warm is not None
-        warm = self._warm.slab.data
+        assert self.st.warm is not None
+        warm = self.st.warm.slab.data
         flat = None
         if result is not None and result.numel():
             flat = result.view(result.shape[0], -1).view(torch.uint8)
         plan.direct = flat is not None and flat.device.type == "cpu"
         if not plan.direct and any(s < 0 for _, s in plan.disk):
-            plan.staging = torch.empty((len(plan.disk), self.layout.block_nbytes),
-                                       dtype=torch.uint8, pin_memory=self.config.pin_memory)
+            plan.staging = torch.empty((len(plan.disk), self.st.layout.block_nbytes),
+                                       dtype=torch.uint8, pin_memory=self.st.config.pin_memory)
         dsts = []
         for j, (p, s) in enumerate(plan.disk):
             if plan.direct:
@@ -255,7 +261,7 @@ class FetchOps:
                 dsts.append(plan.staging[j])
         statuses: list = [None] * len(plan.disk)
         mirrored: set[int] = set()
-        for tier, mine in ((self._disk, False), (self._remote, True)):
+        for tier, mine in ((self.st.disk, False), (self.st.remote, True)):
             idx = [j for j, (p, _) in enumerate(plan.disk) if (p in plan.remote) == mine]
             if not idx:
                 continue
@@ -264,7 +270,7 @@ class FetchOps:
             try:
                 if mine:
                     got = tier.read_many(keys, [dsts[j] for j in idx],
-                                         namespace_id=self.namespace_id)
+                                         namespace_id=self.st.namespace_id)
                 else:
                     # read straight into the caller's buffer: the reading threads keep the warm
                     # copy as each run lands, overlapping that copy with the reads still going
@@ -276,7 +282,7 @@ class FetchOps:
                     # the records found while planning: no second index transaction
                     recs = [plan.located.get(plan.disk[j][0]) for j in idx]
                     got = tier.read_many(keys, [dsts[j] for j in idx], mirrors=mirrors,
-                                         namespace_id=self.namespace_id,
+                                         namespace_id=self.st.namespace_id,
                                          records=recs if None not in recs else None)
             except StoreClosedError:
                 raise
@@ -291,15 +297,15 @@ class FetchOps:
         damaged = sum(1 for (p, _), st in zip(plan.disk, statuses, strict=True)
                       if st is ReadStatus.DAMAGED or (st is ReadStatus.MISSING and p not in plan.remote))
         if bad:
-            with self._lock:
-                self._counters.damaged += damaged  # an expired remote value is a plain miss
+            with self.st.lock:
+                self.st.counters.damaged += damaged  # an expired remote value is a plain miss
             plan.valid = min(plan.valid, min(bad))
         if plan.direct:
             for j, ((p, s), dst) in enumerate(zip(plan.disk, dsts, strict=True)):
                 if p < plan.valid and s >= 0 and j not in mirrored:
                     warm[s].copy_(dst)  # keep a warm copy of what was read
 
-    def _copy_fetch(
+    def copy(
         self, plan: FetchPlan, result: torch.Tensor | None, t: Transfer,
         stream: torch.cuda.Stream | None, *, whole_blocks: bool = False,
     ) -> list:
@@ -312,21 +318,21 @@ class FetchOps:
             if dep.done() and dep.exception() is None and dep.wait() == 0:
                 plan.valid = min(plan.valid, p)  # its copy failed: those bytes are not there
         n = plan.valid
-        lay = self.layout
+        lay = self.st.layout
         if result is None or n == 0:
             t.set_layers_ready(lay.num_layers)
             return []
         L, lb = lay.num_layers, lay.layer_nbytes
         dst = result[:n].view(n, -1).view(torch.uint8)
         sources: list[tuple[torch.Tensor, list[tuple[int, int, int]]]] = []
-        if self._hot is not None and plan.hot:
-            sources.append((self._hot.slab.data, list(paired_runs([(p, s) for p, s in plan.hot if p < n]))))
-        if self._warm is not None:
+        if self.st.hot is not None and plan.hot:
+            sources.append((self.st.hot.slab.data, list(paired_runs([(p, s) for p, s in plan.hot if p < n]))))
+        if self.st.warm is not None:
             warm_items = [(p, s) for p, s in plan.warm if p < n]
             if not plan.direct:
                 warm_items += [(p, s) for p, s in plan.disk if p < n and s >= 0]
             if warm_items:
-                sources.append((self._warm.slab.data, list(paired_runs(sorted(warm_items)))))
+                sources.append((self.st.warm.slab.data, list(paired_runs(sorted(warm_items)))))
         if plan.staging is not None and not plan.direct:
             rows = [(p, j) for j, (p, s) in enumerate(plan.disk) if p < n and s < 0]
             if rows:
@@ -347,13 +353,13 @@ class FetchOps:
             mark_layer_done(t, stream, layer, events)
         return events
 
-    def _promote_copy(self, plan: FetchPlan, stream: torch.cuda.Stream | None) -> list:
+    def promote_copy(self, plan: FetchPlan, stream: torch.cuda.Stream | None) -> list:
         """Copy the fetched lower-tier blocks from their warm slots into reserved hot slots.
 
         Runs after the fetch completed (the caller already has its bytes), from the warm
         slots, never from the caller's buffer, which it may already be reusing.
         """
-        hot, warm = self._hot, self._warm
+        hot, warm = self.st.hot, self.st.warm
         if hot is None or warm is None or not plan.promote:
             return []
         lower = sorted(plan.warm + [(p, s) for p, s in plan.disk if s >= 0])
@@ -368,9 +374,9 @@ class FetchOps:
         ev.record(stream)
         return [ev]
 
-    def _finish_fetch(self, plan: FetchPlan, *, ok: bool) -> None:
-        hot, warm, cat = self._hot, self._warm, self._catalog
-        if self._closed:
+    def release_plan(self, plan: FetchPlan, *, ok: bool) -> None:
+        hot, warm, cat = self.st.hot, self.st.warm, self.st.catalog
+        if self.st.closed:
             return
         n = plan.valid if ok else 0
         # blocks read from disk join the warm tier (only the valid leading run: prefix-closed)
@@ -382,9 +388,9 @@ class FetchOps:
             if k is not None and p < n and k not in warm:
                 if k not in cat:
                     cat.add(k, plan.keys[p - 1] if p else plan.parent)
-                    if p in plan.remote and self._disk is not None:
+                    if p in plan.remote and self.st.disk is not None:
                         cat.mark_dirty(k)  # a block from another host: keep a local copy too
-                        self._skip_remote.add(k)
+                        self.st.skip_remote.add(k)
                     else:
                         cat.set_on_disk(k)
                 warm.insert(k, slot)
@@ -402,9 +408,9 @@ class FetchOps:
                     hot.release(slot)
         if n:
             if plan.disk or plan.promote:  # blocks joined a tier since the plan touched them
-                self._touch_chain(plan.keys[:n])
-            if self._disk is not None:
-                self._disk.touch(plan.keys[:n], self.namespace_id)
+                self.res.touch_chain(plan.keys[:n])
+            if self.st.disk is not None:
+                self.st.disk.touch(plan.keys[:n], self.st.namespace_id)
         cat.unpin_many(plan.pinned)
 
     # -- prefetch / flush / stats -------------------------------------------------------------
@@ -413,5 +419,5 @@ class FetchOps:
 
         Yields the number of leading blocks now held in memory.
         """
-        ks = self._keys(keys)
-        return self._fetch(ks, self._chain_parent(keys), None, want_result=False)
+        ks = self.st.keys(keys)
+        return self.fetch_keys(ks, self.st.chain_parent(keys), None, want_result=False)

@@ -11,11 +11,19 @@ from kvstore.copy_engine import Job, mark_layer_done
 from kvstore.kernels import gather_pages, scatter_pages
 from kvstore.keys import KeyChain
 from kvstore.paged import page_index, paged_geometry
+from kvstore.store.fetch import Fetcher
+from kvstore.store.put import Putter
+from kvstore.store.state import StoreState
 from kvstore.transfer import Transfer
 
 
-class PagedOps:
-    """``load_into``/``save_from`` (mixin of :class:`kvstore.store.Store`)."""
+class PagedIO:
+    """``load_into``/``save_from``: blocks to and from an engine's paged KV cache."""
+
+    def __init__(self, st: StoreState, fetcher: Fetcher, putter: Putter) -> None:
+        self.st = st
+        self.fetcher = fetcher
+        self.putter = putter
 
     # -- paged engines --------------------------------------------------------------------
     def load_into(
@@ -32,8 +40,8 @@ class PagedOps:
         The transfer yields the number of blocks loaded; ``wait_layer(i)`` returns once layer
         ``i`` is in place.
         """
-        ks = self._keys(keys)
-        lay = self.layout
+        ks = self.st.keys(keys)
+        lay = self.st.layout
         geo = paged_geometry(lay, pages, page_size)
         ids = page_index(block_ids, len(ks) * geo.pages_per_block, geo)
         t: Transfer[int] = Transfer(lay.num_layers)
@@ -67,14 +75,14 @@ class PagedOps:
                 t.set_error(error or RuntimeError("load_into's fetch failed"))
                 return
             try:
-                assert self._engine is not None
-                self._engine.submit("h2d", Job(t, run, finish))
+                assert self.st.engine is not None
+                self.st.engine.submit("h2d", Job(t, run, finish))
             except BaseException as e:  # noqa: BLE001 - closing
                 t.set_error(e)
 
         try:
-            _, handed["plan"], handed["staged"] = self._submit_fetch(
-                ks, self._chain_parent(keys), None, want_result=True, then=scatter_after_fetch
+            _, handed["plan"], handed["staged"] = self.fetcher.submit(
+                ks, self.st.chain_parent(keys), None, want_result=True, then=scatter_after_fetch
             )
         finally:
             planned.set()
@@ -89,11 +97,11 @@ class PagedOps:
         Same ``pages``/``block_ids`` conventions as :meth:`load_into`. The gather is a copy
         taken before this returns, so the engine may overwrite its pages right away.
         """
-        ks = self._keys(keys)
-        lay = self.layout
+        ks = self.st.keys(keys)
+        lay = self.st.layout
         geo = paged_geometry(lay, pages, page_size)
         ids = page_index(block_ids, len(ks) * geo.pages_per_block, geo)
         kv = torch.empty(lay.batch_shape(len(ks)), dtype=lay.dtype, device=geo.device)
         for layer in range(lay.num_layers):
             gather_pages(lay, geo, pages[layer], ids, kv[:, layer])
-        return self.put(keys if isinstance(keys, KeyChain) else ks, kv)
+        return self.putter.put(keys if isinstance(keys, KeyChain) else ks, kv)

@@ -10,6 +10,8 @@ import torch
 
 from kvstore.copy_engine import Job
 from kvstore.keys import BlockKey
+from kvstore.store.residency import Residency
+from kvstore.store.state import StoreState
 from kvstore.tiers.memory import MemoryTier
 from kvstore.transfer import Transfer
 from kvstore.validate import check_kv
@@ -33,8 +35,12 @@ class OverflowJob:
 
 
 
-class PutOps:
-    """``put`` (mixin of :class:`kvstore.store.Store`)."""
+class Putter:
+    """``put``: validation, slot reservation across tiers, the copy, overflow to disk."""
+
+    def __init__(self, st: StoreState, res: Residency) -> None:
+        self.st = st
+        self.res = res
 
     # -- put ------------------------------------------------------------------------------
     def put(self, keys: Sequence[bytes], kv: torch.Tensor) -> Transfer[int]:
@@ -44,46 +50,27 @@ class PutOps:
         through the returned :class:`Transfer`, whose result is the number of blocks stored.
         ``kv`` must not be modified until the transfer is done.
         """
-        ks = self._keys(keys)
-        self._check_kv(kv, len(ks))
-        parent = self._chain_parent(keys)
-        with self._lock:
-            self._check_open()
-            return self._put_locked(ks, parent, kv)
+        ks = self.st.keys(keys)
+        self.check_kv(kv, len(ks))
+        parent = self.st.chain_parent(keys)
+        with self.st.lock:
+            self.st.check_open()
+            return self.put_locked(ks, parent, kv)
 
-    def _check_kv(self, kv: torch.Tensor, n: int) -> None:
-        check_kv(self.layout, self.device, kv, n)
+    def check_kv(self, kv: torch.Tensor, n: int) -> None:
+        check_kv(self.st.layout, self.st.device, kv, n)
 
-    def _put_locked(
+    def put_locked(
         self, ks: list[BlockKey], parent: BlockKey | None, kv: torch.Tensor
     ) -> Transfer[int]:
-        c = self._counters
+        c = self.st.counters
         c.puts += 1
-        cat = self._catalog
-        new_pos: list[int] = []
-        new_parents: list[BlockKey | None] = []
-        prev = parent
-        on_disk = self._disk_run(ks)
-        seen: set[BlockKey] = set()  # a key twice in one put must not take two slots
-        for i, k in enumerate(ks):
-            if i < on_disk or self._held(k) or k in seen:
-                c.put_duplicates += 1
-            elif (
-                prev is None
-                or self._held(prev)
-                or (new_pos and ks[new_pos[-1]] == prev)
-                or (i and i - 1 < on_disk)
-                or (i == 0 and self._disk is not None and self._disk_run([prev]) == 1)
-            ):
-                new_pos.append(i)
-                new_parents.append(prev)
-                seen.add(k)
-            else:
-                # its prefix is no longer cached: lookup could never reach these blocks
-                c.put_dropped += len(ks) - i
-                break
-            prev = k
-        self._touch_chain(ks)
+        cat = self.st.catalog
+        new = self.res.new_blocks(ks, parent)
+        new_pos, new_parents = new.positions, new.parents
+        c.put_duplicates += new.duplicates
+        c.put_dropped += new.dropped
+        self.res.touch_chain(ks)
         if not new_pos:
             return Transfer.completed(0)
         # Link every new block to its parent first: a parent with a child may be demoted but
@@ -92,17 +79,17 @@ class PutOps:
             cat.add(ks[p], par)
         writes: list[tuple[MemoryTier, list[int], list[int]]] = []  # (tier, positions, slots)
         rest = new_pos
-        for tier in (self._hot, self._warm):
+        for tier in (self.st.hot, self.st.warm):
             if tier is None or not rest:
                 continue
-            slots = self._reserve(tier, len(rest))
+            slots = self.res.reserve(tier, len(rest))
             if slots:
                 writes.append((tier, rest[: len(slots)], slots))
                 rest = rest[len(slots) :]
         stored = len(new_pos) - len(rest)
         overflow_ok = (
-            rest and self._disk is not None
-            and self._overflow_bytes + len(rest) * self.layout.block_nbytes <= OVERFLOW_BYTES
+            rest and self.st.disk is not None
+            and self.st.overflow_bytes + len(rest) * self.st.layout.block_nbytes <= OVERFLOW_BYTES
         )
         for p in reversed(rest):
             cat.forget(ks[p])  # not in memory: the catalog tracks memory only
@@ -118,30 +105,30 @@ class PutOps:
             # a chain's root would be its oldest block and every eviction would walk past all
             # its descendants to reach the leaf (a full 100,000-block tier took 1.4-4 s per
             # 1,024-block put that way, 5-9 ms now)
-            self._touch_chain(ks)
+            self.res.touch_chain(ks)
         c.put_blocks += stored
         mem: Transfer[int] | None = None
         if writes:
-            mem = self._submit_put_copy(kv, writes, written, stored)
+            mem = self.submit_copy(kv, writes, written, stored)
             for k in written:
-                self._pending[k] = mem
+                self.st.pending[k] = mem
         if overflow_ok:
             # memory is full of blocks that may not go yet: the rest goes straight to disk
             # from the caller's tensor (which must stay unmodified until the put is done)
             overflow: Transfer[int] = Transfer()
-            self._overflow.append(OverflowJob(
+            self.st.overflow.append(OverflowJob(
                 [ks[p] for p in rest], [new_parents[new_pos.index(p)] for p in rest], kv, rest,
                 overflow, mem, stored,
             ))
-            self._overflow_bytes += len(rest) * self.layout.block_nbytes
+            self.st.overflow_bytes += len(rest) * self.st.layout.block_nbytes
             c.put_blocks += len(rest)
-            if self._writer is not None:
-                self._writer.notify()
+            if self.st.writer is not None:
+                self.st.writer.notify()
             return overflow
         c.put_dropped += len(rest)
         return mem if mem is not None else Transfer.completed(0)
 
-    def _submit_put_copy(
+    def submit_copy(
         self, kv: torch.Tensor, writes: list[tuple[MemoryTier, list[int], list[int]]],
         written: list[BlockKey], stored: int,
     ) -> Transfer[int]:
@@ -160,29 +147,29 @@ class PutOps:
             return [ev]
 
         def finish(ok: bool, error: BaseException | None) -> None:
-            with self._lock:
-                self._finish_put(written, ok)
+            with self.st.lock:
+                self.finish_copy(written, ok)
             if ok:
                 t.set_result(stored)
             else:
                 log.warning("a put's copy failed; its %d blocks were not stored: %s", stored, error)
                 t.set_result(0)  # a failed copy is a miss later, not an error for the engine
-            if ok and self._writer is not None:
-                self._writer.notify()
+            if ok and self.st.writer is not None:
+                self.st.writer.notify()
 
         t: Transfer[int] = Transfer()
-        assert self._engine is not None
-        return self._engine.submit("h2d", Job(t, run, finish))
+        assert self.st.engine is not None
+        return self.st.engine.submit("h2d", Job(t, run, finish))
 
-    def _finish_put(self, written: list[BlockKey], ok: bool) -> None:
-        cat = self._catalog
+    def finish_copy(self, written: list[BlockKey], ok: bool) -> None:
+        cat = self.st.catalog
         for k in written:
-            self._pending.pop(k, None)
+            self.st.pending.pop(k, None)
             cat.unpin(k)
-        if self._closed:
+        if self.st.closed:
             return
         if ok:
-            if self._writer is not None and self.config.admission == "always":
+            if self.st.writer is not None and self.st.config.admission == "always":
                 for k in written:
                     cat.mark_dirty(k)
             return
@@ -193,10 +180,10 @@ class PutOps:
         for k in reversed(written):
             if k not in cat:
                 continue
-            for t in (self._hot, self._warm):
+            for t in (self.st.hot, self.st.warm):
                 if t is not None and k in t:
                     t.remove(k)
             cat.forget(k)
             dropped += 1
-        self._counters.put_blocks -= dropped
-        self._counters.put_dropped += dropped
+        self.st.counters.put_blocks -= dropped
+        self.st.counters.put_dropped += dropped

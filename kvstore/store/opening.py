@@ -1,0 +1,53 @@
+"""Opening a store's tiers: the memory tiers, then disk and remote below them."""
+
+from __future__ import annotations
+
+import torch
+
+from kvstore.copy_engine import CopyEngine
+from kvstore.errors import ConfigError
+from kvstore.store.config import StoreConfig
+from kvstore.store.state import HOT, WARM, StoreState
+from kvstore.tiers.memory import MemoryTier
+
+
+def open_state(config: StoreConfig) -> StoreState:
+    """The memory tiers, then the disk and remote tiers below them."""
+    lay = config.namespace.layout
+    hot = MemoryTier(HOT, lay, config.gpu_capacity, config.device) if config.gpu_capacity else None
+    warm = None
+    if config.cpu_capacity:
+        warm = MemoryTier(WARM, lay, config.cpu_capacity, torch.device("cpu"),
+                          pin_memory=config.pin_memory, shared_path=config.warm_shared_memory)
+    if hot is None and warm is None:
+        raise ConfigError("gpu_capacity and cpu_capacity are both 0: give at least one memory "
+                          "tier room")
+    st = StoreState(config, hot, warm, engine=CopyEngine(config.device))
+    if config.path is not None and config.disk_capacity:
+        if warm is None:
+            raise ConfigError("a disk tier stages reads and writes in the warm tier: set "
+                              "cpu_capacity > 0 or disk_capacity=0")
+        from kvstore.tiers.disk import DiskTier
+
+        st.disk = DiskTier(config.path, capacity_bytes=config.disk_capacity,
+                           codec=config.disk_codec)
+        try:
+            st.disk.register_namespace(config.namespace)
+        except BaseException:
+            st.disk.close()
+            raise
+    if config.remote is not None:
+        if warm is None:
+            raise ConfigError("a remote tier stages blocks in the warm tier: set cpu_capacity > 0")
+        from kvstore.tiers.remote import RemoteConfig, RemoteTier
+
+        itemsize = lay.itemsize
+        st.remote = RemoteTier(
+            RemoteConfig(config.remote, codec=config.remote_codec, ttl_s=config.remote_ttl_s,
+                         budget_s=config.remote_budget_s,
+                         # one key space per namespace: no tenant can shadow or delete
+                         # another's blocks, whatever keys it sends
+                         key_prefix=f"kvstore:{config.namespace.id.hex()}:"),
+            itemsize_for=lambda _ns: itemsize,
+        )
+    return st

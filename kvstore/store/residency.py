@@ -1,0 +1,277 @@
+"""Where blocks are: the leading held run across tiers, LRU touches, making room (eviction,
+demotion, leaf-first removal that keeps what is cached prefix-closed) and ``evict()``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence, Set
+from dataclasses import dataclass
+from itertools import islice, takewhile
+
+from kvstore.errors import ConfigError
+from kvstore.keys import BlockKey
+from kvstore.store.state import DISK, HOT, WARM, StoreState
+from kvstore.tiers.memory import MemoryTier
+
+
+def _run_in(held: dict, ks: list[BlockKey], start: int) -> int:
+    """How many of ``ks[start:]`` in a row are keys of ``held``."""
+    if not held or start >= len(ks):
+        return 0
+    return len(list(takewhile(held.__contains__, islice(ks, start, None))))
+
+
+@dataclass(slots=True)
+class NewBlocks:
+    """The blocks of a put that are new: their positions in the put and their parents."""
+
+    positions: list[int]
+    parents: list[BlockKey | None]
+    duplicates: int  # already held, or twice in the put
+    dropped: int  # cut off: their prefix is no longer cached
+
+
+class Residency:
+    """Which tier holds which block, and making room; every method expects ``st.lock`` held
+    (``evict`` takes it)."""
+
+    def __init__(self, st: StoreState) -> None:
+        self.st = st
+
+    def held(self, key: BlockKey) -> bool:
+        """Held by a memory tier."""
+        return (self.st.hot is not None and key in self.st.hot) or (
+            self.st.warm is not None and key in self.st.warm
+        )
+
+    def leading_run(self, ks: list[BlockKey], remote_at: list[int] | None = None,
+                     located: dict[int, bytes] | None = None) -> int:
+        """Leading ``ks`` held by memory, disk or the remote tier, consulted in that order one
+        stretch at a time (each lower tier answers a whole stretch in one call).
+
+        Positions only the remote tier holds are appended to ``remote_at``; the disk's index
+        records of the positions it holds go into ``located`` (a fetch reads with them).
+        """
+        i, n = 0, len(ks)
+        hot = self.st.hot._slots if self.st.hot is not None else {}
+        warm = self.st.warm._slots if self.st.warm is not None else {}
+        while i < n:
+            # the hot loop of every lookup: stretches of dict probes run by C-level iterators
+            m = 0
+            while True:  # a chain may alternate between the memory tiers
+                m += _run_in(warm, ks, i + m)
+                in_hot = _run_in(hot, ks, i + m)
+                if not in_hot:
+                    break
+                m += in_hot
+            if m:
+                i += m
+                continue
+            m = 0
+            if self.st.disk is not None:
+                recs = self.st.disk.locate(ks[i:], self.st.namespace_id)
+                m = len(recs)
+                if located is not None:
+                    located.update(zip(range(i, i + m), recs, strict=True))
+            if m == 0 and self.st.remote is not None:
+                j = i
+                while j < n and not self.held(ks[j]):
+                    j += 1  # ask the remote tier only for the stretch memory lacks
+                m = self.st.remote.leading_run(ks[i:j])
+                if remote_at is not None:
+                    remote_at.extend(range(i, i + m))
+            if m == 0:
+                break
+            i += m
+        return i
+
+    def lookup(self, ks: list[BlockKey]) -> int:
+        """Leading ``ks`` held by any tier, counted as one lookup (takes the lock)."""
+        with self.st.lock:
+            self.st.check_open()
+            n = self.leading_run(ks)
+            c = self.st.counters
+            c.lookups += 1
+            c.hits += n
+            c.misses += len(ks) - n
+            return n
+
+    def touch_chain(self, keys: list[BlockKey]) -> None:
+        # leaf first, root last: roots are the newest, so LRU meets leaves first
+        rev = keys[::-1]
+        for tier in (self.st.hot, self.st.warm):
+            if tier is not None:
+                tier.touch(rev)
+
+    # -- room -----------------------------------------------------------------------------
+    def disk_run(self, ks: list[BlockKey]) -> int:
+        """Leading ``ks`` already on disk (so a put need not keep them)."""
+        if self.st.disk is None or not ks or self.held(ks[0]):
+            return 0
+        return self.st.disk.leading_run(ks, self.st.namespace_id)
+
+    def new_blocks(self, ks: list[BlockKey], parent: BlockKey | None,
+                   skip: Set[BlockKey] = frozenset()) -> NewBlocks:
+        """Which of ``ks`` a put stores: not held (in memory, in the leading disk run, or in
+        ``skip``), not twice, and hanging off a cached parent; it stops at the first block
+        whose prefix is no longer cached (``lookup`` could never reach it)."""
+        on_disk = self.disk_run(ks)
+        out = NewBlocks([], [], 0, 0)
+        seen: set[BlockKey] = set()  # a key twice in one put must not take two slots
+        prev = parent
+        for i, k in enumerate(ks):
+            if i < on_disk or self.held(k) or k in skip or k in seen:
+                out.duplicates += 1
+            elif (prev is None or self.held(prev) or prev in skip
+                  or (out.positions and ks[out.positions[-1]] == prev) or (i and i - 1 < on_disk)
+                  or (i == 0 and self.st.disk is not None and self.disk_run([prev]) == 1)):
+                out.positions.append(i)
+                out.parents.append(prev)
+                seen.add(k)
+            else:
+                out.dropped = len(ks) - i
+                break
+            prev = k
+        return out
+
+    def reserve(self, tier: MemoryTier, n: int) -> list[int]:
+        """Up to ``n`` free slots of ``tier``, evicting or demoting LRU blocks as needed.
+
+        Dirty blocks (not yet on disk) are never given up for room: when memory is full of
+        them, a put sends its remaining blocks straight to disk (or drops and counts them).
+        """
+        slots = tier.allocate(n)
+        while len(slots) < n and self.evict_one(tier):
+            slots.extend(tier.allocate(n - len(slots)))
+        return slots
+
+    def evict_one(self, tier: MemoryTier) -> bool:
+        """Free one slot of ``tier``; False if no block can go.
+
+        A victim (oldest first, never pinned) with a copy in the other memory tier just
+        loses this copy; one that is on disk leaves memory; a hot block with no lower copy is
+        demoted to warm; a block leaving the store must be a leaf (prefix-closure) and must
+        not be waiting for the disk writer.
+        """
+        cat = self.st.catalog
+        other_tier = self.st.warm if tier is self.st.hot else self.st.hot
+        # live iteration: every branch that changes ``tier`` returns right after
+        for key in tier.iter_lru():
+            if cat.is_pinned(key):
+                continue
+            if (other_tier is not None and key in other_tier) or cat.on_disk(key):
+                tier.remove(key)
+                tier.counters.evictions += 1
+                if not self.held(key):
+                    cat.forget(key)  # still on disk
+                return True
+            if tier is self.st.hot and self.st.warm is not None and self.demote(key):
+                return True
+            if cat.has_children(key) or cat.is_dirty(key):
+                continue
+            tier.remove(key)
+            tier.counters.evictions += 1
+            cat.forget(key)
+            return True
+        return False
+
+    def demote(self, key: BlockKey) -> bool:
+        hot, warm = self.st.hot, self.st.warm
+        assert hot is not None and warm is not None
+        self.st.catalog.pin(key)  # keep it in hot while warm makes room
+        try:
+            slots = self.reserve(warm, 1)
+        finally:
+            self.st.catalog.unpin(key)
+        if not slots:
+            return False
+        warm.slab.data[slots[0]].copy_(hot.slab.data[hot.slot(key)])
+        warm.insert(key, slots[0])
+        warm.counters.demotions_in += 1
+        hot.remove(key)
+        hot.counters.evictions += 1
+        return True
+
+    # -- evict ----------------------------------------------------------------------------
+    def evict(self, keys: Sequence[bytes] | None = None, *, tier: str | None = None) -> int:
+        """Evict ``keys`` (default: every unpinned block) and return how many left.
+
+        ``tier=None`` removes the blocks from the store (memory and disk), together with their
+        descendants held in memory, so what remains stays prefix-closed. ``tier="hot"`` /
+        ``"warm"`` frees only that tier: a block with no copy elsewhere is demoted
+        (hot -> warm) where there is room, else removed like ``tier=None``. ``tier="disk"``
+        deletes only the disk copies. Pinned blocks (and so their ancestors) stay.
+        """
+        if tier not in (None, HOT, WARM, DISK):
+            raise ConfigError(f"tier must be None, 'hot', 'warm' or 'disk', got {tier!r}")
+        ks = None if keys is None else self.st.keys(keys)
+        with self.st.lock:
+            self.st.check_open()
+            cat = self.st.catalog
+            if tier is None:
+                targets = list(cat.keys()) if ks is None else [k for k in ks if k in cat]
+                removed = set(self.remove_subtrees(targets))
+                if self.st.disk is not None:
+                    on_disk = self.namespace_disk_keys() if ks is None else ks
+                    doomed = [k for k in on_disk if k not in cat]
+                    if doomed:
+                        # only this namespace's records: keys of another tenant stay
+                        gone = self.disk_delete(doomed)
+                        removed.update(gone)
+                return len(removed)
+            if tier == DISK:
+                if self.st.disk is None:
+                    return 0
+                targets = self.namespace_disk_keys() if ks is None else ks
+                doomed = [k for k in targets if not cat.is_pinned(k)]
+                gone = self.disk_delete(doomed)
+                for k in gone:
+                    cat.clear_on_disk(k)
+                return len(gone)
+            t = self.st.hot if tier == HOT else self.st.warm
+            if t is None:
+                return 0
+            other = self.st.warm if t is self.st.hot else self.st.hot
+            count = 0
+            for k in list(t.keys()) if ks is None else ks:
+                if k not in t or cat.is_pinned(k):
+                    continue
+                if (other is not None and k in other) or cat.on_disk(k):
+                    t.remove(k)
+                    t.counters.evictions += 1
+                    if not self.held(k):
+                        cat.forget(k)
+                    count += 1
+                elif (t is self.st.hot and self.st.warm is not None and self.demote(k)) or (
+                    self.remove_subtrees([k])
+                ):
+                    count += 1
+            return count
+
+    def disk_delete(self, keys: list[BlockKey]) -> list[BlockKey]:
+        """Delete this namespace's disk records of ``keys``; returns the keys that went."""
+        assert self.st.disk is not None
+        return [BlockKey(k) for k in self.st.disk.delete_owned(keys, self.st.namespace_id)]
+
+    def namespace_disk_keys(self) -> list[BlockKey]:
+        assert self.st.disk is not None
+        return [BlockKey(r.key) for r in self.st.disk.records(self.st.namespace_id)]
+
+    def remove_subtrees(self, roots: list[BlockKey]) -> list[BlockKey]:
+        """Remove ``roots`` and their memory-held descendants from memory, leaves first."""
+        cat = self.st.catalog
+        removed: list[BlockKey] = []
+        for root in roots:
+            if root not in cat:
+                continue
+            for k in cat.descendants_postorder(root):
+                if k not in cat or cat.is_pinned(k) or cat.has_children(k):
+                    continue
+                for t in (self.st.hot, self.st.warm):
+                    if t is not None and k in t:
+                        t.remove(k)
+                        t.counters.evictions += 1
+                if cat.is_dirty(k):
+                    self.st.counters.dirty_dropped += 1
+                cat.forget(k)
+                removed.append(k)
+        return removed

@@ -1,0 +1,98 @@
+"""The state every part of the store shares, in one place.
+
+One lock (``lock``) guards the catalog, the memory tiers' maps and the counters. Copies run
+on the copy engine outside it; the blocks being copied are pinned, so they cannot be evicted
+mid-copy. Each job of the store (residency, fetch, put, paged I/O, write-back, zero-copy) is a
+module of :mod:`kvstore.store` holding this state, never a mixin reaching into another's.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvstore.errors import NamespaceMismatchError, StoreClosedError
+from kvstore.index import Catalog
+from kvstore.keys import BlockKey, KeyChain, all_keys, check_key
+from kvstore.stats import Counters
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvstore.copy_engine import CopyEngine
+    from kvstore.layout import KVLayout
+    from kvstore.namespace import Namespace
+    from kvstore.store.config import StoreConfig
+    from kvstore.store.put import OverflowJob
+    from kvstore.tiers.disk import DiskTier
+    from kvstore.tiers.memory import MemoryTier
+    from kvstore.tiers.remote import RemoteTier
+    from kvstore.transfer import Transfer
+    from kvstore.writer import WriteBehind
+
+#: tier names (``kvstore.api.Tier`` values)
+HOT, WARM, DISK, REMOTE = "hot", "warm", "disk", "remote"
+
+
+@dataclass(eq=False)
+class StoreState:
+    """What the store's parts share. Mutable fields change only under ``lock``."""
+
+    config: StoreConfig
+    hot: MemoryTier | None
+    warm: MemoryTier | None
+    disk: DiskTier | None = None
+    remote: RemoteTier | None = None
+    engine: CopyEngine | None = None
+    writer: WriteBehind | None = None
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    catalog: Catalog = field(default_factory=Catalog)
+    counters: Counters = field(default_factory=Counters)
+    closed: bool = False
+    closing: bool = False
+    skip_remote: set[BlockKey] = field(default_factory=set)  # dirty blocks from the remote tier
+    overflow: deque[OverflowJob] = field(default_factory=deque)  # puts going straight to disk
+    overflow_bytes: int = 0
+    pending: dict[BlockKey, Transfer[int]] = field(default_factory=dict)  # put copies in flight
+    granted: set[BlockKey] = field(default_factory=set)  # granted puts not yet committed
+
+    @property
+    def namespace(self) -> Namespace:
+        return self.config.namespace
+
+    @property
+    def layout(self) -> KVLayout:
+        return self.config.namespace.layout
+
+    @property
+    def namespace_id(self) -> bytes:
+        return self.config.namespace.id
+
+    @property
+    def device(self) -> torch.device:
+        return self.config.device
+
+    def check_open(self) -> None:
+        if self.closed or self.closing:
+            raise StoreClosedError("the store is closed; open a new one with open_store()")
+
+    def keys(self, keys: Sequence[bytes]) -> list[BlockKey]:
+        """``keys`` checked: 32-byte keys, not of another namespace."""
+        if isinstance(keys, (bytes, bytearray, str)) or not isinstance(keys, Sequence):
+            raise TypeError("keys must be a list of block keys from block_keys()")
+        if isinstance(keys, KeyChain) and keys.namespace_id not in (None, self.namespace_id):
+            raise NamespaceMismatchError(
+                "these keys were computed for another namespace (model, revision, layout, "
+                "tensor-parallel shard or store); compute them with this store's block_keys()"
+            )
+        ks = list(keys)
+        if all_keys(ks):  # the common case, checked in one C loop
+            return ks  # type: ignore[return-value]
+        return [check_key(k) for k in ks]
+
+    @staticmethod
+    def chain_parent(keys: Sequence[bytes]) -> BlockKey | None:
+        return keys.parent if isinstance(keys, KeyChain) else None

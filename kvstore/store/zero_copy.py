@@ -1,0 +1,208 @@
+"""The zero-copy data plane: leases on warm slots and granted puts (the sidecar daemon's
+shared memory), and borrowed blocks (a pinned in-place view, no fetch copy)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvstore.api import BorrowedBlocks, PutGrant
+from kvstore.errors import ConfigError
+from kvstore.keys import BlockKey
+from kvstore.store.fetch import Fetcher
+from kvstore.store.residency import Residency
+from kvstore.store.state import StoreState
+from kvstore.tiers.slab import paired_runs
+
+
+class ZeroCopyPlane:
+    """Blocks read and written in place in the store's memory: warm-slot leases and granted
+    puts (the daemon's shared-memory data plane), borrowed blocks (a pinned view instead of a
+    fetch copy). The store is a :class:`kvstore.api.ZeroCopy` through this."""
+
+    def __init__(self, st: StoreState, res: Residency, fetcher: Fetcher) -> None:
+        self.st = st
+        self.res = res
+        self.fetcher = fetcher
+
+    # -- shared-memory data plane (used by the sidecar daemon) -------------------------------
+    def lookup_split(self, keys: list[BlockKey]) -> int:
+        """:meth:`lookup` for keys the daemon split from one wire blob: each is known to be a
+        32-byte ``bytes``, so the per-key type checks are skipped (the 1,024-key round trip
+        is latency-critical)."""
+        return self.res.lookup(keys)
+
+    def count_lookups(self, lookups: int, hits: int, misses: int) -> None:
+        """Add lookups answered elsewhere (the daemon's clients probe its key directory
+        themselves) to this store's counters."""
+        with self.st.lock:
+            c = self.st.counters
+            c.lookups += lookups
+            c.hits += hits
+            c.misses += misses
+
+    def lease_warm(self, keys: Sequence[bytes]) -> tuple[list[BlockKey], list[int]]:
+        """Pin the leading held run of ``keys`` *in the warm tier* and return it with its slots.
+
+        Blocks only on disk are read into the warm tier first. The caller reads the slots
+        (e.g. through a shared-memory mapping of the warm slab) and must then call
+        :meth:`release_lease` with the returned keys. The run may be shorter than a lookup
+        said (damage, or no room to stage a block).
+        """
+        ks = self.st.keys(keys)
+        if self.st.warm is None:
+            raise ConfigError("leases need a warm tier (cpu_capacity > 0)")
+        self.fetcher.fetch_keys(ks, self.st.chain_parent(keys), None, want_result=False).wait()
+        with self.st.lock:
+            self.st.check_open()
+            warm, cat = self.st.warm, self.st.catalog
+            got: list[BlockKey] = []
+            slots: list[int] = []
+            for k in ks:
+                if k not in warm or k in self.st.pending:
+                    break
+                cat.pin(k)
+                got.append(k)
+                slots.append(warm.slot(k))
+            warm.touch(reversed(got))
+            c = self.st.counters
+            c.fetches += 1
+            c.fetched_blocks += len(got)
+            c.fetch_short += len(ks) - len(got)
+            return got, slots
+
+    def release_lease(self, keys: Sequence[bytes]) -> None:
+        """Release what :meth:`lease_warm` pinned."""
+        with self.st.lock:
+            for k in keys:
+                self.st.catalog.unpin(BlockKey(bytes(k)))
+
+    def grant_put(self, keys: Sequence[bytes]) -> PutGrant:
+        """Reserve warm slots for the blocks of ``keys`` not held yet (nothing visible yet).
+
+        Fill ``grant.slots`` with the blocks at ``grant.positions``, then call
+        :meth:`commit_put` (or :meth:`abort_put`). Blocks that find no room are left out.
+        """
+        ks = self.st.keys(keys)
+        parent = self.st.chain_parent(keys)
+        if self.st.warm is None:
+            raise ConfigError("granted puts need a warm tier (cpu_capacity > 0)")
+        with self.st.lock:
+            self.st.check_open()
+            c = self.st.counters
+            c.puts += 1
+            # granted keys count as held: their blocks are being written by another process
+            new = self.res.new_blocks(ks, parent, self.st.granted)
+            grant = PutGrant([ks[p] for p in new.positions], new.parents, new.positions, [],
+                             new.duplicates)
+            c.put_dropped += new.dropped
+            c.put_duplicates += grant.duplicates
+            for k, par in zip(grant.keys, grant.parents, strict=True):
+                self.st.catalog.add(k, par)  # protects the parents while we make room
+            slots = self.res.reserve(self.st.warm, len(grant.keys)) if grant.keys else []
+            for k in reversed(grant.keys[len(slots):]):
+                self.st.catalog.forget(k)
+            c.put_dropped += len(grant.keys) - len(slots)
+            del grant.keys[len(slots):], grant.parents[len(slots):], grant.positions[len(slots):]
+            grant.slots = slots
+            for k in grant.keys:
+                self.st.granted.add(k)
+                self.st.catalog.pin(k)
+            return grant
+
+    def commit_put(self, grant: PutGrant) -> int:
+        """Publish a granted put whose slots were filled; returns the blocks stored."""
+        with self.st.lock:
+            if self.st.closed:
+                return 0
+            warm, cat = self.st.warm, self.st.catalog
+            assert warm is not None
+            for k, s in zip(grant.keys, grant.slots, strict=True):
+                self.st.granted.discard(k)
+                cat.unpin(k)
+                warm.insert(k, s)
+                if self.st.writer is not None and self.st.config.admission == "always":
+                    cat.mark_dirty(k)
+            self.st.counters.put_blocks += len(grant.keys)
+            self.res.touch_chain(grant.keys)
+        if grant.keys and self.st.writer is not None:
+            self.st.writer.notify()
+        return len(grant.keys)
+
+    def abort_put(self, grant: PutGrant) -> None:
+        """Give back a granted put's slots (a client died mid-put): nothing becomes visible."""
+        with self.st.lock:
+            if self.st.closed:
+                return
+            warm, cat = self.st.warm, self.st.catalog
+            assert warm is not None
+            for k, s in zip(grant.keys, grant.slots, strict=True):
+                self.st.granted.discard(k)
+                cat.unpin(k)
+                if k in cat and not self.res.held(k):
+                    cat.forget(k)
+                warm.release(s)
+            self.st.counters.put_dropped += len(grant.keys)
+
+    @property
+    def warm_slab(self) -> torch.Tensor | None:
+        """The warm tier's ``[slots, block_nbytes]`` bytes (for the daemon's shared memory)."""
+        return None if self.st.warm is None else self.st.warm.slab.data
+
+    # -- borrowed blocks ----------------------------------------------------------------
+    def borrow_blocks(self, keys: Sequence[bytes]) -> BorrowedBlocks:
+        """Pin the leading run of ``keys`` held in memory on the store's device and return it
+        in place (see :class:`BorrowedBlocks`). Blocks elsewhere (disk, another device, a put
+        still copying) end the run: ``fetch`` the rest. A miss is an empty result."""
+        ks = self.st.keys(keys)
+        lay = self.st.layout
+        tiers = [t for t in (self.st.hot, self.st.warm)
+                 if t is not None and t.slab.data.device == self.st.device]
+        with self.st.lock:
+            self.st.check_open()
+            where: list[tuple[int, int]] = []  # (tier index, slot)
+            pending = self.st.pending
+            for k in ks:
+                if pending and k in pending:
+                    break
+                for ti, t in enumerate(tiers):
+                    s = t._slots.get(k)
+                    if s is not None:
+                        where.append((ti, s))
+                        break
+                else:
+                    break
+            got = ks[: len(where)]
+            self.st.catalog.pin_many(got)
+            self.res.touch_chain(got)
+            c = self.st.counters
+            c.fetches += 1
+            c.fetched_blocks += len(got)
+            c.fetch_short += len(ks) - len(got)
+        n = len(got)
+        try:
+            zero_copy = n > 0 and all(ti == where[0][0] for ti, _ in where) and all(
+                s == where[0][1] + i for i, (_, s) in enumerate(where))
+            if zero_copy:
+                first = where[0][1]
+                rows = tiers[where[0][0]].slab.data[first : first + n]
+                blocks = rows.view(lay.dtype).view(lay.batch_shape(n))
+            elif n == 0:
+                blocks = torch.empty(lay.batch_shape(0), dtype=lay.dtype, device=self.st.device)
+            else:
+                blocks = torch.empty(lay.batch_shape(n), dtype=lay.dtype, device=self.st.device)
+                flat = blocks.view(n, -1).view(torch.uint8)
+                for ti, t in enumerate(tiers):
+                    mine = [(p, s) for p, (tj, s) in enumerate(where) if tj == ti]
+                    for d, s, m in paired_runs(mine):
+                        flat[d : d + m].copy_(t.slab.data[s : s + m])
+        except BaseException:
+            self.unpin_borrowed(got)
+            raise
+        return BorrowedBlocks(blocks, got, zero_copy, self.unpin_borrowed)
+
+    def unpin_borrowed(self, keys: list[BlockKey]) -> None:
+        with self.st.lock:
+            if not self.st.closed:
+                self.st.catalog.unpin_many(keys)
