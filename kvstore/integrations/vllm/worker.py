@@ -271,7 +271,7 @@ class WorkerSide:
     def _save_from(self, block_ids: list[int], chain: KeyChain) -> Any:
         # Store.save_from and the daemon client's save_from (gather the pages, then an
         # asynchronous put); not part of the KVCache protocol
-        return self.store.save_from(self._pages, block_ids, chain)  # type: ignore[attr-defined]
+        return self.store.save_from(self._pages, block_ids, chain)
 
     def _fail(self, run: BlockRun, loaded: int) -> None:
         bad = run.block_ids[loaded:]
