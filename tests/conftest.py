@@ -42,7 +42,7 @@ def small_layout() -> KVLayout:
 def store_daemon(tmp_path_factory):
     """One memory-only ``kvstore serve`` for the session's parity tests (each test gets a
     namespace of its own through a unique model id)."""
-    from kvstore.daemon.testing import DaemonProcess
+    from support.daemon import DaemonProcess
 
     d = tmp_path_factory.mktemp("daemon")
     daemon = DaemonProcess(d / "store", d / "run" / "kvstore.sock", "--cpu-capacity", "64MiB",
@@ -104,7 +104,7 @@ def random_kv(layout: KVLayout, n: int, seed: int = 0) -> torch.Tensor:
 def serve(tmp_path):
     """Start ``kvstore serve`` subprocesses: ``serve(*args)`` -> a started ``DaemonProcess``
     on ``tmp_path/run/kvstore.sock`` with its store in ``tmp_path/store``; stopped at teardown."""
-    from kvstore.daemon.testing import DaemonProcess
+    from support.daemon import DaemonProcess
 
     started = []
 
@@ -139,7 +139,7 @@ MEMORY_DAEMON_ARGS = ("--cpu-capacity", "1MiB", "--disk-capacity", "0")
 @pytest.fixture(scope="module")
 def memory_daemon(tmp_path_factory):
     """A memory-only ``kvstore serve`` for a test module (give each test its own namespace)."""
-    from kvstore.daemon.testing import DaemonProcess
+    from support.daemon import DaemonProcess
 
     d = tmp_path_factory.mktemp("daemon")
     proc = DaemonProcess(d / "store", d / "run" / "kvstore.sock", *MEMORY_DAEMON_ARGS).start()
@@ -162,7 +162,7 @@ def wait_until(cond, timeout: float = 10.0) -> bool:
 @pytest.fixture(scope="module")
 def redis_server():
     """A ``redis-server`` on a free loopback port for a test module (skips without one)."""
-    from kvstore.tiers.remote_testing import RedisProcess, redis_server_path
+    from support.remote import RedisProcess, redis_server_path
 
     if redis_server_path() is None:
         pytest.skip("redis-server is not installed (tools/ci_redis.sh installs it)")

@@ -16,6 +16,15 @@ import time
 
 import pytest
 import torch
+from support.admin import (
+    block_bytes,
+    build_store,
+    check_disk_bytes,
+    kv_for,
+    open_test_store,
+    prompt_tokens,
+    small_layout,
+)
 
 from kvstore.admin import (
     BlockEntry,
@@ -26,15 +35,6 @@ from kvstore.admin import (
     list_namespaces,
     store_stats,
     to_jsonable,
-)
-from kvstore.admin.testing import (
-    block_bytes,
-    build_store,
-    check_disk_bytes,
-    kv_for,
-    open_test_store,
-    prompt_tokens,
-    small_layout,
 )
 from kvstore.cli import main
 from kvstore.namespace import Namespace
@@ -251,8 +251,9 @@ def test_stats_path(base_store, capsys):
 
 
 def test_stats_socket_live_daemon(tmp_path, capsys):
+    from support.daemon import DaemonProcess
+
     from kvstore.client import connect
-    from kvstore.daemon.testing import DaemonProcess
 
     store, sock = tmp_path / "store", tmp_path / "run" / "kvstore.sock"
     d = DaemonProcess(store, sock, "--cpu-capacity", "64KiB").start()

@@ -1,5 +1,5 @@
 """``rm`` / ``prune`` / ``compact`` / ``verify`` on a store that another process is reading and
-writing at the same time (``python -m kvstore.admin.testing worker``: put/fetch in a loop
+writing at the same time (``python -m support.admin worker``: put/fetch in a loop
 through ``open_store``, every fetched byte checked against the key-derived contents)."""
 
 from __future__ import annotations
@@ -11,10 +11,14 @@ import subprocess
 import sys
 import time
 
+from support.admin import build_store, check_disk_bytes
+
 from kvstore.admin import list_blocks, list_namespaces
-from kvstore.admin.testing import build_store, check_disk_bytes
 from kvstore.cli import main
 from kvstore.tiers import segments as seg
+
+#: tests/: the worker runs as ``python -m support.admin`` from here
+TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
 def _run(capsys, *args: str) -> tuple[int, dict]:
@@ -47,10 +51,10 @@ def test_admin_commands_while_another_process_reads_and_writes(tmp_path, capsys)
 
     ready, stop, result = tmp_path / "ready", tmp_path / "stop", tmp_path / "worker.json"
     worker = subprocess.Popen(
-        [sys.executable, "-m", "kvstore.admin.testing", "worker", "--store", str(p),
+        [sys.executable, "-m", "support.admin", "worker", "--store", str(p),
          "--ready", str(ready), "--stop", str(stop), "--out", str(result),
          "--max-seconds", "90"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=TESTS)
     removed: set[str] = set()
     s = ["--store", str(p)]
     try:

@@ -10,6 +10,7 @@ import shutil
 import time
 
 import pytest
+from support.admin import build_store, check_disk_bytes, small_layout
 
 from kvstore.admin import (
     CompactReport,
@@ -19,7 +20,6 @@ from kvstore.admin import (
     list_blocks,
     verify,
 )
-from kvstore.admin.testing import build_store, check_disk_bytes, small_layout
 from kvstore.cli import main
 from kvstore.tiers import segments as seg
 from kvstore.tiers.disk import DiskTier

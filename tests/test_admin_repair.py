@@ -14,10 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from kvstore import connect
-from kvstore.admin import AdminError, list_blocks, prune, verify
-from kvstore.admin.testing import (
+from support.admin import (
     block_bytes,
     build_store,
     check_disk_bytes,
@@ -26,6 +23,9 @@ from kvstore.admin.testing import (
     prompt_tokens,
     small_layout,
 )
+
+from kvstore import connect
+from kvstore.admin import AdminError, list_blocks, prune, verify
 from kvstore.cli import main
 from kvstore.namespace import Namespace
 from kvstore.tiers import segments as seg

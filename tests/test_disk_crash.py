@@ -15,8 +15,7 @@ import os
 import random
 
 import pytest
-
-from kvstore.tiers.disk_testing import crash_round, small_layout
+from support.disk import crash_round, small_layout
 
 ROUNDS = int(os.environ.get("KVSTORE_CRASH_ROUNDS", "24"))
 

@@ -11,12 +11,7 @@ import time
 import lmdb
 import pytest
 import torch
-
-from kvstore.errors import DiskError, TensorMismatchError
-from kvstore.tiers import disk_index as di
-from kvstore.tiers import segments as seg
-from kvstore.tiers.disk import DiskTier, ReadStatus
-from kvstore.tiers.disk_testing import (
+from support.disk import (
     block_data,
     chain,
     namespace,
@@ -24,6 +19,11 @@ from kvstore.tiers.disk_testing import (
     verify_all,
     writes,
 )
+
+from kvstore.errors import DiskError, TensorMismatchError
+from kvstore.tiers import disk_index as di
+from kvstore.tiers import segments as seg
+from kvstore.tiers.disk import DiskTier, ReadStatus
 
 LAY = small_layout(torch.bfloat16)
 NS = namespace(LAY)

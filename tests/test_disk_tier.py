@@ -16,6 +16,15 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
+from support.disk import (
+    block_data,
+    chain,
+    namespace,
+    populate_fake_index,
+    small_layout,
+    verify_all,
+    writes,
+)
 
 from kvstore.errors import (
     FormatVersionError,
@@ -27,15 +36,6 @@ from kvstore.tiers import codec as codec_mod
 from kvstore.tiers import disk_index as di
 from kvstore.tiers import segments as seg
 from kvstore.tiers.disk import DiskTier, DiskWrite, ReadStatus
-from kvstore.tiers.disk_testing import (
-    block_data,
-    chain,
-    namespace,
-    populate_fake_index,
-    small_layout,
-    verify_all,
-    writes,
-)
 
 BF16 = small_layout(torch.bfloat16)
 F32 = small_layout(torch.float32)
@@ -170,9 +170,10 @@ def test_persistence_in_new_process(tmp_path):
     with open_tier(tmp_path, codec="zstd") as t:
         t.write_blocks(writes(keys, ns))
     script = textwrap.dedent(f"""
-        import json, torch
+        import json, sys, torch
+        sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})  # tests/: support
         from kvstore.tiers.disk import DiskTier
-        from kvstore.tiers.disk_testing import verify_all, small_layout
+        from support.disk import verify_all, small_layout
         t = DiskTier({str(tmp_path)!r}, capacity_bytes=1 << 30)
         ok, bad = verify_all(t, small_layout(torch.bfloat16))
         print(json.dumps({{"ok": ok, "bad": len(bad), "blocks": t.stats().blocks,

@@ -6,27 +6,26 @@ import pytest
 
 pytest.importorskip("redis", reason="redis-py is not installed (pip install 'redis>=5')")
 
-from kvstore.bench import BenchOptions  # noqa: E402
+from kvstore.bench import BenchOptions, procs  # noqa: E402
 from kvstore.bench import remote as remote_bench  # noqa: E402
-from kvstore.tiers import remote_testing  # noqa: E402
 
 
 def test_remote_bench_without_redis_server_is_empty(monkeypatch):
-    monkeypatch.setattr(remote_testing, "redis_server_path", lambda: None)
+    monkeypatch.setattr(procs, "redis_server_path", lambda: None)
     assert remote_bench.run(BenchOptions(quick=True)) == []
 
 
-@pytest.mark.skipif(remote_testing.redis_server_path() is None,
+@pytest.mark.skipif(procs.redis_server_path() is None,
                     reason="redis-server is not installed (tools/ci_redis.sh)")
 def test_remote_bench_quick(monkeypatch):
     started = []
-    orig = remote_testing.RedisProcess.start
+    orig = procs.RedisProcess.start
 
     def start(self, *a, **kw):
         started.append(self)
         return orig(self, *a, **kw)
 
-    monkeypatch.setattr(remote_testing.RedisProcess, "start", start)
+    monkeypatch.setattr(procs.RedisProcess, "start", start)
     rows = remote_bench.run(BenchOptions(quick=True))
     names = [r.name for r in rows]
     assert "read_many codec=none" in names and "write_blocks codec=zstd" in names

@@ -16,12 +16,13 @@ import torch
 
 redis = pytest.importorskip("redis", reason="redis-py is not installed (pip install 'redis>=5')")
 
-from kvstore.tiers.remote import ReadStatus, RemoteConfig, RemoteTier, RemoteWrite  # noqa: E402
-from kvstore.tiers.remote_testing import (  # noqa: E402
+from support.remote import (  # noqa: E402
     RedisClusterProcesses,
     redis_cli_path,
     redis_server_path,
 )
+
+from kvstore.tiers.remote import ReadStatus, RemoteConfig, RemoteTier, RemoteWrite  # noqa: E402
 
 pytestmark = pytest.mark.skipif(redis_server_path() is None or redis_cli_path() is None,
                                 reason="redis-server / redis-cli are not installed "
@@ -129,7 +130,7 @@ def test_lookup_is_one_pipeline_per_master(cluster, count_sends):
 
 
 def test_unreachable_cluster_is_a_quick_miss():
-    from kvstore.tiers.remote_testing import free_port
+    from support.remote import free_port
 
     with RemoteTier(RemoteConfig(f"redis+cluster://127.0.0.1:{free_port()}", budget_s=0.1)) as t:
         k = keys_for("nocluster", 4)

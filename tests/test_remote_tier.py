@@ -15,6 +15,14 @@ import torch
 
 redis = pytest.importorskip("redis", reason="redis-py is not installed (pip install 'redis>=5')")
 
+from support.remote import (  # noqa: E402
+    RedisProcess,
+    SilentServer,
+    free_port,
+    make_tls_files,
+    redis_server_path,
+)
+
 from kvstore.errors import (  # noqa: E402
     ConfigError,
     KeyFormatError,
@@ -30,13 +38,6 @@ from kvstore.tiers.remote import (  # noqa: E402
     RemoteWrite,
 )
 from kvstore.tiers.remote_conn import Breaker, parse_remote_url, redact  # noqa: E402
-from kvstore.tiers.remote_testing import (  # noqa: E402
-    RedisProcess,
-    SilentServer,
-    free_port,
-    make_tls_files,
-    redis_server_path,
-)
 
 needs_redis = pytest.mark.skipif(redis_server_path() is None,
                                  reason="redis-server is not installed (tools/ci_redis.sh)")

@@ -218,7 +218,7 @@ def test_namespace_is_derived_by_the_daemon():
 # -- against a live daemon -------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
-    from kvstore.daemon.testing import DaemonProcess
+    from support.daemon import DaemonProcess
 
     d = tmp_path_factory.mktemp("proto")
     proc = DaemonProcess(d / "store", d / "run" / "kvstore.sock", "--cpu-capacity", "4MiB",

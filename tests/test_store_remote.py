@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import bit_equal, keyed_kv
+from support.remote import RedisProcess, redis_server_path
 
 from kvstore import KVLayout, open_store
-from kvstore.tiers.remote_testing import RedisProcess, redis_server_path
 
 redis = pytest.importorskip("redis")
 LAY = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16, block_tokens=4)

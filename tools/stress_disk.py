@@ -5,7 +5,7 @@
 
 Each round forks a writer on the same store (write_blocks, delete, evict_to_budget, compact,
 touch, each acknowledged through a pipe), kills it with SIGKILL after a random delay, reopens
-the store and verifies it (see kvstore.tiers.disk_testing.crash_round). Exits non-zero on the
+the store and verifies it (see crash_round in tests/support/disk.py). Exits non-zero on the
 first violation.
 """
 
@@ -18,9 +18,10 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# the crash round is shared with tests/test_disk_crash.py: tests/support/disk.py
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
-from kvstore.tiers.disk_testing import crash_round, small_layout  # noqa: E402
+from support.disk import crash_round, small_layout  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -75,8 +75,8 @@ def _raw_read(path: str, out: torch.Tensor) -> float:
 
 
 def run(opts: BenchOptions) -> list[BenchRow]:
+    from kvstore.bench.fake_index import populate_fake_index
     from kvstore.tiers.disk import DiskTier, DiskWrite, ReadStatus
-    from kvstore.tiers.disk_testing import populate_fake_index
 
     layout = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16,
                       block_tokens=16)  # Llama-3-8B: 2 MiB per block

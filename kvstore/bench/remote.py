@@ -72,8 +72,8 @@ def run(opts: BenchOptions) -> list[BenchRow]:
         import redis  # noqa: F401
     except ImportError:
         return []
+    from kvstore.bench.procs import RedisProcess, redis_server_path
     from kvstore.tiers.remote import ReadStatus, RemoteConfig, RemoteTier, RemoteWrite
-    from kvstore.tiers.remote_testing import RedisProcess, redis_server_path
 
     if redis_server_path() is None:
         return []

@@ -1,14 +1,13 @@
-"""Real Redis processes on 127.0.0.1 for the remote tier's tests and benchmark.
+"""Subprocesses the benchmarks run: a ``kvstore serve`` daemon (``DaemonProcess``, for the
+``daemon`` section) and a ``redis-server`` on a free 127.0.0.1 port (``RedisProcess``, for the
+``remote`` section). Both start, wait until the process answers, and stop it.
 
-``RedisProcess`` starts ``redis-server`` on a free loopback port (no persistence, foreground,
-its own working directory) and stops it; ``start_cluster`` makes an N-master cluster with
-``redis-cli --cluster create``; ``SilentServer`` is a listening socket that accepts and never
-answers (a hung Redis). Nothing here is used by the store itself.
+The test suite starts its daemons and Redis servers with these too (``tests/support/daemon.py``
+and ``tests/support/remote.py`` re-export them). Nothing in the store imports this module.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 import shutil
@@ -16,10 +15,100 @@ import signal
 import socket
 import ssl
 import subprocess
+import sys
 import tempfile
-import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
+
+# -- kvstore serve -----------------------------------------------------------------------------
+
+class DaemonProcess:
+    """``python -m kvstore.cli serve`` on ``socket_path``; ``start()`` waits until it answers."""
+
+    def __init__(self, path: str | os.PathLike[str], socket_path: str | os.PathLike[str],
+                 *args: str, log_path: str | os.PathLike[str] | None = None) -> None:
+        self.path = Path(path)
+        self.socket_path = Path(socket_path)
+        self.args = list(args)
+        self.log_path = Path(log_path) if log_path else self.path.parent / f"{self.path.name}.serve.log"
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "kvstore.cli", "serve", "--path", str(self.path),
+                "--socket", str(self.socket_path), *self.args]
+
+    def start(self, timeout: float = 60.0) -> DaemonProcess:
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in wait()
+        self.proc = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kvstore serve exited with {self.proc.returncode}:\n{self.log()}")
+            if self.answers():
+                return self
+            time.sleep(0.05)
+        self.kill()
+        raise TimeoutError(f"kvstore serve did not come up in {timeout} s:\n{self.log()}")
+
+    def answers(self) -> bool:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.settimeout(1.0)
+            s.connect(str(self.socket_path))
+            return True
+        except OSError:
+            return False
+        finally:
+            s.close()
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-8000:]
+        except OSError:
+            return ""
+
+    def signal(self, sig: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+
+    def wait(self, timeout: float = 60.0) -> int:
+        assert self.proc is not None
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            if self.proc.returncode is not None and getattr(self, "_log", None):
+                self._log.close()
+
+    def stop(self, timeout: float = 60.0) -> int:
+        """SIGTERM (graceful) and wait; SIGKILL if it does not exit in time."""
+        if self.proc is None:
+            return 0
+        self.signal(signal.SIGTERM)
+        try:
+            return self.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            return self.wait(10)
+
+    def kill(self) -> None:
+        self.signal(signal.SIGKILL)
+        if self.proc is not None:
+            self.proc.wait(10)
+
+    def __enter__(self) -> DaemonProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+# -- redis-server -----------------------------------------------------------------------------
 
 HOST = "127.0.0.1"
 
@@ -64,30 +153,6 @@ def _ping(port: int, timeout: float = 0.2, *, tls: bool = False) -> bytes | None
             return s.recv(64)
     except OSError:
         return None
-
-
-def make_tls_files(directory: str) -> tuple[str, str, str]:
-    """A throwaway CA and a server certificate for 127.0.0.1 (``openssl`` CLI). Returns
-    ``(ca_cert, server_cert, server_key)`` paths."""
-    exe = shutil.which("openssl")
-    if exe is None:
-        raise RuntimeError("openssl is not installed")
-    ca_key, ca = os.path.join(directory, "ca.key"), os.path.join(directory, "ca.pem")
-    key, csr = os.path.join(directory, "server.key"), os.path.join(directory, "server.csr")
-    cert, ext = os.path.join(directory, "server.pem"), os.path.join(directory, "san.ext")
-    with open(ext, "w") as f:
-        f.write("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-
-    def run(*args: str) -> None:
-        subprocess.run([exe, *args], check=True, capture_output=True, timeout=60)
-
-    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", ca_key, "-out", ca,
-        "-days", "1", "-subj", "/CN=kvstore-test-ca")
-    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", csr,
-        "-subj", "/CN=127.0.0.1")
-    run("x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial",
-        "-out", cert, "-days", "1", "-extfile", ext)
-    return ca, cert, key
 
 
 class RedisProcess:
@@ -203,111 +268,3 @@ class RedisProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.cleanup()
-
-
-class RedisClusterProcesses:
-    """``n`` masters with cluster mode on, slots assigned, no replicas."""
-
-    def __init__(self, n: int = 3) -> None:
-        self.workdir = tempfile.mkdtemp(prefix="kvstore-redis-cluster-")
-        self.nodes: list[RedisProcess] = []
-        self.n = n
-
-    @property
-    def url(self) -> str:
-        return "redis+cluster://" + ",".join(p.address for p in self.nodes)
-
-    def start(self, timeout: float = 30.0) -> RedisClusterProcesses:
-        try:
-            for _ in range(self.n):
-                self.nodes.append(RedisProcess(workdir=self.workdir, cluster=True).start())
-            exe = redis_cli_path()
-            if exe is None:
-                raise RuntimeError("redis-cli is not installed")
-            subprocess.run([exe, "--cluster", "create", *(p.address for p in self.nodes),
-                            "--cluster-replicas", "0", "--cluster-yes"],
-                           capture_output=True, timeout=timeout, check=True)
-            t_end = time.monotonic() + timeout
-            while True:
-                if all("cluster_state:ok" in p.cli("CLUSTER", "INFO") and
-                       "cluster_slots_assigned:16384" in p.cli("CLUSTER", "INFO")
-                       for p in self.nodes):
-                    break
-                if time.monotonic() > t_end:
-                    raise RuntimeError("the redis cluster did not reach cluster_state:ok")
-                time.sleep(0.05)
-        except BaseException:
-            self.cleanup()
-            raise
-        return self
-
-    def node_of(self, redis_key: bytes) -> RedisProcess:
-        """The master holding ``redis_key`` (asked of the cluster itself)."""
-        slot = int(self.nodes[0].cli("CLUSTER", "KEYSLOT", redis_key.decode()).strip())
-        for line in self.nodes[0].cli("CLUSTER", "NODES").splitlines():
-            parts = line.split()
-            addr = parts[1].split("@")[0]
-            for rng in parts[8:]:
-                if rng.startswith("["):
-                    continue
-                lo, _, hi = rng.partition("-")
-                if int(lo) <= slot <= int(hi or lo):
-                    return next(p for p in self.nodes if p.address == addr)
-        raise RuntimeError(f"no node holds slot {slot}")
-
-    def cleanup(self) -> None:
-        for p in self.nodes:
-            p.stop()
-        shutil.rmtree(self.workdir, ignore_errors=True)
-
-    def __enter__(self) -> RedisClusterProcesses:
-        return self.start() if not self.nodes else self
-
-    def __exit__(self, *exc: object) -> None:
-        self.cleanup()
-
-
-class SilentServer:
-    """Listens on a free loopback port, accepts every connection and never answers — what a
-    hung Redis looks like from the client. ``close()`` drops everything."""
-
-    def __init__(self) -> None:
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((HOST, 0))
-        self.sock.listen(64)
-        self.port = self.sock.getsockname()[1]
-        self._conns: list[socket.socket] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._accept, name="silent-redis", daemon=True)
-        self._thread.start()
-
-    @property
-    def url(self) -> str:
-        return f"redis://{HOST}:{self.port}/0"
-
-    def _accept(self) -> None:
-        self.sock.settimeout(0.05)
-        while not self._stop.is_set():
-            try:
-                c, _ = self.sock.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            self._conns.append(c)  # held open, never read, never answered
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(2)
-        for c in self._conns:
-            with contextlib.suppress(OSError):
-                c.close()
-        with contextlib.suppress(OSError):
-            self.sock.close()
-
-    def __enter__(self) -> SilentServer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -1,9 +1,8 @@
-"""Helpers for the admin tests (and anyone checking a store by hand): block contents derived
-from the key, so that any process can tell whether a block's bytes are right; stores built
-through :func:`kvstore.open_store`; and a worker process that reads and writes a store in a
-loop while admin commands run (``python -m kvstore.admin.testing worker ...``).
-
-Nothing here is used by the store or the CLI.
+"""Helpers for the admin tests: block contents derived from the key, so that any process can
+tell whether a block's bytes are right; stores built through :func:`kvstore.open_store`; and a
+worker process that reads and writes a store in a loop while admin commands run
+(``python -m support.admin worker ...``, with ``tests/`` on ``sys.path`` or as the working
+directory).
 """
 
 from __future__ import annotations
@@ -152,7 +151,7 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvstore.admin.testing")
+    p = argparse.ArgumentParser(prog="python -m support.admin")
     sub = p.add_subparsers(dest="cmd", required=True)
     w = sub.add_parser("worker", help="put/fetch in a loop, checking every fetched byte")
     w.add_argument("--store", required=True)
