@@ -94,7 +94,7 @@ class _Session:
         self._idle = threading.Condition()
 
     @contextlib.contextmanager
-    def copying(self):  # noqa: ANN201
+    def copying(self):
         with self._idle:
             self._active += 1
         try:

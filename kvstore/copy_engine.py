@@ -116,7 +116,7 @@ class _PathWorker:
                     job.events = job.run(self.stream)
             else:
                 job.events = job.run(None)
-        except BaseException as e:  # noqa: BLE001 - reported through the transfer
+        except BaseException as e:  # reported through the transfer
             self._complete(job, False, e)
             return
         if job.events:
@@ -142,7 +142,7 @@ class _PathWorker:
     def _complete(self, job: Job, ok: bool, error: BaseException | None) -> None:
         try:
             job.finish(ok, error)
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:
             log.exception("finishing a %s transfer failed", self.name)
             if not job.transfer.done():
                 job.transfer.set_error(e)
@@ -211,7 +211,7 @@ class CopyEngine:
 
 
 
-def _cupy_memcpy2d():  # noqa: ANN202
+def _cupy_memcpy2d():
     try:
         import cupy
 

@@ -21,7 +21,7 @@ _THREADS = 256
 
 
 @functools.lru_cache(maxsize=1)
-def _module():  # noqa: ANN202 - a cupy.RawModule
+def _module():  # a cupy.RawModule
     """The compiled kernels, or None when CUDA kernels are unavailable here."""
     if os.environ.get("KVSTORE_NO_CUDA_KERNELS") or not torch.cuda.is_available():
         return None

@@ -173,7 +173,7 @@ def test_concurrent_fetch_put_evict_from_threads(tmp_path):
                     assert torch.equal(got, kv[: got.shape[0]])
                     if i % 9 == 0:
                         s.evict(keys[1:], tier="hot")
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 errors.append(e)
 
         threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]

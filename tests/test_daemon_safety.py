@@ -72,7 +72,7 @@ def _as_uid(uid: int, fn):
             os.setgid(uid)
             os.setuid(uid)
             out = fn()
-        except BaseException as e:  # noqa: BLE001 - reported to the parent
+        except BaseException as e:  # reported to the parent
             out = {"crash": repr(e)}
         os.write(w, json.dumps(out).encode())
         os._exit(0)
@@ -211,7 +211,7 @@ def test_a_refused_uid_always_gets_permission_denied(serve, open_sock_dir):
                 ch.call(make_hello(LAYOUT, "m"))
             except PermissionDeniedError:
                 out["slow_denied"] += 1
-            except Exception as e:  # noqa: BLE001 - reported
+            except Exception as e:  # reported
                 out["other"].append(repr(e))
             ch.close()
         return out

@@ -258,7 +258,7 @@ def test_recover_refuses_while_the_store_is_open(tmp_path):
             os.read(down_r, 1)
             t.close()
             code = 0
-        except BaseException as e:  # noqa: BLE001 - reported to the parent
+        except BaseException as e:  # reported to the parent
             os.write(up_w, repr(e).encode()[:500])
         finally:
             os._exit(code)

@@ -102,21 +102,21 @@ def _probe(path: str) -> dict:
                     out["wrong"] += 1
                 out["ok"] += m
                 out["miss"] += len(ks) - m
-        except Exception as e:  # noqa: BLE001 - reported, the test fails on it
+        except Exception as e:  # reported, the test fails on it
             out["errors"].append(f"{type(e).__name__}: {e}"[:300])
         finally:
             try:
                 s.close()
             except StoreCorruptError:
                 out["corrupt"] += 1
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 out["errors"].append(f"close: {type(e).__name__}: {e}"[:300])
     args = _PARSER.parse_args(["verify", "--store", path])
     err = io.StringIO()
     try:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
             rc = args.func(args)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         out["errors"].append(f"verify: {type(e).__name__}: {e}"[:300])
         rc = -1
     out["verify"] = rc
@@ -140,7 +140,7 @@ def _child(root: Path, base: Path, batch: list[tuple[int, str, bytes]], wfd: int
         try:
             _prepare(path, base, data)
             res = _probe(str(path))
-        except BaseException as e:  # noqa: BLE001 - anything escaping is a failure
+        except BaseException as e:  # anything escaping is a failure
             res = {"errors": [f"escaped: {type(e).__name__}: {e}"[:300]]}
         res["i"] = i
         os.write(wfd, json.dumps(res).encode() + b"\n")

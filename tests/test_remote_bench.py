@@ -6,8 +6,8 @@ import pytest
 
 pytest.importorskip("redis", reason="redis-py is not installed (pip install 'redis>=5')")
 
-from kvstore.bench import BenchOptions, procs  # noqa: E402
-from kvstore.bench import remote as remote_bench  # noqa: E402
+from kvstore.bench import BenchOptions, procs
+from kvstore.bench import remote as remote_bench
 
 
 def test_remote_bench_without_redis_server_is_empty(monkeypatch):

@@ -387,7 +387,7 @@ def test_concurrent_callers(server, raw, make_tier):
                 out = dsts(8)
                 assert t.read_many(k, out) == [ReadStatus.OK] * 8
                 assert all(torch.equal(a.data, b) for a, b in zip(items, out, strict=True))
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:
             errors.append(e)
 
     threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]

@@ -337,7 +337,7 @@ def test_concurrent_put_fetch_threads(make_store, small_layout):
                 s.put(keys, kv).wait()
                 got = s.fetch(keys).wait()
                 assert torch.equal(got, kv[: got.shape[0]])
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             errors.append(e)
 
     threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]

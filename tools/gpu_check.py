@@ -25,9 +25,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
+import torch
 
-from kvstore import KVLayout, open_store  # noqa: E402
+from kvstore import KVLayout, open_store
 
 ROWS: list[dict] = []
 
@@ -154,7 +154,7 @@ def main() -> int:
     for check in (check_kernels, check_bandwidth, check_overlap):
         try:
             check()
-        except Exception as e:  # noqa: BLE001 - report every check
+        except Exception as e:  # report every check
             failed = True
             row(check.__name__, 0, "", "", 0, 0, None, False, f"FAILED: {e!r}")
     out = os.environ.get("OUT")

@@ -21,7 +21,7 @@ import time
 # the crash round is shared with tests/test_disk_crash.py: tests/support/disk.py
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
-from support.disk import crash_round, small_layout  # noqa: E402
+from support.disk import crash_round, small_layout
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,14 +29,14 @@ from pathlib import Path
 # the engine harness is shared with tests/vllm: tests/support/vllm_helpers.py
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from support.vllm_helpers import (  # noqa: E402
+from support.vllm_helpers import (
     example_transfer,
     make_llama,
     prompt,
     run_engine_subprocess,
 )
 
-from kvstore.integrations.vllm import kvstore_transfer, read_stats  # noqa: E402
+from kvstore.integrations.vllm import kvstore_transfer, read_stats
 
 BS = 32
 MODEL = dict(hidden=1024, layers=8, heads=16, kv_heads=4, head_dim=64, intermediate=2816,

@@ -120,7 +120,7 @@ class _Agg:
         self.created: float | None = None
         self.last: float | None = None
 
-    def add(self, r) -> None:  # noqa: ANN001 - a DiskRecord
+    def add(self, r) -> None:  # a DiskRecord
         self.blocks += 1
         self.stored += r.stored_nbytes
         self.raw += r.raw_nbytes
@@ -131,7 +131,7 @@ class _Agg:
             self.last = r.last_access
 
 
-def _namespace_entries(tier, aggs: dict[bytes, _Agg]) -> list[NamespaceEntry]:  # noqa: ANN001
+def _namespace_entries(tier, aggs: dict[bytes, _Agg]) -> list[NamespaceEntry]:
     out = []
     infos = {i.namespace_id: i for i in tier.namespaces()}
     for nid, info in infos.items():
@@ -158,7 +158,7 @@ def _namespace_entries(tier, aggs: dict[bytes, _Agg]) -> list[NamespaceEntry]:  
     return out
 
 
-def _scan_namespaces(tier) -> list[NamespaceEntry]:  # noqa: ANN001
+def _scan_namespaces(tier) -> list[NamespaceEntry]:
     aggs: dict[bytes, _Agg] = {}
     for r in tier.records():
         a = aggs.get(r.namespace_id)

@@ -164,7 +164,7 @@ def daemon_remove(socket: str | os.PathLike[str], namespace_id: bytes | str,
         ch.close()
 
 
-def _remove_call(ch, sock: str, req) -> int:  # noqa: ANN001
+def _remove_call(ch, sock: str, req) -> int:
     from kvstore.wire import messages as m
 
     try:

@@ -342,7 +342,7 @@ def _entry_bk(f: FindingEntry) -> bytes:
     return key if f.namespace_id is None else bytes.fromhex(f.namespace_id) + key
 
 
-def _finding(f, nbytes: int = 0, namespace_id: bytes | None = None) -> FindingEntry:  # noqa: ANN001 - a disk Finding
+def _finding(f, nbytes: int = 0, namespace_id: bytes | None = None) -> FindingEntry:  # a disk Finding
     key = None if f.key is None else bytes(f.key).hex()
     return FindingEntry(f.kind, f.path, key, f.detail, bool(f.fixed), nbytes,
                         _ACTIONS.get(f.kind, "drop"),
@@ -361,7 +361,7 @@ def _file_sizes(segdir: str) -> dict[str, int]:
     return out
 
 
-def _entries(findings, sizes: dict[str, int], recs: dict[bytes, object]) -> list[FindingEntry]:  # noqa: ANN001
+def _entries(findings, sizes: dict[str, int], recs: dict[bytes, object]) -> list[FindingEntry]:
     """Findings of ``DiskTier.check`` as entries; ``recs``: block key -> its record (for the
     stored bytes and the namespace)."""
     out = []
@@ -384,7 +384,7 @@ def _check_grace(grace_s: float) -> None:
 # -- unreachable blocks ------------------------------------------------------------------------
 
 def _unreachable(recs: Iterable, gone: set[bytes], segdir: str, *, now: float,
-                 grace_s: float, why_gone: str) -> tuple[list[FindingEntry], int]:  # noqa: ANN001
+                 grace_s: float, why_gone: str) -> tuple[list[FindingEntry], int]:
     """Blocks that no lookup can reach, because their parent is not in the index (or is in
     ``gone``: dropped by this pass), with their whole subtrees, as findings (action ``drop``);
     and how many were left alone because the block whose parent is missing was written less
@@ -447,7 +447,7 @@ def _subtree_size(root: bytes, children: dict[bytes, list[bytes]], seen: set[byt
     return n
 
 
-def _remove_unreachable(t, planned: Iterable[bytes], removed: set[bytes]) -> tuple[set[bytes], list, set[bytes]]:  # noqa: ANN001
+def _remove_unreachable(t, planned: Iterable[bytes], removed: set[bytes]) -> tuple[set[bytes], list, set[bytes]]:
     """Delete the ``planned`` blocks that still no lookup can reach, and every block now below
     one of them or below a block in ``removed`` (written meanwhile, or orphaned by this pass).
     Returns (keys gone now, records of the removed blocks that were not planned, planned keys
@@ -557,7 +557,7 @@ def prune(path: str | os.PathLike[str] | None = None, *, dry_run: bool = False,
                        len(counted), sum(e.nbytes for e in counted), young)
 
 
-def _late_entries(late: Iterable, segdir: str) -> list[FindingEntry]:  # noqa: ANN001
+def _late_entries(late: Iterable, segdir: str) -> list[FindingEntry]:
     """Findings for blocks removed with the planned ones although not in the plan: written
     meanwhile below one of them, or orphaned by this pass."""
     from kvstore.tiers import segments as seg
@@ -810,11 +810,11 @@ def repair(result: VerifyResult) -> VerifyResult:
     return dataclasses.replace(result, fix=True, findings=tuple(findings), unfixed=unfixed)
 
 
-def _same_place(cur, r) -> bool:  # noqa: ANN001
+def _same_place(cur, r) -> bool:
     return cur is not None and (cur.segment, cur.offset) == (r.segment, r.offset)
 
 
-def _confirm_header_problem(ro, r, detail: str, segdir: str, seg) -> list[FindingEntry]:  # noqa: ANN001
+def _confirm_header_problem(ro, r, detail: str, segdir: str, seg) -> list[FindingEntry]:
     """The bytes verify but the header does not describe the block: repairable, unless the
     record moved meanwhile (then its new segment lists it)."""
     if not _same_place(ro.get_record(r.key, namespace_id=r.namespace_id), r):
@@ -826,7 +826,7 @@ def _confirm_header_problem(ro, r, detail: str, segdir: str, seg) -> list[Findin
                          r.namespace_id.hex())]
 
 
-def _classify(r, segdir: str, seg) -> tuple[str, str]:  # noqa: ANN001
+def _classify(r, segdir: str, seg) -> tuple[str, str]:
     path = os.path.join(segdir, seg.segment_name(r.segment))
     try:
         size = os.stat(path).st_size
@@ -838,7 +838,7 @@ def _classify(r, segdir: str, seg) -> tuple[str, str]:  # noqa: ANN001
     return "checksum_mismatch", "the block's bytes do not match its checksum"
 
 
-def _confirm_damage(ro, r, segdir: str, seg, header: str | None) -> FindingEntry | None:  # noqa: ANN001
+def _confirm_damage(ro, r, segdir: str, seg, header: str | None) -> FindingEntry | None:
     """A read failed: was it damage, or did another process remove/move the block?"""
     from kvstore.tiers.disk import ReadStatus
 
@@ -861,7 +861,7 @@ def _confirm_damage(ro, r, segdir: str, seg, header: str | None) -> FindingEntry
                         r.namespace_id.hex())
 
 
-def _read_batch(ro, batch: list, dsts: list) -> list:  # noqa: ANN001
+def _read_batch(ro, batch: list, dsts: list) -> list:
     """``read_many`` of a batch of records, each in its own namespace's key space."""
     out: list = [None] * len(batch)
     by_ns: dict[bytes, list[int]] = {}

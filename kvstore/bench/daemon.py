@@ -131,10 +131,10 @@ def _bandwidth_rows(socket_path: Path, quick: bool) -> list[BenchRow]:
             out.zero_()
             assert s.fetch(keys, out=out).wait().shape[0] == nblocks and torch.equal(out, kv)
 
-            def fetch(s=s, keys=keys) -> None:  # noqa: ANN001
+            def fetch(s=s, keys=keys) -> None:
                 s.fetch(keys, out=out).wait()
 
-            def put_fresh(s=s, keys=keys) -> None:  # noqa: ANN001
+            def put_fresh(s=s, keys=keys) -> None:
                 s.evict()
                 assert s.put(keys, kv).wait() == nblocks
 

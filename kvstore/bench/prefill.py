@@ -46,7 +46,7 @@ def _model() -> torch.nn.Module:
 _THRASH: torch.Tensor | None = None
 
 
-def _cold_time(fn, repeat: int = 7) -> float:  # noqa: ANN001
+def _cold_time(fn, repeat: int = 7) -> float:
     """Best time of ``fn()`` with the CPU caches flushed (128 MiB written) before each run."""
     global _THRASH
     if _THRASH is None:
@@ -69,7 +69,7 @@ def run(opts: BenchOptions) -> list[BenchRow]:
     return rows
 
 
-def _prefill_rows(model: torch.nn.Module, opts: BenchOptions, open_store_for) -> list[BenchRow]:  # noqa: ANN001
+def _prefill_rows(model: torch.nn.Module, opts: BenchOptions, open_store_for) -> list[BenchRow]:
     from kvstore.integrations.transformers import PrefixCachedModel, blocks_to_cache
 
     n_tokens = 1024 if opts.quick else 4096
@@ -150,7 +150,7 @@ def docqa_batch(docs: int, questions: int, seed: int = 0, vocab: int = 32000) ->
     return prompts
 
 
-def _batch_rows(model: torch.nn.Module, opts: BenchOptions, open_store_for) -> list[BenchRow]:  # noqa: ANN001
+def _batch_rows(model: torch.nn.Module, opts: BenchOptions, open_store_for) -> list[BenchRow]:
     from kvstore.batch import BatchRunner, plan_batch
     from kvstore.integrations.transformers import PrefixCachedModel, layout_for
 

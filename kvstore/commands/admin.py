@@ -108,7 +108,7 @@ def _add_format(p: argparse.ArgumentParser) -> None:
 # -- ls ----------------------------------------------------------------------------------------
 
 def _table(cols, rows, *, wrap=(), title: str | None = None, width: int | None = None,
-           drop=()):  # noqa: ANN001
+           drop=()):
     """An aligned table without borders. Columns not in ``wrap`` never wrap nor shrink below
     their widest cell; those in ``wrap`` fold when the terminal is narrow. When the table
     cannot fit ``width``, the columns in ``drop`` are left out, in that order, until it does
@@ -137,7 +137,7 @@ def _table(cols, rows, *, wrap=(), title: str | None = None, width: int | None =
 
 
 def _namespace_table(items, now: float, title: str | None = None,
-                     width: int | None = None):  # noqa: ANN001
+                     width: int | None = None):
     from kvstore.admin import format_age
 
     cols = [("ID", "left"), ("MODEL", "left"), ("REVISION", "left"), ("LAYOUT", "left"),
@@ -151,7 +151,7 @@ def _namespace_table(items, now: float, title: str | None = None,
                   drop=drop)
 
 
-def _block_table(items, now: float, width: int | None = None):  # noqa: ANN001
+def _block_table(items, now: float, width: int | None = None):
     from kvstore.admin import format_age
 
     cols = [("KEY", "left"), ("NAMESPACE", "left"), ("MODEL", "left"), ("PARENT", "left"),
@@ -338,7 +338,7 @@ def _run_rm(args: argparse.Namespace) -> int:
 _UNREACHABLE_ROWS = 20
 
 
-def _findings_table(findings, *, show_fixed: bool, show_action: bool = False):  # noqa: ANN001
+def _findings_table(findings, *, show_fixed: bool, show_action: bool = False):
     cols = [("KIND", "left"), ("WHERE", "left"), ("SIZE", "right")]
     if show_action:
         cols.append(("ACTION", "left"))
@@ -442,7 +442,7 @@ def _run_prune(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _prune_items(res, *, fixed_only: bool = False) -> str:  # noqa: ANN001
+def _prune_items(res, *, fixed_only: bool = False) -> str:
     """``freed 9.3 KiB of files, 5 unreachable block(s) (5.0 KiB), 2 record(s) without
     payload`` for a prune result."""
     fs = [f for f in res.findings if f.action != "none" and (f.fixed or not fixed_only)]
@@ -464,14 +464,14 @@ def _prune_items(res, *, fixed_only: bool = False) -> str:  # noqa: ANN001
     return ", ".join(parts)
 
 
-def _young_note(con, young: int, grace: float) -> None:  # noqa: ANN001
+def _young_note(con, young: int, grace: float) -> None:
     if young:
         con.print(f"{young} unreachable block(s) written less than {grace:g} s ago are left "
                   "alone (their parent may be a write in flight elsewhere); --grace 0 "
                   "includes them.")
 
 
-def _progress(err, what: str):  # noqa: ANN001
+def _progress(err, what: str):
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -487,7 +487,7 @@ def _progress(err, what: str):  # noqa: ANN001
                     disable=not err.is_terminal)
 
 
-def _plan_summary(plan, *, verb: str) -> str:  # noqa: ANN001
+def _plan_summary(plan, *, verb: str) -> str:
     """``Will drop 1 damaged block(s) (1.0 KiB; they become misses), ...`` of a RepairPlan."""
     parts = []
     if plan.drop_blocks:
@@ -611,7 +611,7 @@ def _run_compact(args: argparse.Namespace) -> int:
 
 # -- stats -------------------------------------------------------------------------------------
 
-def _kv_grid(rows):  # noqa: ANN001
+def _kv_grid(rows):
     from rich.table import Table
 
     kv = Table.grid(padding=(0, 2))
@@ -622,7 +622,7 @@ def _kv_grid(rows):  # noqa: ANN001
     return kv
 
 
-def _stats_renderable(res):  # noqa: ANN001
+def _stats_renderable(res):
     from rich.console import Group
     from rich.table import Table
 

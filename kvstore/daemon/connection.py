@@ -57,7 +57,7 @@ class Connection:
 
     # -- accessors used by the handlers ---------------------------------------------------------
     @property
-    def store(self):  # noqa: ANN201
+    def store(self):
         assert self.entry is not None
         return self.entry.store
 
@@ -89,7 +89,7 @@ class Connection:
         self.metrics.error(code)
         try:
             await self._send(m.encode_error(rid, code, message))
-        except Exception as e:  # noqa: BLE001 - the peer is gone; nothing to tell it
+        except Exception as e:  # the peer is gone; nothing to tell it
             log.debug("could not send error reply: %s", e)
 
     async def _read(self, timeout: float | None = None) -> bytes | None:

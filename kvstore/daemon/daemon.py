@@ -59,7 +59,7 @@ class Daemon:
         self.registry: NamespaceRegistry
         self.metrics: DaemonMetrics
 
-    async def run_blocking(self, fn, *args):  # noqa: ANN001, ANN201
+    async def run_blocking(self, fn, *args):
         """Run ``fn(*args)`` on the daemon's thread pool."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, functools.partial(fn, *args))
@@ -198,7 +198,7 @@ def run_daemon(config: DaemonConfig) -> int:
     return 0
 
 
-def _loop_factory():  # noqa: ANN202 - a loop class, or None for asyncio's default
+def _loop_factory():  # a loop class, or None for asyncio's default
     """uvloop's event loop where it is installed: it halves a small request's round trip
     (docs/benchmarks.md); ``KVSTORE_LOOP=asyncio`` keeps the standard one."""
     if os.environ.get("KVSTORE_LOOP", "").lower() == "asyncio":

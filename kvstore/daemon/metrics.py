@@ -32,7 +32,7 @@ class _StoreCollector(Collector):
     def __init__(self, snapshot: Snapshot) -> None:
         self._snapshot = snapshot
 
-    def collect(self):  # noqa: ANN201 - prometheus_client's protocol
+    def collect(self):  # prometheus_client's protocol
         labels = ["namespace", "model"]
         tier_labels = [*labels, "tier"]
         used = GaugeMetricFamily("kvstore_tier_used_bytes", "Bytes held by a tier", labels=tier_labels)

@@ -127,7 +127,7 @@ class Fetcher:
                 try:
                     engine.submit("h2d", Job(Transfer(), lambda st: self.promote_copy(plan, st), settle))
                     return
-                except BaseException:  # noqa: BLE001 - closing: just settle without promoting
+                except BaseException:  # closing: just settle without promoting
                     plan.promote_failed = True
             settle(ok, error)
 
@@ -140,7 +140,7 @@ class Fetcher:
             # here in whole-block runs beats a hand-off to the worker (the blocks are pinned).
             try:
                 self.copy(plan, result, t, None, whole_blocks=True)
-            except BaseException as e:  # noqa: BLE001 - reported through the transfer
+            except BaseException as e:  # reported through the transfer
                 finish(False, e)
             else:
                 finish(True, None)
@@ -153,7 +153,7 @@ class Fetcher:
             raise
         return t, plan, result
 
-    def queue(self, engine, plan, copy_job, result, finish, want_result) -> None:  # noqa: ANN001
+    def queue(self, engine, plan, copy_job, result, finish, want_result) -> None:
         if plan.disk:
             def run_disk(stream: torch.cuda.Stream | None) -> list:
                 self.read_lower(plan, result)

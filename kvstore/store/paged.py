@@ -77,7 +77,7 @@ class PagedIO:
             try:
                 assert self.st.engine is not None
                 self.st.engine.submit("h2d", Job(t, run, finish))
-            except BaseException as e:  # noqa: BLE001 - closing
+            except BaseException as e:  # closing
                 t.set_error(e)
 
         try:

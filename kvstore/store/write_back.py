@@ -73,7 +73,7 @@ class WriteBack:
                 log.exception("disk tier eviction failed")
         return True
 
-    def write_disk_batch(self, disk, jobs: list) -> bool:  # noqa: ANN001
+    def write_disk_batch(self, disk, jobs: list) -> bool:
         from kvstore.errors import DiskError
         from kvstore.tiers.disk import DiskWrite
 
@@ -86,7 +86,7 @@ class WriteBack:
             log.exception("disk tier write failed unexpectedly; %d blocks stay memory-only", len(jobs))
         return False
 
-    def write_remote_batch(self, remote, items: list[tuple[BlockKey, torch.Tensor]]) -> None:  # noqa: ANN001
+    def write_remote_batch(self, remote, items: list[tuple[BlockKey, torch.Tensor]]) -> None:
         from kvstore.tiers.remote import RemoteWrite
 
         if not items:
@@ -97,7 +97,7 @@ class WriteBack:
         except Exception:
             log.exception("remote tier write failed")
 
-    def write_overflow(self, disk, job: OverflowJob) -> None:  # noqa: ANN001
+    def write_overflow(self, disk, job: OverflowJob) -> None:
         from kvstore.tiers.disk import DiskWrite
 
         ok = False

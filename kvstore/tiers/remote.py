@@ -318,7 +318,7 @@ class RemoteTier:
                         fut.cancel()
                         self._fail(None, "reading the slot table", "no answer within the budget",
                                    timeout=True)
-                    except Exception as e:  # noqa: BLE001 - never raise Redis trouble
+                    except Exception as e:  # never raise Redis trouble
                         self._fail(None, "reading the slot table", e,
                                    timeout=isinstance(e, redis.TimeoutError))
             elif topo.stale:
@@ -339,7 +339,7 @@ class RemoteTier:
         def run() -> None:
             try:
                 topo.refresh()
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 log.debug("remote tier %s: slot table refresh failed: %s", self._url, e)
             finally:
                 self._refreshing = False
@@ -377,7 +377,7 @@ class RemoteTier:
             node, idx = futs[f]
             try:
                 replies = f.result()
-            except Exception as e:  # noqa: BLE001 - never raise Redis trouble into the engine
+            except Exception as e:  # never raise Redis trouble into the engine
                 self._fail(node, what, f"{type(e).__name__}: {e}",
                            timeout=isinstance(e, (redis.TimeoutError, TimeoutError)))
                 continue
@@ -493,7 +493,7 @@ class RemoteTier:
                     continue
                 try:
                     _pipeline(node.write, [(("DEL", rkeys[i]), {}) for i in idx])
-                except Exception as e:  # noqa: BLE001 - best effort
+                except Exception as e:  # best effort
                     log.debug("remote tier %s: deleting corrupt values on %s failed: %s",
                               self._url, node.name, e)
 
@@ -507,7 +507,7 @@ class RemoteTier:
         if self._itemsize_for is not None:
             try:
                 return int(self._itemsize_for(w.namespace_id))
-            except Exception:  # noqa: BLE001 - unknown namespace: no shuffle
+            except Exception:  # unknown namespace: no shuffle
                 return 1
         return 1
 

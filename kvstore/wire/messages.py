@@ -204,7 +204,7 @@ class _KeysRequest:
         return [self.keys, self.parent]
 
     @classmethod
-    def from_wire(cls, args: object):  # noqa: ANN206
+    def from_wire(cls, args: object):
         a = _args(args, 2, cls.OP)
         return cls(_keys(a[0]), _opt_key(a[1]))
 
@@ -276,7 +276,7 @@ class _IdRequest:
         return [self.id]
 
     @classmethod
-    def from_wire(cls, args: object):  # noqa: ANN206
+    def from_wire(cls, args: object):
         return cls(_int(_args(args, 1, cls.OP)[0], f"{cls.OP}: id"))
 
 

@@ -55,7 +55,7 @@ def prompt_tokens(i: int, n_blocks: int, block_tokens: int, *, shared: int = 2,
 
 
 def open_test_store(path: str | os.PathLike[str], model_id: str, layout: KVLayout | None = None,
-                    *, warm_blocks: int = 64, **kw):  # noqa: ANN201 - a Store
+                    *, warm_blocks: int = 64, **kw):  # a Store
     from kvstore.store import open_store
 
     lay = layout or small_layout()

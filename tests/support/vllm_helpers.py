@@ -119,7 +119,7 @@ def _counters(llm: Any) -> dict[str, float]:
     out: dict[str, float] = {}
     try:
         metrics = llm.get_metrics()
-    except Exception:  # noqa: BLE001 - metrics are optional (disable_log_stats)
+    except Exception:  # metrics are optional (disable_log_stats)
         return out
     for m in metrics:
         v = getattr(m, "value", None)

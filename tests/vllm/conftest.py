@@ -29,7 +29,7 @@ def _vllm_missing() -> str | None:
         return "vllm is not installed in this interpreter (run tools/ci_vllm.sh)"
     try:
         import vllm  # noqa: F401
-    except Exception as e:  # noqa: BLE001 - any import failure means: cannot test here
+    except Exception as e:  # any import failure means: cannot test here
         return f"vllm is installed but does not import ({type(e).__name__}: {e})"
     return None
 

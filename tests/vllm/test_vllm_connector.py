@@ -180,7 +180,7 @@ def test_embedded_mode_real_process_split(models, tmp_path):
 
 def _daemon_available() -> str | None:
     try:
-        import kvstore.client  # noqa: F401
+        import kvstore.client
         import kvstore.commands.serve  # noqa: F401
     except ImportError as e:
         return f"kvstore daemon/client not available: {e}"

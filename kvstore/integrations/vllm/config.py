@@ -202,7 +202,7 @@ def _config_digest(vllm_config: VllmConfig) -> str:
     mc = vllm_config.model_config
     try:
         hf = mc.hf_text_config.to_dict() if hasattr(mc, "hf_text_config") else mc.hf_config.to_dict()
-    except Exception:  # noqa: BLE001 - an exotic config: fall back to its repr
+    except Exception:  # an exotic config: fall back to its repr
         hf = repr(getattr(mc, "hf_config", None))
     volatile = {"transformers_version", "_name_or_path", "architectures", "torch_dtype", "dtype"}
     if isinstance(hf, dict):
@@ -243,7 +243,7 @@ def layer_order(names: Sequence[str]) -> list[str]:
         from vllm.model_executor.models.utils import extract_layer_index
 
         return sorted(names, key=extract_layer_index)
-    except Exception:  # noqa: BLE001 - names without an index: keep vLLM's order
+    except Exception:  # names without an index: keep vLLM's order
         return list(names)
 
 

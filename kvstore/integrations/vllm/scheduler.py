@@ -89,7 +89,7 @@ class SchedulerSide:
         if st is None:
             try:
                 keys = self.request_keys(request)
-            except Exception:  # noqa: BLE001 - a request we cannot key is just not cached
+            except Exception:  # a request we cannot key is just not cached
                 log.exception("kvstore: could not key request %s", request.request_id)
                 keys = None
             prompt = getattr(request, "prompt_token_ids", None) or []
@@ -102,7 +102,7 @@ class SchedulerSide:
         claimable = max(0, (st.prompt_len - 1) // bs)
         try:
             n = self.store.lookup(st.keys[:claimable]) if claimable else 0
-        except Exception:  # noqa: BLE001 - the store failing is a miss, not an engine error
+        except Exception:  # the store failing is a miss, not an engine error
             log.exception("kvstore: lookup failed")
             n = 0
         st.store_hit = n

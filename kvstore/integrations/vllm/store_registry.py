@@ -62,7 +62,7 @@ def release_store(key: tuple) -> None:
         del _shared[key]
     try:
         entry[0].close()
-    except Exception:  # noqa: BLE001
+    except Exception:
         log.exception("kvstore: closing the store failed")
 
 

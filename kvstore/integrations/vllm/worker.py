@@ -186,7 +186,7 @@ class WorkerSide:
             try:
                 ids = page_index(run.block_ids, n, self._geo)
                 t = self.store.fetch(self._chain(run), out=out)
-            except Exception:  # noqa: BLE001 - never raise into the engine: recompute instead
+            except Exception:  # never raise into the engine: recompute instead
                 log.exception("kvstore: fetch failed for request %s", run.req_id)
                 self._fail(run, 0)
                 continue
@@ -239,7 +239,7 @@ class WorkerSide:
             n = len(got)
             if n:
                 self._copy_blocks(slots, run.block_ids[:n], load=True)
-        except Exception:  # noqa: BLE001 - never raise into the engine: recompute instead
+        except Exception:  # never raise into the engine: recompute instead
             log.exception("kvstore: loading request %s failed", run.req_id)
             n = 0
         finally:
@@ -288,13 +288,13 @@ class WorkerSide:
         ld.scattered.add(layer)
         try:
             ld.transfer.wait_layer(layer)
-        except Exception:  # noqa: BLE001 - the fetch failed: reported in _finish_loads
+        except Exception:  # the fetch failed: reported in _finish_loads
             return
         n = len(ld.run.keys)
         if ld.transfer.done():
             try:
                 n = int(ld.transfer.wait().shape[0])
-            except Exception:  # noqa: BLE001
+            except Exception:
                 return
         # While the fetch is still running its final length is unknown: every planned page of
         # this layer is written then, and pages past the valid run (a short fetch) are
@@ -325,7 +325,7 @@ class WorkerSide:
                 self._scatter(ld, layer)
             try:
                 n = int(ld.transfer.wait().shape[0])
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.exception("kvstore: a load failed for request %s", ld.run.req_id)
                 n = 0
             self.stats.count(loaded_blocks=n)
@@ -357,7 +357,7 @@ class WorkerSide:
                         continue
                     self._puts.append(self._save_from(run.block_ids, self._chain(run)))
                     self.stats.count(saves=1, save_blocks=len(run.keys))
-                except Exception:  # noqa: BLE001 - a lost save is a later miss, not an error
+                except Exception:  # a lost save is a later miss, not an error
                     log.exception("kvstore: saving %d blocks of request %s failed",
                                   len(run.keys), run.req_id)
                     self.stats.count(save_errors=1)
@@ -373,7 +373,7 @@ class WorkerSide:
                 continue
             try:
                 t.wait()
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 self.stats.count(save_errors=1)
                 log.warning("kvstore: a put failed: %s", e)
         self._puts = keep
