@@ -15,7 +15,7 @@ from support.admin import build_store, check_disk_bytes
 
 from kvstore.admin import list_blocks, list_namespaces
 from kvstore.cli import main
-from kvstore.tiers import segments as seg
+from kvstore.tiers.disk import segments as seg
 
 #: tests/: the worker runs as ``python -m support.admin`` from here
 TESTS = os.path.dirname(os.path.abspath(__file__))

@@ -21,8 +21,8 @@ from kvstore.admin import (
     verify,
 )
 from kvstore.cli import main
-from kvstore.tiers import segments as seg
 from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.disk import segments as seg
 
 LAY = small_layout()
 

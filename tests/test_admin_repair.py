@@ -28,8 +28,8 @@ from kvstore import connect
 from kvstore.admin import AdminError, list_blocks, prune, verify
 from kvstore.cli import main
 from kvstore.namespace import Namespace
-from kvstore.tiers import segments as seg
 from kvstore.tiers.disk import DiskTier, DiskWrite, ReadStatus
+from kvstore.tiers.disk import segments as seg
 
 LAY = small_layout()
 OLD_S = 3 * 86400

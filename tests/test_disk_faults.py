@@ -21,9 +21,9 @@ from support.disk import (
 )
 
 from kvstore.errors import DiskError, TensorMismatchError
-from kvstore.tiers import disk_index as di
-from kvstore.tiers import segments as seg
 from kvstore.tiers.disk import DiskTier, ReadStatus
+from kvstore.tiers.disk import index as di
+from kvstore.tiers.disk import segments as seg
 
 LAY = small_layout(torch.bfloat16)
 NS = namespace(LAY)
@@ -358,7 +358,7 @@ def test_segment_removed_under_a_cached_fd_retries(tmp_path):
         stale = t._get_rec(di.dbkey(NS.id, keys[0]))
         t.delete(keys[2:])
         t.compact(threshold=0.9)  # old segment unlinked, records moved
-        from kvstore.tiers.disk_index import encode_record
+        from kvstore.tiers.disk.index import encode_record
         status = t._read_one(di.dbkey(NS.id, keys[0]), encode_record(stale), memoryview(
             torch.empty(LAY.block_nbytes, dtype=torch.uint8).numpy()))
         assert status is ReadStatus.OK

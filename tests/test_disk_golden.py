@@ -12,9 +12,9 @@ from safetensors import safe_open
 
 from kvstore.layout import KVLayout
 from kvstore.namespace import Namespace
-from kvstore.tiers import disk_index as di
-from kvstore.tiers import segments as seg
 from kvstore.tiers.disk import DiskTier, DiskWrite, ReadStatus
+from kvstore.tiers.disk import index as di
+from kvstore.tiers.disk import segments as seg
 
 K0 = bytes.fromhex("11" * 32)
 K1 = bytes.fromhex("22" * 32)

@@ -20,11 +20,10 @@ from conftest import bit_equal, keyed_kv
 from kvstore import KVLayout, StoreCorruptError, open_store
 from kvstore.cli import main
 from kvstore.errors import StoreLockedError
-from kvstore.tiers import disk_guard as guard
-from kvstore.tiers import disk_index as di
-from kvstore.tiers import segments as seg
-from kvstore.tiers.disk import DiskTier
-from kvstore.tiers.disk_recover import recover
+from kvstore.tiers.disk import DiskTier, guard
+from kvstore.tiers.disk import index as di
+from kvstore.tiers.disk import segments as seg
+from kvstore.tiers.disk.recover import recover
 
 LAY = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16, block_tokens=4)
 BN = LAY.block_nbytes

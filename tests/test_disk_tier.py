@@ -33,9 +33,9 @@ from kvstore.errors import (
     TensorMismatchError,
 )
 from kvstore.tiers import codec as codec_mod
-from kvstore.tiers import disk_index as di
-from kvstore.tiers import segments as seg
 from kvstore.tiers.disk import DiskTier, DiskWrite, ReadStatus
+from kvstore.tiers.disk import index as di
+from kvstore.tiers.disk import segments as seg
 
 BF16 = small_layout(torch.bfloat16)
 F32 = small_layout(torch.float32)
@@ -740,8 +740,8 @@ def test_check_fix_while_another_process_writes(tmp_path):
 def test_reads_are_grouped_per_segment_in_file_order():
     """One task per segment (a thread reads it front to back, keeping its readahead going);
     runs without a plain record stay tasks of their own."""
-    from kvstore.tiers.disk import _per_segment
-    from kvstore.tiers.disk_index import Rec
+    from kvstore.tiers.disk.index import Rec
+    from kvstore.tiers.disk.reads import per_segment as _per_segment
 
     def rec(seg, off):
         return Rec(0, 0, seg, off, 8, 8, 0, 0, 0, b"n" * 32, None)

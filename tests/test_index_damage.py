@@ -28,8 +28,8 @@ import torch
 from conftest import bit_equal, keyed_kv
 
 from kvstore import FormatVersionError, KVLayout, StoreCorruptError, open_store
-from kvstore.tiers import disk_guard as guard
-from kvstore.tiers import disk_index as di
+from kvstore.tiers.disk import guard
+from kvstore.tiers.disk import index as di
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
 

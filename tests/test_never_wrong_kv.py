@@ -10,7 +10,7 @@ import torch
 from conftest import bit_equal, keyed_kv
 
 from kvstore import KVLayout, open_store
-from kvstore.tiers import disk_index as di
+from kvstore.tiers.disk import index as di
 
 LAY = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16, block_tokens=4)
 BN = LAY.block_nbytes

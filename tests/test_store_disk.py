@@ -287,7 +287,7 @@ def test_keys_of_another_namespace_on_a_shared_disk_are_a_miss(tmp_path):
 def test_a_disk_fetch_opens_one_index_transaction(tmp_path, monkeypatch):
     """lookup's leading run and the read share the records: one LMDB read transaction for
     the fetch of blocks held only on disk (issue 14: it took three)."""
-    from kvstore.tiers import disk_index
+    from kvstore.tiers.disk import env as disk_env
 
     with opened(tmp_path, warm=16) as s:
         keys = s.block_keys(list(range(4 * 8)))
@@ -296,15 +296,15 @@ def test_a_disk_fetch_opens_one_index_transaction(tmp_path, monkeypatch):
         s.evict(keys, tier="warm")
         assert s.stats().tier("warm").blocks == 0
         calls = []
-        real = disk_index.SharedEnv.read
+        real = disk_env.SharedEnv.read
 
         def counting(self):
             calls.append(1)
             return real(self)
 
-        monkeypatch.setattr(disk_index.SharedEnv, "read", counting)
+        monkeypatch.setattr(disk_env.SharedEnv, "read", counting)
         got = s.fetch(keys).wait()
         s.flush()  # the fetch's bookkeeping (warm copy, touches) is done
-        monkeypatch.setattr(disk_index.SharedEnv, "read", real)
+        monkeypatch.setattr(disk_env.SharedEnv, "read", real)
         assert got.shape[0] == 8 and same(got, kv_for(keys))
         assert len(calls) == 1, f"{len(calls)} read transactions for one fetch"

@@ -310,8 +310,8 @@ def inspect_store(path: str | os.PathLike[str] | None = None, *,
                   sparse_threshold: float = SPARSE_THRESHOLD) -> StoreSummary:
     """A summary of the store at ``path``: format, disk use, namespaces, fragmentation,
     index size and persisted counters."""
-    from kvstore.tiers import segments as seg
     from kvstore.tiers.disk import DISK_FORMAT_VERSION
+    from kvstore.tiers.disk import segments as seg
 
     with open_disk(path, readonly=True) as t:
         st = t.stats()

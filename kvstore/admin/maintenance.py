@@ -202,7 +202,7 @@ def plan_removal(path: str | os.PathLike[str] | None, targets: Iterable[str]) ->
 
 
 def _segment_files(segdir: str, sids: Iterable[int]) -> dict[int, int]:
-    from kvstore.tiers import segments as seg
+    from kvstore.tiers.disk import segments as seg
 
     out = {}
     for sid in set(sids):
@@ -330,7 +330,7 @@ class FindingEntry:
 
 def _bk(namespace_id: bytes, key: bytes) -> bytes:
     """A block's identity: namespace id ‖ key (every namespace has a key space of its own;
-    this is also the disk index's LMDB key, ``disk_index.dbkey``)."""
+    this is also the disk index's LMDB key, ``kvstore.tiers.disk.index.dbkey``)."""
     return namespace_id + key
 
 
@@ -390,7 +390,7 @@ def _unreachable(recs: Iterable, gone: set[bytes], segdir: str, *, now: float,
     and how many were left alone because the block whose parent is missing was written less
     than ``grace_s`` ago (its parent may be a write in flight in another process). Blocks in
     ``gone`` are not listed."""
-    from kvstore.tiers import segments as seg
+    from kvstore.tiers.disk import segments as seg
 
     present = {_bk(r.namespace_id, r.key): r for r in recs}
     present = {k: r for k, r in present.items() if k not in gone}
@@ -560,7 +560,7 @@ def prune(path: str | os.PathLike[str] | None = None, *, dry_run: bool = False,
 def _late_entries(late: Iterable, segdir: str) -> list[FindingEntry]:
     """Findings for blocks removed with the planned ones although not in the plan: written
     meanwhile below one of them, or orphaned by this pass."""
-    from kvstore.tiers import segments as seg
+    from kvstore.tiers.disk import segments as seg
 
     return [FindingEntry("unreachable", os.path.join(segdir, seg.segment_name(r.segment)),
                          r.key.hex(), "below a block removed by this pass (written meanwhile, "
@@ -637,10 +637,10 @@ def verify(path: str | os.PathLike[str] | None = None, *, fix: bool = False,
     and unreachable ones are dropped, intact blocks of a damaged segment header are rewritten
     into a fresh segment, orphans are unlinked and side indexes rebuilt."""
     from kvstore.admin.common import check_store
-    from kvstore.tiers import segments as seg
     from kvstore.tiers.disk import ReadStatus
-    from kvstore.tiers.disk_check import Listing, listing_problem, segment_listing
-    from kvstore.tiers.disk_guard import require_intact
+    from kvstore.tiers.disk import segments as seg
+    from kvstore.tiers.disk.check import Listing, listing_problem, segment_listing
+    from kvstore.tiers.disk.guard import require_intact
 
     _check_grace(grace_s)
     if fix:  # before the long read, not after it
@@ -723,7 +723,7 @@ def repair(result: VerifyResult) -> VerifyResult:
     they do not, it is dropped), an unreachable block is removed only if still no lookup can
     reach it (with any block written below it meanwhile). Nothing outside the plan is touched."""
     from kvstore.tiers.disk import ReadStatus
-    from kvstore.tiers.disk_check import FixScope, check_scoped, rewrite_unlisted
+    from kvstore.tiers.disk.check import FixScope, check_scoped, rewrite_unlisted
 
     todo = [f for f in result.findings if not f.fixed and f.action != "none"]
     if not todo:

@@ -19,7 +19,7 @@ def populate_fake_index(path: str, n: int, ns: Namespace, *, txn_size: int = 250
     """Create a disk tier whose index holds ``n`` records pointing at fake segments (no
     payload files), inserted directly in a few big LMDB transactions: chains of 16 blocks,
     leaves in the LRU index, consistent totals. For reopen-time measurements only."""
-    from kvstore.tiers import disk_index as di
+    from kvstore.tiers.disk import index as di
 
     t = DiskTier(path, capacity_bytes=1 << 50)
     t.register_namespace(ns)

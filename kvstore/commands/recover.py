@@ -17,7 +17,7 @@ def _run(args: argparse.Namespace) -> int:
     # the shared plumbing of the admin commands (consoles, JSON, tables, progress, sizes)
     from kvstore.admin.common import resolve_store_path
     from kvstore.commands import admin as a
-    from kvstore.tiers.disk_recover import recover
+    from kvstore.tiers.disk.recover import recover
 
     store = resolve_store_path(args.store)
     err = a._err_console()

@@ -12,21 +12,24 @@ fresh segment and its record moved there (:func:`rewrite_unlisted`), as compacti
 A segment file is never modified in place.
 """
 
+
 from __future__ import annotations
 
 import contextlib
 import os
 import time
 from collections import Counter
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvstore.tiers import codec as _codec
-from kvstore.tiers import segments as _seg
-from kvstore.tiers.disk_index import (
+from kvstore.tiers.base import ReadStatus
+from kvstore.tiers.disk import segments as _seg
+from kvstore.tiers.disk.compaction import rewrite
+from kvstore.tiers.disk.index import (
     BE64,
     DB_BLOCKS,
     DB_CHILDREN,
@@ -45,9 +48,15 @@ from kvstore.tiers.disk_index import (
     lru_key,
     parent_dbkey,
 )
+from kvstore.tiers.disk.reads import read_payload, read_rec
+from kvstore.tiers.disk.records import Finding
+from kvstore.tiers.disk.txn import drop_entries
 
 if TYPE_CHECKING:
-    from kvstore.tiers.disk import DiskTier, Finding
+    from kvstore.tiers.disk.tier import DiskTier
+
+#: a record found bad: (index key, its record or None, finding kind, detail)
+BadKey = tuple[bytes, Rec | None, str, str]
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,17 +69,65 @@ class FixScope:
     index: bool = False  # rebuild inconsistent side indexes
 
 
+@dataclass(slots=True)
+class _Snapshot:
+    """One consistent snapshot of the index, and what was wrong in it."""
+
+    recs: list[tuple[bytes, Rec]] = field(default_factory=list)
+    bad_keys: list[BadKey] = field(default_factory=list)
+    segs: dict[int, SegInfo] = field(default_factory=dict)
+    index_problems: list[str] = field(default_factory=list)
+    children: dict[bytes, int] = field(default_factory=dict)
+    lru: set[bytes] = field(default_factory=set)
+    totals: list[int] = field(default_factory=list)
+
+
 def run_check(t: DiskTier, *, fix: bool, grace_s: float, verify_data: bool,
               scope: FixScope | None = None) -> list[Finding]:
     """The body of ``DiskTier.check``; with ``scope``, ``fix`` repairs only what it names."""
-    from kvstore.tiers.disk import Finding, ReadStatus
-
-    sh = t._sh
-    segdir = t._segdir
     findings: list[Finding] = []
     now = time.time()
-
     # 1. files (listed before the index snapshot: a file committed in between is re-stat'ed)
+    files, temps = _list_files(t._segdir, findings)
+    # 2. one consistent snapshot of the index
+    snap = _snapshot(t)
+    good = _known_records(t, snap)
+    # 3. side indexes against the records
+    snap.index_problems.extend(_side_index_problems(snap))
+    # 4. segment files against the index
+    by_seg, flagged, orphans = _check_segment_files(t, good, files, snap, now, grace_s)
+    stale_temps = [p for p, mt in temps if now - mt >= grace_s]
+    # 5. data: every remaining block read back and verified (plus its header entry)
+    header_bad = _verify_data(t, by_seg, flagged, snap.bad_keys) if verify_data else []
+
+    # 6. report and repair: records first, then headers, then side indexes, then files
+    def allowed(k: bytes) -> bool:  # scope keys: index keys or block keys
+        return scope is None or k in scope.keys or k[-32:] in scope.keys
+
+    findings += _repair_records(t, fix, allowed, snap.bad_keys, header_bad)
+    index_fixed = False
+    if snap.index_problems and fix and (scope is None or scope.index):
+        rebuild_side_indexes(t)
+        index_fixed = True
+    for p in snap.index_problems:
+        findings.append(Finding("bad_index", t._index_dir, None, p, index_fixed))
+
+    def remove(path: str) -> bool:
+        return fix and (scope is None or path in scope.files) and _unlink(path)
+
+    for path in stale_temps:
+        findings.append(Finding("temp_file", path, None, "temporary file of an interrupted write",
+                                remove(path)))
+    for path in orphans:
+        findings.append(Finding("orphan_segment", path, None,
+                                "segment file not referenced by the index", remove(path)))
+    return findings
+
+
+def _list_files(segdir: str, findings: list[Finding]
+                ) -> tuple[dict[int, os.stat_result], list[tuple[str, float]]]:
+    """Segment files by id and temp files (path, mtime) in ``segdir``; anything else is an
+    ``unknown_file`` finding."""
     files: dict[int, os.stat_result] = {}
     temps: list[tuple[str, float]] = []
     try:
@@ -90,54 +147,65 @@ def run_check(t: DiskTier, *, fix: bool, grace_s: float, verify_data: bool,
         else:
             findings.append(Finding("unknown_file", de.path, None,
                                     "not a segment or temp file of this tier; left alone", False))
+    return files, temps
 
-    # 2. one consistent snapshot of the index
-    recs: list[tuple[bytes, Rec]] = []
-    bad_keys: list[tuple[bytes, Rec | None, str, str]] = []  # key, rec, kind, detail
-    segs: dict[int, SegInfo] = {}
-    index_problems: list[str] = []
+
+def _snapshot(t: DiskTier) -> _Snapshot:
+    sh = t._sh
+    snap = _Snapshot()
     with sh.read() as txn:
         for k, v in txn.cursor(db=sh.dbs[DB_SEGS]):
             try:
-                segs[BE64.unpack(k)[0]] = decode_seginfo(v)
+                snap.segs[BE64.unpack(k)[0]] = decode_seginfo(v)
             except (RecordError, Exception):
-                index_problems.append(f"segment record {k.hex()} does not decode")
+                snap.index_problems.append(f"segment record {k.hex()} does not decode")
         for k, v in txn.cursor(db=sh.dbs[DB_BLOCKS]):
             if len(k) != 64:  # namespace id ‖ key
-                bad_keys.append((k, None, "bad_record", f"index key of {len(k)} bytes"))
+                snap.bad_keys.append((k, None, "bad_record", f"index key of {len(k)} bytes"))
                 continue
             try:
                 r = decode_record(v)
             except RecordError as e:
-                bad_keys.append((k, None, "bad_record", str(e)))
+                snap.bad_keys.append((k, None, "bad_record", str(e)))
                 continue
             if r.namespace_id != k[:32]:
-                bad_keys.append((k, r, "bad_record", "record names another namespace than "
-                                 "the key space it is stored in"))
+                snap.bad_keys.append((k, r, "bad_record", "record names another namespace than "
+                                      "the key space it is stored in"))
                 continue
-            recs.append((k, r))
-        children = {k: U32.unpack(v)[0] for k, v in txn.cursor(db=sh.dbs[DB_CHILDREN])}
-        lru = {k for k, _ in txn.cursor(db=sh.dbs[DB_LRU])}
-        totals = list(TOTALS.unpack(txn.get(META_TOTALS, db=sh.dbs[DB_META])))
+            snap.recs.append((k, r))
+        snap.children = {k: U32.unpack(v)[0] for k, v in txn.cursor(db=sh.dbs[DB_CHILDREN])}
+        snap.lru = {k for k, _ in txn.cursor(db=sh.dbs[DB_LRU])}
+        snap.totals = list(TOTALS.unpack(txn.get(META_TOTALS, db=sh.dbs[DB_META])))
+    return snap
 
+
+def _known_records(t: DiskTier, snap: _Snapshot) -> list[tuple[bytes, Rec]]:
+    """The records of a known codec and namespace; the others are ``bad_record``."""
     t._load_namespaces()
     good: list[tuple[bytes, Rec]] = []
-    for k, r in recs:
+    for k, r in snap.recs:
         if r.codec not in _codec.CODEC_NAMES:
-            bad_keys.append((k, r, "bad_record", f"unknown codec id {r.codec}"))
+            snap.bad_keys.append((k, r, "bad_record", f"unknown codec id {r.codec}"))
         elif r.namespace_id not in t._ns:
-            bad_keys.append((k, r, "bad_record", f"unknown namespace {r.namespace_id.hex()[:16]}"))
+            snap.bad_keys.append((k, r, "bad_record",
+                                  f"unknown namespace {r.namespace_id.hex()[:16]}"))
         else:
             good.append((k, r))
+    return good
 
-    # 3. side indexes against the records
+
+def _side_index_problems(snap: _Snapshot) -> list[str]:
+    """Where the children counts, the LRU index, segment accounting and totals disagree
+    with the block records."""
+    recs, segs, totals = snap.recs, snap.segs, snap.totals
+    problems: list[str] = []
     exp_children = Counter(parent_dbkey(r) for _, r in recs if r.parent is not None)
-    if dict(exp_children) != children:
-        index_problems.append("children counts do not match the records")
+    if dict(exp_children) != snap.children:
+        problems.append("children counts do not match the records")
     exp_lru = {lru_key(r.last_access_us, k) for k, r in recs if not exp_children.get(k)}
-    if exp_lru != lru:
-        index_problems.append(f"LRU index has {len(lru - exp_lru)} stale and "
-                              f"{len(exp_lru - lru)} missing entries")
+    if exp_lru != snap.lru:
+        problems.append(f"LRU index has {len(snap.lru - exp_lru)} stale and "
+                        f"{len(exp_lru - snap.lru)} missing entries")
     live: dict[int, list[int]] = {}
     for _, r in recs:
         s = live.setdefault(r.segment, [0, 0])
@@ -146,17 +214,25 @@ def run_check(t: DiskTier, *, fix: bool, grace_s: float, verify_data: bool,
     for sid, (n, b) in live.items():
         s = segs.get(sid)
         if s is None:
-            index_problems.append(f"segment {sid:016x} is referenced but has no segment record")
+            problems.append(f"segment {sid:016x} is referenced but has no segment record")
         elif (s.live_count, s.live_bytes) != (n, b):
-            index_problems.append(f"segment {sid:016x} accounting is {s.live_count} blocks/"
-                                  f"{s.live_bytes} bytes, records say {n}/{b}")
+            problems.append(f"segment {sid:016x} accounting is {s.live_count} blocks/"
+                            f"{s.live_bytes} bytes, records say {n}/{b}")
     for sid in segs.keys() - live.keys():
-        index_problems.append(f"segment record {sid:016x} has no live blocks")
+        problems.append(f"segment record {sid:016x} has no live blocks")
     exp_tot = [len(recs), sum(r.stored_nbytes for _, r in recs), sum(r.raw_nbytes for _, r in recs)]
     if totals[:3] != exp_tot or totals[3] != len(segs):
-        index_problems.append(f"totals {totals[:4]} do not match the index {exp_tot + [len(segs)]}")
+        problems.append(f"totals {totals[:4]} do not match the index {exp_tot + [len(segs)]}")
+    return problems
 
-    # 4. segment files against the index
+
+def _check_segment_files(t: DiskTier, good: list[tuple[bytes, Rec]],
+                         files: dict[int, os.stat_result], snap: _Snapshot, now: float,
+                         grace_s: float
+                         ) -> tuple[dict[int, list[tuple[bytes, Rec]]], set[bytes], list[str]]:
+    """Records whose segment is missing or too short (``bad_keys``), and the orphan segment
+    files past the grace period. Returns (good records by segment, keys flagged, orphans)."""
+    segdir, segs = t._segdir, snap.segs
     by_seg: dict[int, list[tuple[bytes, Rec]]] = {}
     for k, r in good:
         by_seg.setdefault(r.segment, []).append((k, r))
@@ -173,15 +249,16 @@ def run_check(t: DiskTier, *, fix: bool, grace_s: float, verify_data: bool,
             for k, r in items:
                 cur = t._get_rec(k)
                 if cur is not None and (cur.segment, cur.offset) == (r.segment, r.offset):
-                    bad_keys.append((k, r, "missing_segment", f"segment file {path} is missing"))
+                    snap.bad_keys.append((k, r, "missing_segment",
+                                          f"segment file {path} is missing"))
                     flagged.add(k)
             continue
         expect = segs[sid].file_bytes if sid in segs else 0
         for k, r in items:
             if r.offset + r.stored_nbytes > st.st_size:
-                bad_keys.append((k, r, "short_segment",
-                                 f"segment has {st.st_size} bytes (expected {expect}); block at "
-                                 f"{r.offset}+{r.stored_nbytes} is cut off"))
+                snap.bad_keys.append((k, r, "short_segment",
+                                      f"segment has {st.st_size} bytes (expected {expect}); "
+                                      f"block at {r.offset}+{r.stored_nbytes} is cut off"))
                 flagged.add(k)
     referenced = set(segs) | set(by_seg)
     orphans = []
@@ -191,44 +268,53 @@ def run_check(t: DiskTier, *, fix: bool, grace_s: float, verify_data: bool,
         path = os.path.join(segdir, _seg.segment_name(sid))
         if now - st.st_mtime >= grace_s and _unreferenced(t, sid):
             orphans.append(path)
-    stale_temps = [p for p, mt in temps if now - mt >= grace_s]
+    return by_seg, flagged, orphans
 
-    # 5. data: every remaining block read back and verified (plus its header entry)
-    header_bad: list[tuple[bytes, Rec, str]] = []  # bytes verify, header does not list them
-    if verify_data:
-        scratch: dict[int, np.ndarray] = {}
-        for sid, items in by_seg.items():
-            listing = segment_listing(segdir, sid)
-            if listing is None:
-                continue  # moved by a concurrent compaction (checked per record below)
-            for k, r in items:
-                if k in flagged:
-                    continue
-                problem = listing_problem(listing, k, r.offset, r.stored_nbytes)
-                buf = scratch.get(r.raw_nbytes)
-                if buf is None:
-                    buf = scratch[r.raw_nbytes] = np.empty(r.raw_nbytes, dtype=np.uint8)
-                status, why = t._read_rec(k, r, memoryview(buf))
-                if status is ReadStatus.OK:
-                    if problem is not None:
-                        header_bad.append((k, r, problem))
-                    continue
-                cur = t._get_rec(k)
-                if cur is None or (cur.segment, cur.offset) != (r.segment, r.offset):
-                    continue  # changed meanwhile
-                kind = why.split(" ", 1)[0] if why.split(" ", 1)[0] in (
-                    "missing_segment", "short_segment", "checksum_mismatch") else "checksum_mismatch"
-                bad_keys.append((k, r, kind, why or kind))
-                flagged.add(k)
 
-    # 6. report and repair: records first, then headers, then side indexes, then files
-    def allowed(k: bytes) -> bool:  # scope keys: index keys or block keys
-        return scope is None or k in scope.keys or k[-32:] in scope.keys
+def _verify_data(t: DiskTier, by_seg: dict[int, list[tuple[bytes, Rec]]], flagged: set[bytes],
+                 bad_keys: list[BadKey]) -> list[tuple[bytes, Rec, str]]:
+    """Read back and verify every block not flagged yet; a failure is a ``bad_keys`` entry.
+    Returns the blocks whose bytes verify but whose segment header does not list them."""
+    segdir = t._segdir
+    header_bad: list[tuple[bytes, Rec, str]] = []
+    scratch: dict[int, np.ndarray] = {}
+    for sid, items in by_seg.items():
+        listing = segment_listing(segdir, sid)
+        if listing is None:
+            continue  # moved by a concurrent compaction (checked per record below)
+        for k, r in items:
+            if k in flagged:
+                continue
+            problem = listing_problem(listing, k, r.offset, r.stored_nbytes)
+            buf = scratch.get(r.raw_nbytes)
+            if buf is None:
+                buf = scratch[r.raw_nbytes] = np.empty(r.raw_nbytes, dtype=np.uint8)
+            status, why = read_rec(t, k, r, memoryview(buf))
+            if status is ReadStatus.OK:
+                if problem is not None:
+                    header_bad.append((k, r, problem))
+                continue
+            cur = t._get_rec(k)
+            if cur is None or (cur.segment, cur.offset) != (r.segment, r.offset):
+                continue  # changed meanwhile
+            kind = why.split(" ", 1)[0] if why.split(" ", 1)[0] in (
+                "missing_segment", "short_segment", "checksum_mismatch") else "checksum_mismatch"
+            bad_keys.append((k, r, kind, why or kind))
+            flagged.add(k)
+    return header_bad
 
+
+def _repair_records(t: DiskTier, fix: bool, allowed: Callable[[bytes], bool],
+                    bad_keys: list[BadKey],
+                    header_bad: list[tuple[bytes, Rec, str]]) -> list[Finding]:
+    """Findings of bad records (dropped with ``fix``) and of blocks their segment header
+    does not list (rewritten into a fresh segment with ``fix``), in that order."""
+    segdir = t._segdir
+    findings: list[Finding] = []
     fixed_keys: set[bytes] = set()
     todo = [(k, r) for k, r, _, _ in bad_keys if allowed(k)]
     if fix and todo:
-        fixed_keys = set(t._drop_entries(todo))
+        fixed_keys = set(drop_entries(t, todo))
         # a record removed by someone else meanwhile is fixed too
         for k, _r in todo:
             if t._get_rec(k) is None:
@@ -245,22 +331,6 @@ def run_check(t: DiskTier, *, fix: bool, grace_s: float, verify_data: bool,
         path = os.path.join(segdir, _seg.segment_name(r.segment))
         findings.append(Finding("bad_header", path, k[-32:], f"{detail}; the block's bytes verify",
                                 k in repaired))
-    index_fixed = False
-    if index_problems and fix and (scope is None or scope.index):
-        rebuild_side_indexes(t)
-        index_fixed = True
-    for p in index_problems:
-        findings.append(Finding("bad_index", t._index_dir, None, p, index_fixed))
-
-    def remove(path: str) -> bool:
-        return fix and (scope is None or path in scope.files) and _unlink(path)
-
-    for path in stale_temps:
-        findings.append(Finding("temp_file", path, None, "temporary file of an interrupted write",
-                                remove(path)))
-    for path in orphans:
-        findings.append(Finding("orphan_segment", path, None,
-                                "segment file not referenced by the index", remove(path)))
     return findings
 
 
@@ -316,10 +386,10 @@ class RewriteResult:
 def rewrite_unlisted(t: DiskTier, keys: Sequence[bytes]) -> RewriteResult:
     """Give blocks whose segment header does not describe them a header that does: copy their
     verified bytes into fresh segments and move their records there (compaction's own
-    ``_rewrite``: the new segment is durable before the records move, and an old file is
+    ``rewrite``: the new segment is durable before the records move, and an old file is
     unlinked only once no record points at it). Each block is judged again now: one that
     another process moved or removed meanwhile is left alone, one whose bytes fail the checksum
-    is dropped. ``keys`` are index keys (``disk_index.dbkey``: namespace id ‖ block key)."""
+    is dropped. ``keys`` are index keys (``index.dbkey``: namespace id ‖ block key)."""
     t._ensure_writable()
     limit = min(t.max_segment_bytes, 256 << 20)
     listings: dict[int, Listing] = {}
@@ -335,7 +405,7 @@ def rewrite_unlisted(t: DiskTier, keys: Sequence[bytes]) -> RewriteResult:
         nonlocal pending, pending_bytes, segments
         if not pending:
             return
-        t._rewrite(pending)
+        rewrite(t, pending)
         segments += 1
         for k, r, _p in pending:
             cur = t._get_rec(k)
@@ -359,7 +429,7 @@ def rewrite_unlisted(t: DiskTier, keys: Sequence[bytes]) -> RewriteResult:
         if listing_problem(listing, k, rec.offset, rec.stored_nbytes) is None:
             unchanged.append(k)
             continue
-        payload = t._read_payload(k, rec)  # verified; drops the record when damaged
+        payload = read_payload(t, k, rec)  # verified; drops the record when damaged
         if payload is None:
             cur = t._get_rec(k)
             if cur is None:
@@ -396,7 +466,9 @@ def _unlink(path: str) -> bool:
 
 def rebuild_side_indexes(t: DiskTier) -> None:
     """Recompute children counts, the LRU index, segment accounting and totals from the block
-    records, in one write transaction."""
+    records, in one write transaction. ``t`` is a DiskTier or what recovery hands in for the
+    index it builds: only ``_sh``, ``_segdir``, ``_write_raw`` and ``_unlink_segments`` are
+    used."""
     sh = t._sh
 
     def fn(txn) -> list[int]:

@@ -1,29 +1,19 @@
-"""The disk tier's LMDB index: record encodings, the per-process environment registry and the
-write-transaction helper that keeps the side indexes consistent (``docs/format.md``).
-
-LMDB rules followed here: one ``Environment`` per process per path (a registry keyed by
-realpath, refcounted, dropped and re-opened in a forked child), every transaction in ``with``,
-short read transactions, values copied out (``bytes``) before a transaction ends.
+"""The disk tier's LMDB index: database names, the record encodings, the keys, and
+:class:`WriteOps`, the write-transaction helper that keeps the side indexes consistent
+(``docs/format.md``). Opening the environment is :mod:`kvstore.tiers.disk.env`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import hashlib
 import logging
-import os
 import struct
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import NamedTuple
 
 import lmdb
 import msgpack
 
-from kvstore.errors import DiskError, FormatVersionError
-from kvstore.tiers import disk_guard as _guard
+from kvstore.tiers.disk.segments import ST_DTYPES
 
 log = logging.getLogger("kvstore.disk")
 
@@ -36,7 +26,7 @@ DB_NS = b"ns"
 DB_CHILDREN = b"children"
 DB_LRU = b"lru"
 DB_SEGS = b"segs"
-_DB_NAMES = (DB_META, DB_BLOCKS, DB_NS, DB_CHILDREN, DB_LRU, DB_SEGS)
+DB_NAMES = (DB_META, DB_BLOCKS, DB_NS, DB_CHILDREN, DB_LRU, DB_SEGS)
 
 META_FORMAT = b"format_version"
 META_NEXT_SEGMENT = b"next_segment"
@@ -62,8 +52,6 @@ NS_RECORD_VERSION = 1
 #: a record claiming a larger block (or offset) is damaged: RecordError, not an allocation
 MAX_BLOCK_BYTES = 1 << 30
 MAX_SEGMENT_OFFSET = 1 << 48
-
-DEFAULT_MAP_SIZE = 64 << 30
 
 
 class Rec(NamedTuple):
@@ -205,8 +193,6 @@ def decode_namespace(b: bytes) -> tuple:
         isinstance(kv, list) and len(kv) == 2 and all(isinstance(x, str) for x in kv) for kv in extras
     ):
         raise RecordError("namespace record has malformed extras")
-    from kvstore.tiers.segments import ST_DTYPES
-
     if dtype not in ST_DTYPES:  # a flipped name must not fail later, in the layout
         raise RecordError(f"namespace record has an unknown dtype {dtype[:40]!r}")
     L, P, T, H, D, rank, size, _fv = ints
@@ -234,327 +220,6 @@ def namespace_record_id(fields: tuple) -> bytes | None:
         use_bin_type=True,
     )
     return hashlib.sha256(canonical).digest()
-
-
-# -- a readers/writer gate: every transaction holds it shared; map resizes and fork hold it
-#    exclusively (LMDB: set_mapsize only while no transaction is active in the process) ----
-
-class Gate:
-    def __init__(self) -> None:
-        self._cond = threading.Condition(threading.Lock())
-        self._readers = 0
-        self._writer = False
-        self._waiting = 0
-
-    @contextmanager
-    def shared(self) -> Iterator[None]:
-        with self._cond:
-            while self._writer or self._waiting:
-                self._cond.wait()
-            self._readers += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._readers -= 1
-                if not self._readers:
-                    self._cond.notify_all()
-
-    def acquire_exclusive(self, timeout: float | None = None) -> bool:
-        with self._cond:
-            self._waiting += 1
-            try:
-                ok = self._cond.wait_for(lambda: not self._writer and not self._readers, timeout)
-                if ok:
-                    self._writer = True
-                return ok
-            finally:
-                self._waiting -= 1
-                if not ok:
-                    self._cond.notify_all()
-
-    def release_exclusive(self) -> None:
-        with self._cond:
-            self._writer = False
-            self._cond.notify_all()
-
-    @contextmanager
-    def exclusive(self) -> Iterator[None]:
-        self.acquire_exclusive()
-        try:
-            yield
-        finally:
-            self.release_exclusive()
-
-
-# -- per-process environment registry -----------------------------------------------------
-
-class SharedEnv:
-    """One LMDB environment of this process, shared by every DiskTier on the same path."""
-
-    def __init__(self, realpath: str, env: lmdb.Environment, dbs: dict[bytes, object],
-                 writable: bool) -> None:
-        self.realpath = realpath
-        self.env = env
-        self.dbs = dbs
-        self.writable = writable
-        self.pid = os.getpid()
-        self.refs = 0
-        self.gate = Gate()
-        self.wlock = threading.Lock()  # one write txn at a time in this process
-
-    # transactions ------------------------------------------------------------------------
-    @contextmanager
-    def read(self) -> Iterator[lmdb.Transaction]:
-        for _ in range(3):
-            try:
-                with self.gate.shared(), self.env.begin(buffers=False) as txn:
-                    yield txn
-                    return
-            except lmdb.MapResizedError:
-                self._adopt_map_size()
-            except _guard.LMDB_CORRUPT as e:
-                raise _guard.corrupt_error(self.realpath, e) from e
-        raise DiskError(errno.EIO, f"LMDB index at {self.realpath} keeps resizing")
-
-    def write(self, fn):
-        """Run ``fn(txn)`` in a write transaction, growing the map on MapFullError (``fn`` must
-        be safe to re-run). Returns ``fn``'s result."""
-        for _ in range(16):
-            try:
-                with self.gate.shared(), self.wlock, self.env.begin(write=True) as txn:
-                    return fn(txn)
-            except lmdb.MapFullError:
-                self._grow()
-            except lmdb.MapResizedError:
-                self._adopt_map_size()
-            except _guard.LMDB_CORRUPT as e:
-                raise _guard.corrupt_error(self.realpath, e) from e
-        raise DiskError(errno.ENOSPC, f"LMDB index at {self.realpath} cannot grow its map")
-
-    def _grow(self) -> None:
-        with self.gate.exclusive():
-            cur = self.env.info()["map_size"]
-            new = cur * 2
-            log.info("growing LMDB map of %s from %d to %d bytes", self.realpath, cur, new)
-            self.env.set_mapsize(new)
-
-    def _adopt_map_size(self) -> None:
-        with self.gate.exclusive():
-            self.env.set_mapsize(0)
-
-
-_registry: dict[str, SharedEnv] = {}
-_registry_lock = threading.Lock()
-
-
-def _open_env(index_dir: str, *, create: bool, readonly: bool, map_size: int) -> SharedEnv:
-    kw = dict(subdir=True, max_dbs=len(_DB_NAMES) + 2, max_readers=1024, max_spare_txns=0,
-              map_size=map_size)
-    # before LMDB maps data.mdb: never an empty index over old segment files, never a file
-    # shorter than its own metadata says (SIGBUS) — StoreCorruptError naming `kvstore recover`
-    _guard.before_open(index_dir)
-    if create and not readonly:
-        try:
-            os.makedirs(index_dir, exist_ok=True)
-        except OSError as e:
-            raise DiskError(e.errno, f"cannot create the disk index directory {index_dir}: {e.strerror}") from e
-    elif not os.path.isdir(index_dir):
-        raise DiskError(errno.ENOENT, f"no disk tier index at {index_dir} (store was never written)")
-    for attempt in range(3):
-        before = _guard.dir_id(index_dir)
-        env = _lmdb_open(index_dir, create=create, readonly=readonly, kw=kw)
-        if _guard.dir_id(index_dir) == before or attempt == 2:
-            break
-        env.close()  # ``kvstore recover`` swapped the index in while LMDB opened its files
-        _guard.before_open(index_dir)
-    try:
-        _guard.check_snapshot(env, index_dir)  # every page LMDB will read, with plain file I/O
-        writable = not env.flags()["readonly"]
-        dbs = _init_dbs(env, index_dir, create=not readonly)
-        if writable:
-            _raise_next_segment(env, dbs, index_dir)
-    except _guard.LMDB_CORRUPT as e:
-        env.close()
-        raise _guard.corrupt_error(index_dir, e) from e
-    except BaseException:
-        env.close()
-        raise
-    return SharedEnv(os.path.realpath(index_dir), env, dbs, writable)
-
-
-def _lmdb_open(index_dir: str, *, create: bool, readonly: bool, kw: dict) -> lmdb.Environment:
-    try:
-        return lmdb.open(index_dir, readonly=False, create=create and not readonly, **kw)
-    except _guard.LMDB_CORRUPT as e:
-        raise _guard.corrupt_error(index_dir, e) from e
-    except lmdb.Error as e:
-        if not readonly:
-            raise DiskError(errno.EIO, f"cannot open the LMDB index at {index_dir}: {e}") from e
-        try:  # read-only filesystem or files: open the environment read-only
-            return lmdb.open(index_dir, readonly=True, create=False, **kw)
-        except _guard.LMDB_CORRUPT as e2:
-            raise _guard.corrupt_error(index_dir, e2) from e2
-        except lmdb.Error as e2:
-            raise DiskError(errno.EIO, f"cannot open the LMDB index at {index_dir}: {e2}") from e2
-
-
-def _init_dbs(env: lmdb.Environment, index_dir: str, *, create: bool) -> dict[bytes, object]:
-    dbs: dict[bytes, object] = {}
-    try:
-        if env.flags()["readonly"]:  # read-only files: py-lmdb opens the dbs in a read txn
-            for name in _DB_NAMES:
-                dbs[name] = env.open_db(name, create=False)
-        else:
-            for _ in range(8):
-                try:
-                    with env.begin(write=True) as txn:
-                        for name in _DB_NAMES:
-                            dbs[name] = env.open_db(name, txn=txn, create=create)
-                        meta = dbs[DB_META]
-                        if create and txn.get(META_FORMAT, db=meta) is None:
-                            if (txn.stat(meta)["entries"]
-                                    or txn.stat(dbs[DB_BLOCKS])["entries"]):
-                                # not a new index: never re-initialize it (next_segment!)
-                                raise _guard.corrupt_error(
-                                    index_dir, "its meta database has no format version")
-                            txn.put(META_FORMAT, U32.pack(DISK_FORMAT_VERSION), db=meta)
-                            txn.put(META_NEXT_SEGMENT, U64.pack(1), db=meta)
-                            txn.put(META_TOTALS, TOTALS.pack(0, 0, 0, 0, 0, 0), db=meta)
-                    break
-                except lmdb.MapResizedError:
-                    env.set_mapsize(0)
-    except lmdb.NotFoundError:
-        with contextlib.suppress(lmdb.Error):
-            if env.stat()["entries"]:  # it has databases, but not ours where they should be
-                raise _guard.corrupt_error(index_dir, "a named database cannot be found") from None
-        raise DiskError(errno.ENOENT, f"{index_dir} is not a kvstore disk index") from None
-    with env.begin() as txn:
-        raw = txn.get(META_FORMAT, db=dbs[DB_META])
-    if raw is None or len(raw) != 4:
-        raise _guard.corrupt_error(index_dir, "it has no readable disk format version")
-    (found,) = U32.unpack(raw)
-    if found != DISK_FORMAT_VERSION:
-        _check_plausible(found, index_dir)
-        raise FormatVersionError(
-            f"the disk tier at {os.path.dirname(index_dir)} has on-disk format version {found}, "
-            f"but this kvstore reads and writes format version {DISK_FORMAT_VERSION}; open it "
-            f"with a kvstore release for format {found}, or point the store at a new directory"
-        )
-    return dbs
-
-
-def _raise_next_segment(env: lmdb.Environment, dbs: dict[bytes, object], index_dir: str) -> None:
-    """Segment ids are never reused: when ``segments/`` holds an id at or past
-    ``meta.next_segment`` (an index restored from a backup, or rebuilt), move it past them."""
-    _ids, top = _guard.segment_ids(os.path.join(_guard.store_of(index_dir), "segments"))
-    if not top:
-        return
-    meta = dbs[DB_META]
-    with env.begin() as txn:
-        raw = txn.get(META_NEXT_SEGMENT, db=meta)
-    if raw is not None and len(raw) == 8 and U64.unpack(raw)[0] > top:
-        return
-    for _ in range(8):
-        try:
-            with env.begin(write=True) as txn:
-                raw = txn.get(META_NEXT_SEGMENT, db=meta)
-                cur = U64.unpack(raw)[0] if raw is not None and len(raw) == 8 else 0
-                if cur <= top:
-                    log.warning("disk index %s: next segment id %d is not past segment %016x "
-                                "on disk; raising it to %d", index_dir, cur, top, top + 1)
-                    txn.put(META_NEXT_SEGMENT, U64.pack(top + 1), db=meta)
-            return
-        except lmdb.MapResizedError:
-            env.set_mapsize(0)
-
-
-def _check_plausible(found: int, index_dir: str) -> None:
-    """A format version no kvstore will ever write (0, or 1000 and up: a flipped high bit)
-    is a damaged record, not a store of another release."""
-    if found == 0 or found >= 1000:
-        raise _guard.corrupt_error(index_dir, f"its format version record says {found}")
-
-
-def acquire_env(index_dir: str, *, create: bool, readonly: bool,
-                map_size: int = DEFAULT_MAP_SIZE) -> SharedEnv:
-    """The process's SharedEnv for ``index_dir`` (opened on first use, refcounted)."""
-    real = os.path.realpath(index_dir)
-    with _registry_lock:
-        sh = _registry.get(real)
-        if sh is not None and sh.pid != os.getpid():  # pragma: no cover - at-fork hook handles it
-            _registry.pop(real, None)
-            sh = None
-        if sh is None:
-            sh = _open_env(index_dir, create=create, readonly=readonly, map_size=map_size)
-            _registry[real] = sh
-        else:
-            _check_version_again(sh, index_dir)
-        sh.refs += 1
-        return sh
-
-
-def _check_version_again(sh: SharedEnv, index_dir: str) -> None:
-    with sh.read() as txn:
-        raw = txn.get(META_FORMAT, db=sh.dbs[DB_META])
-    try:
-        found = decode_u32(raw, "the format version")
-    except RecordError as e:
-        raise _guard.corrupt_error(index_dir, e) from None
-    if found != DISK_FORMAT_VERSION:
-        _check_plausible(found, index_dir)
-        raise FormatVersionError(
-            f"the disk tier at {os.path.dirname(index_dir)} has on-disk format version {found}, "
-            f"but this kvstore reads and writes format version {DISK_FORMAT_VERSION}"
-        )
-
-
-def release_env(sh: SharedEnv) -> None:
-    with _registry_lock:
-        sh.refs -= 1
-        if sh.refs > 0 or sh.pid != os.getpid():
-            return
-        if _registry.get(sh.realpath) is sh:
-            del _registry[sh.realpath]
-        with sh.gate.exclusive():
-            sh.env.close()
-
-
-# fork: hold every gate exclusively across fork() so that no transaction is active; in the
-# child close the inherited environments (LMDB forbids using them after fork) and forget them;
-# DiskTier objects notice the pid change and acquire a fresh environment.
-_fork_held: list[SharedEnv] = []
-
-
-def _before_fork() -> None:
-    _registry_lock.acquire()
-    for sh in list(_registry.values()):
-        if sh.gate.acquire_exclusive(timeout=10.0):
-            _fork_held.append(sh)
-
-
-def _after_fork_parent() -> None:
-    for sh in _fork_held:
-        sh.gate.release_exclusive()
-    _fork_held.clear()
-    _registry_lock.release()
-
-
-def _after_fork_child() -> None:
-    global _registry_lock
-    held = {id(sh) for sh in _fork_held}
-    for sh in list(_registry.values()):
-        sh.pid = -1  # never used again in this process
-        if id(sh) in held:
-            with contextlib.suppress(Exception):  # best effort
-                sh.env.close()
-    _registry.clear()
-    _fork_held.clear()
-    _registry_lock = threading.Lock()
-
-
-os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_parent,
-                    after_in_child=_after_fork_child)
 
 
 # -- the write-transaction helper --------------------------------------------------------

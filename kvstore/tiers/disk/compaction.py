@@ -1,0 +1,182 @@
+"""Compaction of the disk tier: segments whose live fraction fell below the threshold are
+rewritten. Crash-safe: the new segment is written durably and the moved records committed
+before an old file is unlinked (a reader in another process that finds the old file gone
+re-reads the record and retries once). :func:`rewrite` is also how ``check`` gives blocks
+of a segment with a damaged header a fresh one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from kvstore.errors import DiskError
+from kvstore.tiers import codec as _codec
+from kvstore.tiers.disk import segments as _seg
+from kvstore.tiers.disk.index import (
+    BE64,
+    DB_BLOCKS,
+    DB_SEGS,
+    Rec,
+    RecordError,
+    WriteOps,
+    decode_record,
+    decode_seginfo,
+)
+from kvstore.tiers.disk.reads import read_payload
+from kvstore.tiers.disk.records import CompactResult
+from kvstore.tiers.disk.txn import alloc_segment_ids, hint, unlink_segments, write_ops
+
+if TYPE_CHECKING:
+    from kvstore.tiers.disk.tier import DiskTier
+
+log = logging.getLogger("kvstore.disk")
+
+_KEY_BYTES = 32
+
+
+def compact(t: DiskTier, threshold: float | None = None,
+            progress: Callable[[int, int], None] | None = None) -> CompactResult:
+    """Rewrite segments whose live fraction fell below ``threshold`` (default: the tier's
+    ``compact_threshold``). Crash-safe: the new segment is durable and the moved records
+    committed before an old file is unlinked."""
+    sh = t._ensure_writable()
+    thr = t.compact_threshold if threshold is None else float(threshold)
+    t.flush_touches()
+    cands: list[tuple[int, int]] = []
+    with sh.read() as txn:
+        for k, v in txn.cursor(db=sh.dbs[DB_SEGS]):
+            try:
+                s = decode_seginfo(v)
+            except RecordError:
+                continue
+            if s.live_bytes < thr * s.data_bytes:
+                cands.append((BE64.unpack(k)[0], s.file_bytes))
+    total = len(cands)
+    sizes = dict(cands)
+    moved = after = 0
+    emptied: set[int] = set()
+    pending: list[tuple[bytes, Rec, bytearray]] = []
+    pending_bytes = 0
+    limit = min(t.max_segment_bytes, 256 << 20)
+
+    def flush() -> None:
+        nonlocal moved, after, pending, pending_bytes
+        if pending:
+            m, a, gone = rewrite(t, pending)
+            moved += m
+            after += a
+            emptied.update(gone)
+            pending, pending_bytes = [], 0
+
+    names: set[bytes] = set()  # tensor names (key hex) are unique within a segment
+    for i, (sid, _fbytes) in enumerate(cands):
+        for key, rec in _live_records_of(t, sid):
+            payload = read_payload(t, key, rec)
+            if payload is None:
+                continue
+            if key[_KEY_BYTES:] in names:  # the same key of another namespace
+                flush()
+                names.clear()
+            names.add(key[_KEY_BYTES:])
+            pending.append((key, rec, payload))
+            pending_bytes += rec.stored_nbytes
+            if pending_bytes >= limit:
+                flush()
+                names.clear()
+        if progress is not None:
+            progress(i + 1, total)
+    flush()
+    done = [sid for sid in sizes if sid in emptied or not os.path.exists(
+        os.path.join(t._segdir, _seg.segment_name(sid)))]
+    if done:
+        t._counters.add("compactions")
+    return CompactResult(len(done), sum(sizes[s] for s in done), after, moved)
+
+
+def _live_records_of(t: DiskTier, sid: int) -> list[tuple[bytes, Rec]]:
+    path = os.path.join(t._segdir, _seg.segment_name(sid))
+    try:
+        obj, start, _size = _seg.read_header(path)
+        names = _seg.header_tensors(obj, start)
+    except (OSError, _seg.SegmentFormatError) as e:
+        log.warning("disk tier %s: cannot read segment %016x for compaction: %s", t.path, sid, e)
+        return []
+    out = []
+    sh = t._sh
+    db = sh.dbs[DB_BLOCKS]
+    meta = obj.get("__metadata__") if isinstance(obj.get("__metadata__"), dict) else {}
+    with sh.read() as txn:
+        for name in names:
+            try:
+                key = bytes.fromhex(name)
+                ns = bytes.fromhex(str(meta.get(name, "")).split(";")[3])
+            except (ValueError, IndexError):
+                continue  # not a block of ours, or no namespace to find it under
+            if len(key) != _KEY_BYTES or len(ns) != _KEY_BYTES:
+                continue
+            key = ns + key  # the dbkey, as every helper below takes it
+            raw = txn.get(key, db=db)
+            if raw is None:
+                continue
+            try:
+                rec = decode_record(raw)
+            except RecordError:
+                continue
+            if rec.segment == sid:
+                out.append((key, rec))
+    out.sort(key=lambda kr: kr[1].offset)
+    return out
+
+
+def _entry_for(t: DiskTier, ck: bytes, rec: Rec, payload: bytearray) -> _seg.SegmentEntry:
+    cname = _codec.CODEC_NAMES.get(rec.codec, "none")
+    ns = t._namespace(rec.namespace_id)
+    if rec.codec == _codec.CODEC_NONE and ns is not None and ns.nbytes == rec.stored_nbytes:
+        dtype, shape = ns.st_dtype, ns.shape
+    else:
+        dtype, shape = "U8", [rec.stored_nbytes]
+    return _seg.SegmentEntry(ck[_KEY_BYTES:].hex(), dtype, shape, payload, rec.stored_nbytes,
+                             _seg.block_meta(cname, rec.raw_nbytes, rec.checksum,
+                                             rec.namespace_id, rec.parent))
+
+
+def rewrite(t: DiskTier,
+            pending: list[tuple[bytes, Rec, bytearray]]) -> tuple[int, int, list[int]]:
+    """Write ``pending`` (dbkey, record, verified stored bytes) into a new segment and move
+    the records still pointing where they did to it. Returns (records moved, bytes of the new
+    segment (0 when it ended up empty), segments emptied and unlinked)."""
+    (sid,) = alloc_segment_ids(t, 1)
+    entries = [_entry_for(t, k, r, p) for k, r, p in pending]
+    try:
+        path, fsize, offsets = _seg.write_segment(
+            t._segdir, sid, entries, t._ns_records(r.namespace_id for _k, r, _p in pending))
+        _seg.fsync_dir(t._segdir)
+    except OSError as e:
+        raise DiskError(e.errno, f"compaction cannot write a segment in {t._segdir}: "
+                        f"{e.strerror or e}" + hint(e)) from e
+    dbytes = sum(e.nbytes for e in entries)
+    now = t._now_us()
+
+    def fn(ops: WriteOps) -> int:
+        ops.add_segment(sid, fsize, dbytes, now)
+        m = 0
+        for (key, rec, _p), off in zip(pending, offsets, strict=True):
+            cur = ops.get(key)
+            if cur is None or (cur.segment, cur.offset) != (rec.segment, rec.offset):
+                continue  # deleted or moved meanwhile
+            ops.move(key, cur, sid, off)
+            m += 1
+        return m
+
+    try:
+        m, emptied = write_ops(t, fn)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise
+    unlink_segments(t, emptied)
+    return m, (0 if sid in emptied else fsize), emptied

@@ -1,0 +1,369 @@
+"""Reads of the disk tier: planning (adjacent raw blocks of a segment become one ``preadv``,
+the runs of a segment one task of a reading thread), reading straight into the caller's
+buffers, verification against the checksum bound to key and namespace, and damage handling:
+a missing segment, short read, bad checksum or undecodable payload is ``MISSING`` or
+``DAMAGED``, counted, logged and its index entry dropped — never raised, never ``OK`` with
+wrong bytes. A segment gone meanwhile (compacted by another process) is looked up again and
+read once more.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import logging
+import os
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvstore.errors import StoreClosedError, TensorMismatchError
+from kvstore.tiers import codec as _codec
+from kvstore.tiers.base import ReadStatus, check_key
+from kvstore.tiers.disk import segments as _seg
+from kvstore.tiers.disk.index import DB_BLOCKS, Rec, RecordError, decode_record
+from kvstore.tiers.disk.records import as_buffer
+from kvstore.tiers.disk.txn import drop_entries
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvstore.tiers.disk.tier import DiskTier
+
+log = logging.getLogger("kvstore.disk")
+
+_csum = _seg.block_checksum
+_KEY_BYTES = 32
+_RUN_BYTES = 8 << 20  # one preadv reads at most this many adjacent bytes
+_RUN_IOVS = 256
+
+#: one read of a run: (index into the request, its record or None when it is read alone)
+Run = list[tuple[int, Rec | None]]
+
+
+def per_segment(runs: list[Run], parts: int = 1) -> list[list[Run]]:
+    """The runs of one segment as one task, in file order, so that a thread reads a file
+    front to back (with a file descriptor of its own: its own readahead). Runs of a file
+    spread over threads through one descriptor interleave on its readahead state, which then
+    stops reading ahead: measured 174 ms instead of 89 ms for 256 MiB cold on this machine.
+    With fewer segments than ``parts`` (the reading threads), a segment's runs are cut into
+    contiguous pieces so every thread has a stretch (page-cache reads are copies: they need
+    the cores). Runs without a record (damaged, compressed) stay tasks of their own."""
+    tasks: list[list[Run]] = []
+    by_seg: dict[int, list[Run]] = {}
+    for run in runs:
+        rec = run[0][1]
+        if rec is None:
+            tasks.append([run])
+        elif rec.segment in by_seg:
+            by_seg[rec.segment].append(run)
+        else:
+            by_seg[rec.segment] = task = [run]
+            tasks.append(task)
+    if 0 < len(by_seg) < parts:
+        pieces = -(-parts // len(by_seg))
+        split: list[list[Run]] = []
+        for task in tasks:
+            rec = task[0][0][1]
+            if rec is None or len(task) < 2:
+                split.append(task)
+                continue
+            step = -(-len(task) // pieces)
+            split.extend(task[i : i + step] for i in range(0, len(task), step))
+        tasks = split
+    return tasks
+
+
+def _check_mirrors(mirrors: Sequence[torch.Tensor | None], dsts: Sequence[torch.Tensor]) -> None:
+    if len(mirrors) != len(dsts):
+        raise TensorMismatchError(f"read_many got {len(dsts)} destinations but {len(mirrors)} "
+                                  "mirrors; pass one mirror (or None) per destination")
+    for i, (m, d) in enumerate(zip(mirrors, dsts, strict=True)):
+        if m is not None and (m.shape != d.shape or m.dtype != d.dtype):
+            raise TensorMismatchError(f"mirrors[{i}] is {tuple(m.shape)} {m.dtype}, its "
+                                      f"destination {tuple(d.shape)} {d.dtype}; they must match")
+
+
+def _mirror(idx: Iterable[int], out: list, dsts: Sequence[torch.Tensor],
+            mirrors: Sequence[torch.Tensor | None] | None) -> None:
+    if mirrors is None:
+        return
+    for i in idx:
+        m = mirrors[i]
+        if m is not None and out[i] is ReadStatus.OK:
+            m.copy_(dsts[i])
+
+
+
+def read_many(t: DiskTier, keys: Sequence[bytes], dsts: Sequence[torch.Tensor],
+              mirrors: Sequence[torch.Tensor | None] | None, namespace_id: bytes | None,
+              records: Sequence[bytes | None] | None) -> list[ReadStatus]:
+    """:meth:`DiskTier.read_many <kvstore.tiers.disk.DiskTier.read_many>`."""
+    sh = t._ensure()
+    if len(keys) != len(dsts):
+        raise TensorMismatchError(f"read_many got {len(keys)} keys but {len(dsts)} destinations")
+    if mirrors is not None:
+        _check_mirrors(mirrors, dsts)
+    keys = [check_key(k) for k in keys]
+    bufs = [as_buffer(d, f"dsts[{i}]") for i, d in enumerate(dsts)]
+    db = sh.dbs[DB_BLOCKS]
+    if records is not None and namespace_id is not None and len(records) == len(keys):
+        ns = check_key(namespace_id, "namespace_id")
+        keys = [ns + k for k in keys]  # from here on: LMDB keys
+        raws = list(records)
+    else:
+        with sh.read() as txn:
+            keys = t._dbkeys(txn, keys, namespace_id)  # from here on: LMDB keys
+            raws = [txn.get(k, db=db) for k in keys]
+    out: list[ReadStatus | None] = [None] * len(keys)
+    if len(keys) <= 1:
+        for i in range(len(keys)):
+            out[i] = read_one(t, keys[i], raws[i], bufs[i])
+        _mirror(range(len(keys)), out, dsts, mirrors)
+        return out  # type: ignore[return-value]
+    tasks = per_segment(_plan_runs(t, keys, raws, bufs, out), t._read_threads)
+    args = (keys, raws, bufs, out, dsts, mirrors)
+    if len(tasks) == 1:
+        _read_runs_safe(t, tasks[0], *args)
+    else:
+        # every task runs to its end before we return: a reading thread still copying into
+        # a destination or mirror after read_many returned could overwrite a slot that the
+        # caller has meanwhile handed to another fetch
+        pool = t._get_pool()
+        futures = [pool.submit(_read_runs_safe, t, task, *args) for task in tasks]
+        concurrent.futures.wait(futures)
+        for f in futures:
+            f.result()  # _read_runs_safe does not raise; a pool shutting down may
+    return [ReadStatus.DAMAGED if st is None else st for st in out]
+
+
+def _read_runs_safe(t: DiskTier, runs, keys, raws, bufs, out, dsts, mirrors) -> None:
+    """``_read_runs``, with any unexpected failure turned into DAMAGED for its blocks (a
+    corrupt index, a failed drop): a read never raises for bad data."""
+    try:
+        _read_runs(t, runs, keys, raws, bufs, out, dsts, mirrors)
+    except (StoreClosedError, TensorMismatchError):
+        raise
+    except Exception as e:  # damage of any kind is a counted miss
+        idx = [i for run in runs for i, _rec in run if out[i] is not ReadStatus.OK]
+        log.warning("disk tier %s: reading %d block(s) failed (%s: %s); treating them as "
+                    "damaged", t.path, len(idx), type(e).__name__, e)
+        t._counters.add("read_damaged", len(idx))
+        for run in runs:
+            for i, _rec in run:
+                out[i] = ReadStatus.DAMAGED
+
+
+def _read_runs(t: DiskTier, runs, keys, raws, bufs, out, dsts, mirrors) -> None:
+    rec = runs[0][0][1]
+    fd = -1
+    if rec is not None and len(runs) > 1:  # a stretch of one segment: its own descriptor
+        with contextlib.suppress(OSError):  # gone? the shared path knows what to do
+            fd = os.open(os.path.join(t._segdir, _seg.segment_name(rec.segment)),
+                         os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        for run in runs:
+            _read_run(t, run, keys, raws, bufs, out, fd)
+            if mirrors is not None:
+                _mirror([i for i, _rec in run], out, dsts, mirrors)
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def _plan_runs(t: DiskTier, keys, raws, bufs, out) -> list[Run]:
+    """Group the reads: blocks stored raw and adjacent in one segment (in request order or
+    not) become one ``preadv`` with one iovec per destination (up to _RUN_BYTES)."""
+    runs: list[Run] = []
+    by_seg: dict[int, list[tuple[int, Rec]]] = {}
+    for i, raw in enumerate(raws):
+        if raw is None:
+            t._counters.add("read_missing")
+            out[i] = ReadStatus.MISSING
+            continue
+        try:
+            rec = decode_record(raw)
+        except RecordError:
+            runs.append([(i, None)])
+            continue
+        if (rec.codec == _codec.CODEC_NONE and rec.stored_nbytes == rec.raw_nbytes
+                == len(bufs[i])):
+            by_seg.setdefault(rec.segment, []).append((i, rec))
+        else:
+            runs.append([(i, None)])
+    for items in by_seg.values():
+        items.sort(key=lambda ir: ir[1].offset)
+        run: Run = []
+        end = size = 0
+        for i, rec in items:
+            if run and (rec.offset != end or size >= _RUN_BYTES or len(run) >= _RUN_IOVS):
+                runs.append(run)
+                run, size = [], 0
+            run.append((i, rec))
+            end = rec.offset + rec.stored_nbytes
+            size += rec.stored_nbytes
+        if run:
+            runs.append(run)
+    return runs
+
+
+def _read_run(t: DiskTier, run, keys, raws, bufs, out, fd: int = -1) -> None:
+    if len(run) == 1 or run[0][1] is None:
+        for i, _rec in run:
+            out[i] = read_one(t, keys[i], raws[i], bufs[i])
+        return
+    first: Rec = run[0][1]
+    views = [bufs[i] for i, _ in run]
+    total = sum(len(v) for v in views)
+    n = -1
+    fe = None
+    if fd >= 0:
+        try:
+            n = _seg.preadv_all(fd, views, first.offset)
+        except OSError:
+            n = -1
+    else:
+        with contextlib.suppress(OSError):
+            fe = t._fds.acquire(first.segment)
+    if fe is not None:
+        try:
+            n = _seg.preadv_all(fe.fd, views, first.offset)
+        except OSError:
+            n = -1
+        finally:
+            t._fds.release(fe)
+    if n != total:  # missing file, short read, I/O error: per block, with retry/damage logic
+        for i, _rec in run:
+            out[i] = read_one(t, keys[i], raws[i], bufs[i])
+        return
+    ok = 0
+    for i, rec in run:
+        if _csum(keys[i][_KEY_BYTES:], rec.namespace_id, bufs[i]) == rec.checksum:
+            out[i] = ReadStatus.OK
+            ok += 1
+        else:
+            out[i] = damaged(t, keys[i], rec, ReadStatus.DAMAGED, "checksum_mismatch")
+    t._counters.add("reads_ok", ok)
+
+
+def read_one(t: DiskTier, key: bytes, raw: bytes | None, buf: memoryview) -> ReadStatus:
+    if raw is None:
+        t._counters.add("read_missing")
+        return ReadStatus.MISSING
+    try:
+        rec = decode_record(raw)
+    except RecordError as e:
+        return damaged(t, key, None, ReadStatus.DAMAGED, f"index record does not decode: {e}")
+    if rec.raw_nbytes != len(buf):
+        ns = t._namespace(rec.namespace_id)
+        if ns is None or ns.nbytes != len(buf):  # the caller's buffer is wrong
+            raise TensorMismatchError(
+                f"destination has {len(buf)} bytes but block {key[-_KEY_BYTES:].hex()[:16]} has "
+                f"{rec.raw_nbytes}"
+            )
+        return damaged(t, key, rec, ReadStatus.DAMAGED,
+                             f"bad_record (raw size {rec.raw_nbytes} != {ns.nbytes})")
+    for attempt in range(2):
+        status, why = read_rec(t, key, rec, buf)
+        if status is ReadStatus.OK:
+            t._counters.add("reads_ok")
+            return status
+        if why != "missing_segment" or attempt:
+            break
+        # the segment is gone: compaction or eviction in another process? re-read the
+        # record and retry once
+        cur = t._get_rec(key)
+        if cur is None:
+            t._counters.add("read_missing")
+            return ReadStatus.MISSING
+        if (cur.segment, cur.offset) == (rec.segment, rec.offset):
+            break
+        rec = cur
+    status = ReadStatus.MISSING if why == "missing_segment" else ReadStatus.DAMAGED
+    return damaged(t, key, rec, status, why)
+
+
+def read_rec(t: DiskTier, key: bytes, rec: Rec, buf: memoryview) -> tuple[ReadStatus, str]:
+    """Read one record's bytes into ``buf`` and verify. Returns (status, reason).
+    ``key``: the block key or its dbkey."""
+    key = key[-_KEY_BYTES:]
+    try:
+        fe = t._fds.acquire(rec.segment)
+    except FileNotFoundError:
+        return ReadStatus.MISSING, "missing_segment"
+    except OSError as e:
+        return ReadStatus.DAMAGED, f"segment cannot be opened: {e}"
+    try:
+        if rec.codec == _codec.CODEC_NONE:
+            if rec.stored_nbytes != len(buf):
+                return ReadStatus.DAMAGED, "bad_record"
+            n = _seg.pread_into(fe.fd, buf, rec.offset)
+            if n != len(buf):
+                return ReadStatus.DAMAGED, f"short_segment (read {n} of {len(buf)} bytes)"
+        else:
+            payload = bytearray(rec.stored_nbytes)
+            n = _seg.pread_into(fe.fd, memoryview(payload), rec.offset)
+            if n != rec.stored_nbytes:
+                return ReadStatus.DAMAGED, f"short_segment (read {n} of {rec.stored_nbytes} bytes)"
+            try:
+                _codec.decompress_into(rec.codec, payload, np.frombuffer(buf, dtype=np.uint8))
+            except _codec.CodecError as e:
+                return ReadStatus.DAMAGED, f"checksum_mismatch (payload does not decode: {e})"
+    except OSError as e:
+        return ReadStatus.DAMAGED, f"read error: {e}"
+    finally:
+        t._fds.release(fe)
+    if _csum(key, rec.namespace_id, buf) != rec.checksum:
+        return ReadStatus.DAMAGED, "checksum_mismatch"
+    return ReadStatus.OK, ""
+
+
+def damaged(t: DiskTier, key: bytes, rec: Rec | None, status: ReadStatus, why: str) -> ReadStatus:
+    t._counters.add("read_missing" if status is ReadStatus.MISSING else "read_damaged")
+    where = f"segment {rec.segment:016x} offset {rec.offset}" if rec else "index"
+    log.warning("disk tier %s: block %s is %s (%s, %s); dropping its index entry",
+                t.path, key[-_KEY_BYTES:].hex()[:16], status.value, why, where)
+    if not t.readonly:
+        try:
+            drop_entries(t, [(key, rec)])
+        except Exception as e:  # a corrupt index must not turn a miss into a crash
+            log.warning("disk tier %s: could not drop damaged entry %s: %s",
+                        t.path, key[-_KEY_BYTES:].hex()[:16], e)
+    return status
+
+
+def read_payload(t: DiskTier, key: bytes, rec: Rec) -> bytearray | None:  # key: the dbkey
+    """Stored bytes of a record, verified; None (and the entry dropped) when damaged."""
+    payload = bytearray(rec.stored_nbytes)
+    status, why = ReadStatus.OK, ""
+    try:
+        fe = t._fds.acquire(rec.segment)
+    except FileNotFoundError:
+        return None  # moved or removed meanwhile (another process compacted it)
+    except OSError as e:
+        status, why = ReadStatus.DAMAGED, f"segment cannot be opened: {e}"
+    else:
+        try:
+            n = _seg.pread_into(fe.fd, memoryview(payload), rec.offset)
+        finally:
+            t._fds.release(fe)
+        if n != rec.stored_nbytes:
+            status, why = ReadStatus.DAMAGED, "short_segment"
+        elif rec.codec == _codec.CODEC_NONE:
+            if _csum(key[_KEY_BYTES:], rec.namespace_id, payload) != rec.checksum:
+                status, why = ReadStatus.DAMAGED, "checksum_mismatch"
+        else:
+            out = np.empty(rec.raw_nbytes, dtype=np.uint8)
+            try:
+                _codec.decompress_into(rec.codec, payload, out)
+                if _csum(key[_KEY_BYTES:], rec.namespace_id, out) != rec.checksum:
+                    status, why = ReadStatus.DAMAGED, "checksum_mismatch"
+            except _codec.CodecError as e:
+                status, why = ReadStatus.DAMAGED, f"checksum_mismatch ({e})"
+    if status is not ReadStatus.OK:
+        damaged(t, key, rec, status, why)
+        return None
+    return payload
+
+

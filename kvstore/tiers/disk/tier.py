@@ -1,0 +1,559 @@
+"""The :class:`DiskTier`: lifecycle (its per-process state is re-created after fork),
+namespaces, lookups (``locate``, ``get_record``), buffered access times (``touch``), listing
+and stats. Reads, writes, eviction, compaction and the check are functions of the tier in
+the modules named after them (:mod:`kvstore.tiers.disk`).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+import lmdb
+
+from kvstore.errors import ConfigError, DiskError, KVStoreError, StoreClosedError
+from kvstore.keys import all_keys
+from kvstore.sizes import parse_size
+from kvstore.tiers import codec as _codec
+from kvstore.tiers.base import ReadStatus, check_key
+from kvstore.tiers.disk import compaction as _compaction
+from kvstore.tiers.disk import eviction as _eviction
+from kvstore.tiers.disk import reads as _reads
+from kvstore.tiers.disk import segments as _seg
+from kvstore.tiers.disk import txn as _txn
+from kvstore.tiers.disk import writes as _writes
+from kvstore.tiers.disk.check import run_check
+from kvstore.tiers.disk.env import DEFAULT_MAP_SIZE, SharedEnv, acquire_env, release_env
+from kvstore.tiers.disk.index import (
+    DB_BLOCKS,
+    DB_META,
+    DB_NS,
+    META_TOTALS,
+    TOTALS,
+    Rec,
+    RecordError,
+    decode_namespace,
+    decode_record,
+    encode_namespace,
+)
+from kvstore.tiers.disk.records import (
+    CompactResult,
+    Counters,
+    DiskRecord,
+    DiskStats,
+    DiskWrite,
+    Finding,
+    NamespaceInfo,
+    NsCache,
+    as_buffer,
+    disk_record,
+    ns_cache_entry,
+)
+
+if TYPE_CHECKING:  # torch is imported by whoever hands us tensors: listing needs none
+    import torch
+
+    from kvstore.namespace import Namespace
+
+log = logging.getLogger("kvstore.disk")
+
+_KEY_BYTES = 32
+_RECORDS_CHUNK = 1024
+
+
+class DiskTier:
+    """The persistent tier. See :mod:`kvstore.tiers.disk` and ``docs/format.md``.
+
+    Keyword arguments beyond the issue's interface: ``max_segment_bytes`` (roll a batch into
+    several segments above this), ``zstd_level``, ``map_size`` (initial LMDB map; grows on
+    demand), ``max_open_files`` (fd cache), ``read_threads`` (``read_many`` pool; default: the CPU
+    count, 2 to 8),
+    ``orphan_grace_s`` (``check`` leaves younger unreferenced files alone: they may belong to
+    an in-flight writer of another process), ``touch_flush_entries``/``touch_flush_interval_s``
+    (when buffered touches are persisted) and ``clock`` (seconds since the epoch; tests).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        capacity_bytes: int | str,
+        codec: str = "none",
+        compact_threshold: float = 0.5,
+        readonly: bool = False,
+        max_segment_bytes: int | str = 512 << 20,
+        zstd_level: int = 3,
+        map_size: int = DEFAULT_MAP_SIZE,
+        max_open_files: int = 256,
+        read_threads: int | None = None,
+        orphan_grace_s: float = 60.0,
+        touch_flush_entries: int = 4096,
+        touch_flush_interval_s: float = 30.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._closed = True
+        if codec not in _codec.TIER_CODECS:
+            raise ConfigError(f"disk codec must be one of {_codec.TIER_CODECS}, got {codec!r}")
+        if not 0.0 <= float(compact_threshold) <= 1.0:
+            raise ConfigError(f"compact_threshold must be in [0, 1], got {compact_threshold}")
+        self.path = os.path.abspath(os.fspath(path))
+        self.capacity_bytes = parse_size(capacity_bytes, what="disk capacity")
+        self.codec = codec
+        self.compact_threshold = float(compact_threshold)
+        self.readonly = bool(readonly)
+        self.max_segment_bytes = max(1, parse_size(max_segment_bytes, what="max_segment_bytes"))
+        self.zstd_level = int(zstd_level)
+        self.orphan_grace_s = float(orphan_grace_s)
+        self._map_size = int(map_size)
+        self._max_open_files = int(max_open_files)
+        if read_threads is None:  # 2 on a 2-core host (measured best there), up to 8
+            read_threads = min(8, max(2, os.cpu_count() or 2))
+        self._read_threads = max(1, int(read_threads))
+        self._touch_flush_entries = max(1, int(touch_flush_entries))
+        self._touch_flush_interval_us = int(float(touch_flush_interval_s) * 1e6)
+        self._clock = clock
+        self._index_dir = os.path.join(self.path, "index")
+        self._segdir = os.path.join(self.path, "segments")
+        if not self.readonly:
+            try:
+                os.makedirs(self._segdir, exist_ok=True)
+            except OSError as e:
+                raise DiskError(e.errno, f"cannot create the disk tier directory {self._segdir}: "
+                                f"{e.strerror}") from e
+        self._counters = Counters()
+        self._sh: SharedEnv | None = None
+        self._init_process_state()
+        self._closed = False
+
+    # -- per-process state (re-created after fork) ------------------------------------------
+    def _init_process_state(self) -> None:
+        self._pid = os.getpid()
+        self._sh = acquire_env(self._index_dir, create=not self.readonly, readonly=self.readonly,
+                               map_size=self._map_size)
+        if not self._sh.writable:
+            self.readonly = True
+        self._fds = _seg.FdCache(self._segdir, self._max_open_files)
+        self._ns: dict[bytes, NsCache] = {}
+        self._ns_lock = threading.Lock()
+        self._touch_lock = threading.Lock()
+        self._touches: dict[bytes, tuple[int, int]] = {}
+        self._touch_since = 0
+        self._sid_lock = threading.Lock()
+        self._sid_pool: list[int] = []
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+        self._close_lock = threading.Lock()
+        self._load_namespaces()
+
+    def _ensure(self) -> SharedEnv:
+        if self._closed:
+            raise StoreClosedError(f"the disk tier at {self.path} is closed")
+        if self._pid != os.getpid():  # forked: LMDB env, fds, locks and threads are not ours
+            self._fds.abandon()
+            self._counters = Counters()  # per process
+            self._init_process_state()
+        return self._sh  # type: ignore[return-value]
+
+    def _ensure_writable(self) -> SharedEnv:
+        sh = self._ensure()
+        if self.readonly:
+            raise DiskError(errno.EROFS, f"the disk tier at {self.path} is open read-only")
+        return sh
+
+    def _now_us(self) -> int:
+        return int(round(self._clock() * 1e6))
+
+    def _get_pool(self) -> ThreadPoolExecutor:
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self._read_threads, thread_name_prefix="kvstore-disk")
+            return self._pool
+
+    # -- namespaces -----------------------------------------------------------------------
+    def _load_namespaces(self) -> None:
+        with self._sh.read() as txn:
+            self._load_namespaces_in(txn)
+
+    def _load_namespaces_in(self, txn) -> None:
+        found = {}
+        for k, v in txn.cursor(db=self._sh.dbs[DB_NS]):
+            try:
+                found[k] = NamespaceInfo(k, *decode_namespace(v))
+            except RecordError as e:
+                log.warning("disk tier %s: namespace record %s is unreadable: %s",
+                            self.path, k.hex()[:16], e)
+        with self._ns_lock:
+            for k, info in found.items():
+                self._ns[k] = ns_cache_entry(info)
+
+    def _namespace(self, ns_id: bytes) -> NsCache | None:
+        e = self._ns.get(ns_id)
+        if e is None:
+            self._load_namespaces()  # another process may have registered it
+            e = self._ns.get(ns_id)
+        return e
+
+    def register_namespace(self, ns: Namespace) -> None:
+        """Persist the namespace's layout record (idempotent)."""
+        from kvstore.layout import dtype_name
+        from kvstore.namespace import Namespace
+
+        sh = self._ensure()
+        if not isinstance(ns, Namespace):
+            raise ConfigError(f"register_namespace takes a kvstore Namespace, got {type(ns).__name__}")
+        lay = ns.layout
+        fields = (ns.model_id, ns.model_revision, dtype_name(lay.dtype), lay.num_layers,
+                  lay.kv_planes, lay.block_tokens, lay.num_kv_heads, lay.head_dim, ns.tp_rank,
+                  ns.tp_size, ns.format_version, tuple(ns.extras))
+        nid = ns.id
+        info = NamespaceInfo(nid, *fields)
+        if nid not in self._ns:
+            value = encode_namespace(fields)
+            with sh.read() as txn:
+                present = txn.get(nid, db=sh.dbs[DB_NS]) is not None
+            if not present:
+                if self.readonly:
+                    raise DiskError(errno.EROFS, f"cannot register a namespace: the disk tier at "
+                                    f"{self.path} is open read-only")
+
+                def fn(txn):
+                    if txn.get(nid, db=sh.dbs[DB_NS]) is None:
+                        txn.put(nid, value, db=sh.dbs[DB_NS])
+                self._write_raw(fn)
+        with self._ns_lock:
+            self._ns[nid] = ns_cache_entry(info)
+
+    def _ns_records(self, ids: Iterable[bytes]) -> dict[bytes, bytes]:
+        """The index records of the namespaces ``ids`` (for a segment's header)."""
+        out = {}
+        for nid in set(ids):
+            e = self._namespace(nid)
+            if e is not None:
+                i = e.info
+                out[nid] = encode_namespace((i.model_id, i.model_revision, i.dtype, i.num_layers,
+                                             i.kv_planes, i.block_tokens, i.num_kv_heads,
+                                             i.head_dim, i.tp_rank, i.tp_size, i.format_version,
+                                             tuple(i.extras)))
+        return out
+
+    def namespaces(self) -> list[NamespaceInfo]:
+        self._ensure()
+        self._load_namespaces()
+        return [e.info for e in self._ns.values()]
+
+    # -- lookups ------------------------------------------------------------------------------
+    # Every namespace has its own key space (the LMDB key is namespace id ‖ key, see
+    # docs/format.md). The store always names its namespace; a call without one (admin
+    # tools, tests) finds the key under whichever known namespace holds it.
+    def _dbkeys(self, txn, keys: Sequence[bytes], namespace_id: bytes | None) -> list[bytes]:
+        if namespace_id is not None:
+            ns = check_key(namespace_id, "namespace_id")
+            return [ns + k for k in keys]
+        db = self._sh.dbs[DB_BLOCKS]
+        out = []
+        reloaded = False
+        for k in keys:
+            found = next((n + k for n in self._ns if txn.get(n + k, db=db) is not None), None)
+            if found is None and not reloaded:
+                reloaded = True
+                self._load_namespaces_in(txn)  # another process may have added one
+                found = next((n + k for n in self._ns if txn.get(n + k, db=db) is not None), None)
+            out.append(found if found is not None else bytes(32) + k)
+        return out
+
+    def contains(self, key: bytes, namespace_id: bytes | None = None) -> bool:
+        return self.leading_run([key], namespace_id) == 1
+
+    def leading_run(self, keys: Sequence[bytes], namespace_id: bytes | None = None) -> int:
+        """Number of leading ``keys`` held on disk (one short read transaction), in
+        ``namespace_id``'s key space (default: whichever namespace holds each key)."""
+        return len(self.locate(keys, namespace_id))
+
+    def locate(self, keys: Sequence[bytes], namespace_id: bytes | None = None) -> list[bytes]:
+        """The index records of the leading ``keys`` held on disk, read in one short
+        transaction. Hand them to ``read_many(records=...)`` to read those blocks without
+        another transaction (a record gone stale meanwhile is handled there: a segment
+        compacted away is looked up again, and a checksum is bound to its key)."""
+        sh = self._ensure()
+        db = sh.dbs[DB_BLOCKS]
+        if not all_keys(keys):
+            keys = [check_key(k) for k in keys]
+        out: list[bytes] = []
+        with sh.read() as txn:
+            get = txn.get
+            if namespace_id is None:
+                cks = self._dbkeys(txn, keys, None)
+            else:
+                ns = check_key(namespace_id, "namespace_id")
+                cks = [ns + k for k in keys]
+            for ck in cks:
+                raw = get(ck, db=db)
+                if raw is None:
+                    break
+                out.append(raw)
+        return out
+
+    def _get_rec(self, ck: bytes) -> Rec | None:
+        sh = self._sh
+        with sh.read() as txn:
+            raw = txn.get(ck, db=sh.dbs[DB_BLOCKS])
+        if raw is None:
+            return None
+        try:
+            return decode_record(raw)
+        except RecordError:
+            return None
+
+    def get_record(self, key: bytes, namespace_id: bytes | None = None) -> DiskRecord | None:
+        """The index record of ``key``, or None."""
+        sh = self._ensure()
+        key = check_key(key)
+        with sh.read() as txn:
+            (ck,) = self._dbkeys(txn, [key], namespace_id)
+        r = self._get_rec(ck)
+        return None if r is None else disk_record(key, r)
+
+    # -- reads --------------------------------------------------------------------------------
+    def read_into(self, key: bytes, dst: torch.Tensor,
+                  namespace_id: bytes | None = None) -> ReadStatus:
+        """Read one block straight into ``dst`` (CPU uint8 contiguous 1-D, block_nbytes) and
+        verify it. Never raises for damage; ``dst`` holds the block only when OK."""
+        sh = self._ensure()
+        key = check_key(key)
+        buf = as_buffer(dst, "dst")
+        with sh.read() as txn:
+            (ck,) = self._dbkeys(txn, [key], namespace_id)
+            raw = txn.get(ck, db=sh.dbs[DB_BLOCKS])
+        return self._read_one(ck, raw, buf)
+
+    def read_many(
+        self, keys: Sequence[bytes], dsts: Sequence[torch.Tensor],
+        *, mirrors: Sequence[torch.Tensor | None] | None = None,
+        namespace_id: bytes | None = None, records: Sequence[bytes | None] | None = None,
+    ) -> list[ReadStatus]:
+        """Read several blocks (a small thread pool); one independent status per key.
+
+        ``mirrors[i]`` (optional; same shape and dtype as ``dsts[i]``, or None) also receives
+        block ``i`` once it has been read and verified, copied by the reading thread while
+        other reads are still in flight (a store keeps a warm copy of what it read straight
+        into a caller's buffer this way, off the end of the fetch). ``records`` (one per key,
+        from :meth:`locate` with the same ``namespace_id``) saves the index transaction.
+        """
+        return _reads.read_many(self, keys, dsts, mirrors, namespace_id, records)
+
+    def _read_one(self, key: bytes, raw: bytes | None, buf: memoryview) -> ReadStatus:
+        """Read and verify one block (``key``: its dbkey) given its index record ``raw``."""
+        return _reads.read_one(self, key, raw, buf)
+
+    # -- writes -------------------------------------------------------------------------------
+    def write_blocks(self, items: Sequence[DiskWrite]) -> list[bytes]:
+        """Write blocks durably; returns the keys newly written (present keys are skipped).
+        Raises DiskError (disk full, read-only directory, I/O error) with nothing visible."""
+        return _writes.write_blocks(self, items)
+
+    def delete(self, keys: Sequence[bytes], namespace_id: bytes | None = None) -> int:
+        """Remove blocks from the index (their bytes become dead space). Returns how many.
+
+        With ``namespace_id`` only blocks of that namespace go: keys of another namespace are
+        left alone (a tenant can never delete another tenant's blocks)."""
+        self._ensure_writable()
+        keys = [check_key(k) for k in keys]
+        if not keys:
+            return 0
+        with self._sh.read() as txn:
+            cks = self._dbkeys(txn, keys, namespace_id)
+        return len(_txn.drop_entries(self, [(k, None) for k in cks], namespace_id))
+
+    def delete_owned(self, keys: Sequence[bytes], namespace_id: bytes) -> list[bytes]:
+        """Remove the blocks of ``keys`` that belong to ``namespace_id``; returns those keys."""
+        self._ensure_writable()
+        keys = [check_key(k) for k in keys]
+        namespace_id = check_key(namespace_id, "namespace_id")
+        if not keys:
+            return []
+        gone = _txn.drop_entries(self, [(namespace_id + k, None) for k in keys], namespace_id)
+        return [ck[_KEY_BYTES:] for ck in gone]
+
+    # -- access tracking ------------------------------------------------------------------
+    def touch(self, keys: Sequence[bytes], namespace_id: bytes | None = None) -> None:
+        """Record an access (last_access = now, hits + 1), buffered and persisted lazily."""
+        sh = self._ensure()
+        if self.readonly:
+            return
+        keys = [check_key(k) for k in keys]
+        if namespace_id is not None:
+            keys = self._dbkeys(None, keys, namespace_id)  # no transaction needed
+        else:
+            with sh.read() as txn:
+                keys = self._dbkeys(txn, keys, None)
+        now = self._now_us()
+        with self._touch_lock:
+            buf = self._touches
+            if not buf:
+                self._touch_since = now
+            for k in keys:
+                e = buf.get(k)
+                buf[k] = (now, e[1] + 1 if e else 1)
+            due = (len(buf) >= self._touch_flush_entries
+                   or now - self._touch_since >= self._touch_flush_interval_us)
+        if due:
+            try:
+                self.flush_touches()
+            except KVStoreError as e:  # disk full, or a damaged index: not the caller's problem
+                log.warning("disk tier %s: could not persist access times: %s", self.path, e)
+
+    def _take_touches(self) -> dict[bytes, tuple[int, int]]:
+        with self._touch_lock:
+            t, self._touches = self._touches, {}
+            return t
+
+    def _restore_touches(self, t: dict[bytes, tuple[int, int]]) -> None:
+        if not t:
+            return
+        with self._touch_lock:
+            for k, (ts, h) in t.items():
+                e = self._touches.get(k)
+                self._touches[k] = (max(ts, e[0]), h + e[1]) if e else (ts, h)
+
+    def flush_touches(self) -> None:
+        """Persist buffered touches now."""
+        self._ensure()
+        if self.readonly:
+            return
+        t = self._take_touches()
+        if not t:
+            return
+        try:
+            _txn.write_ops(self, lambda ops: _txn.apply_touches(ops, t))
+        except BaseException:
+            self._restore_touches(t)
+            raise
+
+    # -- eviction and compaction ----------------------------------------------------------
+    def evict_to_budget(self, protect: Callable[[bytes], bool] | None = None) -> list[bytes]:
+        """Evict leaf-first LRU until stored bytes <= capacity. Never evicts a key for which
+        ``protect(key)`` is true, nor a block with children on disk. ``protect`` is called
+        inside a read transaction and must not call back into this tier."""
+        return _eviction.evict_to_budget(self, protect)
+
+    def compact(self, threshold: float | None = None,
+                progress: Callable[[int, int], None] | None = None) -> CompactResult:
+        """Rewrite segments whose live fraction fell below ``threshold`` (default: the tier's
+        ``compact_threshold``). Crash-safe: the new segment is durable and the moved records
+        committed before an old file is unlinked."""
+        return _compaction.compact(self, threshold, progress)
+
+    # -- listing and stats ------------------------------------------------------------------
+    def records(self, namespace_id: bytes | None = None) -> Iterator[DiskRecord]:
+        """Every record (key order), read in chunks of short transactions."""
+        for ck, raw in self._iter_raw(namespace_id):
+            try:
+                r = decode_record(raw)
+            except RecordError:
+                continue
+            if r.namespace_id == ck[:_KEY_BYTES]:
+                yield disk_record(ck[_KEY_BYTES:], r)
+
+    def _iter_raw(self, namespace_id: bytes | None = None) -> Iterator[tuple[bytes, bytes]]:
+        """(dbkey, record) pairs in key order (of one namespace: a range of its prefix)."""
+        sh = self._ensure()
+        db = sh.dbs[DB_BLOCKS]
+        last: bytes | None = None
+        start = namespace_id
+        while True:
+            batch = []
+            with sh.read() as txn:
+                cur = txn.cursor(db=db)
+                if last is not None:
+                    ok = cur.set_range(last)
+                    if ok and cur.key() == last:
+                        ok = cur.next()
+                else:
+                    ok = cur.set_range(start) if start is not None else cur.first()
+                while ok and len(batch) < _RECORDS_CHUNK:
+                    k = cur.key()
+                    if start is not None and not k.startswith(start):
+                        ok = False
+                        break
+                    batch.append((k, cur.value()))
+                    ok = cur.next()
+            yield from batch
+            if len(batch) < _RECORDS_CHUNK or not ok:
+                return
+            last = batch[-1][0]
+
+    def _totals(self) -> list[int]:
+        sh = self._sh
+        with sh.read() as txn:
+            return list(TOTALS.unpack(txn.get(META_TOTALS, db=sh.dbs[DB_META])))
+
+    def stats(self) -> DiskStats:
+        self._ensure()
+        blocks, stored, raw, segs, seg_file, seg_data = self._totals()
+        c = self._counters
+        return DiskStats(
+            blocks=blocks, stored_bytes=stored, raw_bytes=raw, capacity_bytes=self.capacity_bytes,
+            segments=segs, segment_bytes=seg_file, dead_bytes=max(0, seg_data - stored),
+            reads_ok=c.reads_ok, read_missing=c.read_missing, read_damaged=c.read_damaged,
+            blocks_written=c.blocks_written, write_errors=c.write_errors, evictions=c.evictions,
+            compactions=c.compactions,
+        )
+
+    # -- check / repair -----------------------------------------------------------------------
+    def check(self, fix: bool = False, *, grace_s: float | None = None,
+              verify_data: bool = True) -> list[Finding]:
+        """Find (and with ``fix`` remove) orphan segments and temp files older than the grace
+        period, records pointing at missing or short segments, checksum failures, undecodable
+        records and inconsistent side indexes. Records are removed before files. Intact
+        blocks of a segment whose header is damaged are rewritten into a fresh segment, not
+        dropped."""
+        self._ensure()
+        if fix and self.readonly:
+            raise DiskError(errno.EROFS, f"cannot fix: the disk tier at {self.path} is open read-only")
+        if not self.readonly:
+            self.flush_touches()
+        grace = self.orphan_grace_s if grace_s is None else float(grace_s)
+        return run_check(self, fix=fix, grace_s=grace, verify_data=verify_data)
+
+    # -- index write transactions (check and recovery's rebuild call these) ---------------
+    def _write_raw(self, fn: Callable) -> object:
+        return _txn.write_raw(self, fn)
+
+    def _unlink_segments(self, sids: Sequence[int]) -> None:
+        _txn.unlink_segments(self, sids)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Flush buffered touches and release files and the index (idempotent)."""
+        if self._closed:
+            return
+        with self._close_lock:
+            if self._closed:
+                return
+            if self._pid == os.getpid():
+                if not self.readonly:
+                    try:
+                        self.flush_touches()
+                    except (KVStoreError, lmdb.Error, OSError) as e:
+                        log.warning("disk tier %s: access times not persisted at close: %s",
+                                    self.path, e)
+                if self._pool is not None:
+                    self._pool.shutdown(wait=True)
+                self._fds.close()
+                release_env(self._sh)
+            self._closed = True
+
+    def __enter__(self) -> DiskTier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"DiskTier({self.path!r}, codec={self.codec!r}, readonly={self.readonly})"

@@ -1,0 +1,141 @@
+"""Write transactions of the disk index: every change of the tier goes through
+:func:`write_raw` (LMDB errors become :class:`~kvstore.errors.DiskError`) or
+:func:`write_ops` (a :class:`~kvstore.tiers.disk.index.WriteOps` keeping the side indexes
+consistent), and a segment file emptied by a transaction is unlinked only after it
+committed (:func:`unlink_segments`).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import lmdb
+
+from kvstore.errors import DiskError
+from kvstore.tiers.disk import segments as _seg
+from kvstore.tiers.disk.index import (
+    DB_BLOCKS,
+    DB_META,
+    META_NEXT_SEGMENT,
+    U64,
+    Rec,
+    RecordError,
+    WriteOps,
+    decode_record,
+)
+
+if TYPE_CHECKING:
+    from kvstore.tiers.disk.tier import DiskTier
+
+log = logging.getLogger("kvstore.disk")
+
+_SEGMENT_ID_CHUNK = 64
+
+
+def hint(e: OSError) -> str:
+    """What to do about an OSError of a write, for its message ("" when nothing to say)."""
+    if e.errno == errno.ENOSPC:
+        return " (disk full: free space or lower the disk capacity)"
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return " (directory not writable: fix its permissions or open the tier read-only)"
+    return ""
+
+
+def write_raw(t: DiskTier, fn: Callable) -> object:
+    """Run ``fn(txn)`` in a write transaction of ``t``'s index; returns its result."""
+    try:
+        return t._sh.write(fn)
+    except lmdb.Error as e:
+        code = getattr(e, "code", 0)  # LMDB passes system errors (ENOSPC, EIO) through
+        code = code if isinstance(code, int) and 0 < code < 4096 else errno.EIO
+        why = hint(OSError(code, "")) if code != errno.EIO else ""
+        raise DiskError(code, f"the disk index at {t._index_dir} could not commit: {e}"
+                        + why) from e
+
+
+def write_ops(t: DiskTier, fn: Callable[[WriteOps], object]) -> tuple[object, list[int]]:
+    """Run ``fn(ops)`` in a write transaction; returns its result and the segments the
+    transaction emptied (for :func:`unlink_segments`, once it committed)."""
+    sh = t._sh
+
+    def run(txn):
+        ops = WriteOps(txn, sh.dbs)
+        result = fn(ops)
+        ops.finish()
+        return result, ops.emptied
+
+    return write_raw(t, run)  # type: ignore[return-value]
+
+
+def unlink_segments(t: DiskTier, sids: Sequence[int]) -> None:
+    """Unlink the files of segments no committed record points at any more."""
+    for sid in sids:
+        t._fds.invalidate(sid)
+        try:
+            os.unlink(os.path.join(t._segdir, _seg.segment_name(sid)))
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            log.warning("disk tier %s: cannot unlink emptied segment %016x: %s", t.path, sid, e)
+
+
+def alloc_segment_ids(t: DiskTier, n: int) -> list[int]:
+    """Unique across processes: ids are reserved in small chunks by an LMDB write txn."""
+    with t._sid_lock:
+        if len(t._sid_pool) < n:
+            want = max(n - len(t._sid_pool), _SEGMENT_ID_CHUNK)
+            meta = t._sh.dbs[DB_META]
+
+            def fn(txn):
+                (nxt,) = U64.unpack(txn.get(META_NEXT_SEGMENT, db=meta))
+                txn.put(META_NEXT_SEGMENT, U64.pack(nxt + want), db=meta)
+                return nxt
+
+            first = write_raw(t, fn)
+            t._sid_pool.extend(range(first, first + want))  # type: ignore[arg-type]
+        out, t._sid_pool = t._sid_pool[:n], t._sid_pool[n:]
+        return out
+
+
+def drop_entries(t: DiskTier, items: Sequence[tuple[bytes, Rec | None]],
+                 namespace_id: bytes | None = None) -> list[bytes]:
+    """Remove records if they are still the ones seen (same segment and offset) and, with
+    ``namespace_id``, only records of that namespace."""
+    blocks = t._sh.dbs[DB_BLOCKS]
+
+    def fn(ops: WriteOps) -> list[bytes]:
+        gone = []
+        for key, rec in items:
+            raw = ops.txn.get(key, db=blocks)
+            if raw is None:
+                continue
+            try:
+                cur = decode_record(raw)
+            except RecordError:
+                if namespace_id is not None and not key.startswith(namespace_id):
+                    continue  # another namespace's key space
+                ops.txn.delete(key, db=blocks)  # undecodable: just drop it
+                gone.append(key)
+                continue
+            if namespace_id is not None and cur.namespace_id != namespace_id:
+                continue  # a record that lies about its namespace: not the caller's
+            if rec is None or (cur.segment, cur.offset) == (rec.segment, rec.offset):
+                ops.remove(key, cur)
+                gone.append(key)
+        return gone
+
+    gone, emptied = write_ops(t, fn)
+    unlink_segments(t, emptied)
+    return gone  # type: ignore[return-value]
+
+
+def apply_touches(ops: WriteOps, touches: dict[bytes, tuple[int, int]]) -> None:
+    """Persist buffered accesses (dbkey -> (last access us, hits)) of records still there."""
+    for k, (ts, hits) in touches.items():
+        rec = ops.get(k)
+        if rec is not None:
+            ops.update_access(k, rec, ts, hits)
