@@ -41,7 +41,14 @@ from kvstore.paged import page_index, paged_geometry
 from kvstore.stats import StoreStats
 from kvstore.store.config import resolve_device
 from kvstore.tiers.key_directory import KeyDirectory
-from kvstore.tiers.slab import directory_path, map_shared, register_pinned, runs, unregister_pinned
+from kvstore.tiers.slab import (
+    directory_path,
+    map_shared,
+    paired_runs,
+    register_pinned,
+    runs,
+    unregister_pinned,
+)
 from kvstore.transfer import Transfer
 from kvstore.validate import check_kv, check_out
 from kvstore.wire import messages as m
@@ -58,17 +65,6 @@ _CONFIG_ERRORS = (ProtocolVersionError, PermissionDeniedError)
 _SOFT_CODES = frozenset({m.ErrorCode.LIMIT, m.ErrorCode.SHUTTING_DOWN, m.ErrorCode.INTERNAL,
                          m.ErrorCode.UNKNOWN_ID, m.ErrorCode.FRAME_TOO_LARGE})
 _WARN_EVERY = 10.0  # seconds between two warnings about the same error code
-
-
-def _pairs(a: Sequence[int], b: Sequence[int]):
-    """``(a_first, b_first, length)`` runs where both ``a`` and ``b`` are consecutive."""
-    i, n = 0, len(a)
-    while i < n:
-        j = i + 1
-        while j < n and a[j] == a[j - 1] + 1 and b[j] == b[j - 1] + 1:
-            j += 1
-        yield a[i], b[i], j - i
-        i = j
 
 
 class _Session:
@@ -488,7 +484,7 @@ class Client:
         lay = self.layout
         if kv.is_contiguous():
             src = kv.reshape(kv.shape[0], -1).view(torch.uint8)
-            for p, s, length in _pairs(positions, slots):
+            for p, s, length in paired_runs(list(zip(positions, slots, strict=True))):
                 slab[s : s + length].copy_(src[p : p + length])
         else:
             for p, s in zip(positions, slots, strict=True):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +29,7 @@ from kvstore.kernels import scatter_pages
 from kvstore.keys import KeyChain
 from kvstore.layout import KVLayout
 from kvstore.paged import page_index, paged_geometry
+from kvstore.tiers.slab import paired_runs
 
 from .config import layer_order
 from .stats import ConnectorStats
@@ -50,17 +51,6 @@ class _Load:
     out: torch.Tensor  # [planned, L, P, T, H, D] staging slice the fetch writes
     ids: torch.Tensor  # vLLM page ids, one per planned block
     scattered: set[int] = field(default_factory=set)  # layers already in vLLM's pages
-
-
-def _runs(a: Sequence[int], b: Sequence[int]) -> Iterator[tuple[int, int, int]]:
-    """``(a_first, b_first, length)`` runs where both ``a`` and ``b`` are consecutive."""
-    i, n = 0, len(a)
-    while i < n:
-        j = i + 1
-        while j < n and a[j] == a[j - 1] + 1 and b[j] == b[j - 1] + 1:
-            j += 1
-        yield a[i], b[i], j - i
-        i = j
 
 
 class WorkerSide:
@@ -210,7 +200,7 @@ class WorkerSide:
     def _copy_blocks(self, slots: Sequence[int], page_ids: Sequence[int], *, load: bool) -> None:
         blocks, pages, L = self._blocks, self._pages, self.layout.num_layers
         assert pages is not None and blocks is not None
-        runs = list(_runs(slots, page_ids))
+        runs = list(paired_runs(list(zip(slots, page_ids, strict=True))))
         if len(runs) <= 8:
             for layer in range(L):
                 pg = pages[layer]
