@@ -23,8 +23,8 @@ from kvstore.tiers.disk.index import (
     Rec,
     RecordError,
     WriteOps,
-    decode_record,
     decode_seginfo,
+    lookup_record,
 )
 from kvstore.tiers.disk.reads import read_payload
 from kvstore.tiers.disk.records import CompactResult
@@ -119,14 +119,8 @@ def _live_records_of(t: DiskTier, sid: int) -> list[tuple[bytes, Rec]]:
             if len(key) != _KEY_BYTES or len(ns) != _KEY_BYTES:
                 continue
             key = ns + key  # the dbkey, as every helper below takes it
-            raw = txn.get(key, db=db)
-            if raw is None:
-                continue
-            try:
-                rec = decode_record(raw)
-            except RecordError:
-                continue
-            if rec.segment == sid:
+            rec = lookup_record(txn, db, key)
+            if rec is not None and rec.segment == sid:
                 out.append((key, rec))
     out.sort(key=lambda kr: kr[1].offset)
     return out

@@ -19,6 +19,7 @@ from kvstore.tiers.disk.index import (
     RecordError,
     WriteOps,
     decode_record,
+    lookup_record,
     lru_key,
     parent_dbkey,
 )
@@ -90,12 +91,8 @@ def _select_victims(t: DiskTier, excess: int,
             key = lk[8:]  # the dbkey
             if protect is not None and protect(key[_KEY_BYTES:]):
                 continue
-            raw = txn.get(key, db=blocks)
-            if raw is None:
-                continue
-            try:
-                rec = decode_record(raw)
-            except RecordError:
+            rec = lookup_record(txn, blocks, key)
+            if rec is None:
                 continue
             chosen.append(key)
             freed += rec.stored_nbytes

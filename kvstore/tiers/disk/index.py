@@ -109,6 +109,18 @@ def decode_record(b: bytes) -> Rec:
                parent if flags & FLAG_HAS_PARENT else None)
 
 
+
+def lookup_record(txn: lmdb.Transaction, db: object, ck: bytes) -> Rec | None:
+    """The record stored under dbkey ``ck``, or None when absent or undecodable (damage is
+    a miss here; ``check`` reports it)."""
+    raw = txn.get(ck, db=db)
+    if raw is None:
+        return None
+    try:
+        return decode_record(raw)
+    except RecordError:
+        return None
+
 class SegInfo(NamedTuple):
     live_count: int
     file_bytes: int

@@ -41,6 +41,7 @@ from kvstore.tiers.disk.index import (
     decode_namespace,
     decode_record,
     encode_namespace,
+    lookup_record,
 )
 from kvstore.tiers.disk.records import (
     CompactResult,
@@ -302,13 +303,7 @@ class DiskTier:
     def _get_rec(self, ck: bytes) -> Rec | None:
         sh = self._sh
         with sh.read() as txn:
-            raw = txn.get(ck, db=sh.dbs[DB_BLOCKS])
-        if raw is None:
-            return None
-        try:
-            return decode_record(raw)
-        except RecordError:
-            return None
+            return lookup_record(txn, sh.dbs[DB_BLOCKS], ck)
 
     def get_record(self, key: bytes, namespace_id: bytes | None = None) -> DiskRecord | None:
         """The index record of ``key``, or None."""
