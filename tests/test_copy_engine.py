@@ -142,7 +142,7 @@ def test_failing_disk_read_in_the_middle_of_a_batch(tmp_path, monkeypatch):
         s.put(keys, kv).wait()
         s.flush()
         s.evict(tier="warm")
-        real = s.state.disk.read_many
+        real = s.state.lower[0].disk.read_many
 
         def flaky(ks, dsts, **kw):
             out = real(ks, dsts, **kw)
@@ -150,7 +150,7 @@ def test_failing_disk_read_in_the_middle_of_a_batch(tmp_path, monkeypatch):
             dsts[3].fill_(0xAB)  # garbage where the bad block would be
             return out
 
-        monkeypatch.setattr(s.state.disk, "read_many", flaky)
+        monkeypatch.setattr(s.state.lower[0].disk, "read_many", flaky)
         got = s.fetch(keys).wait(5)
         assert got.shape[0] == 3 and torch.equal(got, kv[:3])
         st = s.stats()

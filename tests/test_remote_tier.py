@@ -30,14 +30,14 @@ from kvstore.errors import (  # noqa: E402
     TensorMismatchError,
 )
 from kvstore.tiers import codec as codec_mod  # noqa: E402
-from kvstore.tiers import remote_format as fmt  # noqa: E402
+from kvstore.tiers.remote import format as fmt  # noqa: E402
 from kvstore.tiers.remote import (  # noqa: E402
     ReadStatus,
     RemoteConfig,
     RemoteTier,
     RemoteWrite,
 )
-from kvstore.tiers.remote_conn import Breaker, parse_remote_url, redact  # noqa: E402
+from kvstore.tiers.remote.conn import Breaker, parse_remote_url, redact  # noqa: E402
 
 needs_redis = pytest.mark.skipif(redis_server_path() is None,
                                  reason="redis-server is not installed (tools/ci_redis.sh)")

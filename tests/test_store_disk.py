@@ -160,7 +160,7 @@ def test_disk_write_failure_is_counted_not_raised(tmp_path, monkeypatch):
         def boom(items):
             raise DiskError(28, "No space left on device (injected)")
 
-        monkeypatch.setattr(s.state.disk, "write_blocks", boom)
+        monkeypatch.setattr(s.state.lower[0].disk, "write_blocks", boom)
         keys = s.block_keys(list(range(16)))
         assert s.put(keys, kv_for(keys)).wait() == 4
         s.flush()
@@ -177,13 +177,13 @@ def test_disk_write_failure_is_counted_not_raised(tmp_path, monkeypatch):
 def test_slow_disk_never_blocks_puts_and_drops_are_counted(tmp_path, monkeypatch):
     with opened(tmp_path, warm=4) as s:
         gate = threading.Event()
-        real = s.state.disk.write_blocks
+        real = s.state.lower[0].disk.write_blocks
 
         def slow(items):
             gate.wait(10)
             return real(items)
 
-        monkeypatch.setattr(s.state.disk, "write_blocks", slow)
+        monkeypatch.setattr(s.state.lower[0].disk, "write_blocks", slow)
         t0 = time.perf_counter()
         stored = 0
         for i in range(30):

@@ -130,3 +130,31 @@ def test_other_namespace_cannot_overwrite_blocks_in_the_shared_tier(server, tmp_
     with host(None, server.url) as c:
         got = c.fetch(keys).wait()
         assert got.shape[0] == 4 and same(got, kv_for(keys))
+
+
+def test_remote_lookup_is_one_round_trip_and_a_fetch_two(server, tmp_path, monkeypatch):
+    """A lookup is one pipeline of EXISTS; a fetch locates once (EXISTS) and reads with what it
+    found (GET): no second EXISTS, no per-block calls."""
+    from kvstore.tiers.remote import tier as remote_tier
+
+    redis.Redis(port=server.port).flushall()
+    with host(None, server.url) as a:
+        keys = a.block_keys(list(range(24)), salt="rt")
+        a.put(keys, kv_for(keys)).wait()
+        a.flush()
+    calls: list[list[str]] = []
+    real = remote_tier._pipeline
+
+    def counted(client, cmds):
+        calls.append([args[0] for args, _ in cmds])
+        return real(client, cmds)
+
+    monkeypatch.setattr(remote_tier, "_pipeline", counted)
+    with host(None, server.url) as b:
+        keys = b.block_keys(list(range(24)), salt="rt")
+        assert b.lookup(keys) == 6
+        assert [set(c) for c in calls] == [{"EXISTS"}], calls
+        calls.clear()
+        got = b.fetch(keys).wait()
+        assert got.shape[0] == 6 and same(got, kv_for(keys))
+        assert [set(c) for c in calls] == [{"EXISTS"}, {"GET"}], calls

@@ -1,30 +1,25 @@
-"""``Store`` and ``open_store``: the embedded store's public API, delegating each job to the
-module named for it (residency, fetch, put, paged, write_back, zero_copy) over one
+"""``Store``: the embedded store's public API, delegating each job to the module named for
+it (residency, fetch, put, paged, write_back, zero_copy) over one
 :class:`~kvstore.store.state.StoreState`."""
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 
 import torch
 
 from kvstore.api import BorrowedBlocks, PinReceipt, PutGrant
-from kvstore.errors import ConfigError
 from kvstore.index import Catalog
 from kvstore.keys import BlockKey, KeyChain
 from kvstore.keys import block_keys as _block_keys
 from kvstore.layout import KVLayout
-from kvstore.namespace import Namespace
 from kvstore.stats import StoreStats, TierStats
-from kvstore.store.config import StoreConfig, capacity, resolve_device
+from kvstore.store.config import StoreConfig
 from kvstore.store.fetch import Fetcher
 from kvstore.store.opening import open_state
 from kvstore.store.paged import PagedIO
 from kvstore.store.put import Putter
 from kvstore.store.residency import Residency
-from kvstore.store.state import DISK, REMOTE
 from kvstore.store.write_back import WriteBack
 from kvstore.store.zero_copy import ZeroCopyPlane
 from kvstore.transfer import Transfer
@@ -53,7 +48,7 @@ class Store:
         self.paged = PagedIO(st, self.fetcher, self.putter)
         self.write_back = WriteBack(st, self.residency)
         self.zero_copy = ZeroCopyPlane(st, self.residency, self.fetcher)
-        if st.disk is not None or st.remote is not None:
+        if st.lower:
             st.writer = WriteBehind(self.write_back.write_pass, name="kvstore-writer")
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -78,14 +73,12 @@ class Store:
             if st.closed:
                 return
             st.closed = True
-            if st.disk is not None:
-                st.disk.close()
-            if st.remote is not None:
-                st.remote.close()
+            for t in st.lower:
+                t.close()
             if st.warm is not None:
                 st.warm.slab.close()
             st.hot = st.warm = None
-            st.disk = st.remote = None
+            st.lower = []
             st.catalog = Catalog()
 
     @property
@@ -242,16 +235,7 @@ class Store:
                           promotions_in=t.counters.promotions_in)
                 for t in (st.hot, st.warm) if t is not None
             ]
-            if st.disk is not None:
-                d = st.disk.stats()
-                tiers.append(TierStats(
-                    name=DISK, device=str(self.config.path), capacity_bytes=d.capacity_bytes,
-                    used_bytes=d.stored_bytes, blocks=d.blocks, evictions=d.evictions))
-            if st.remote is not None:
-                r = st.remote.stats()
-                tiers.append(TierStats(
-                    name=REMOTE, device=st.remote.url, capacity_bytes=0,
-                    used_bytes=r.stored_bytes_written, blocks=r.blocks_written, evictions=0))
+            tiers += [t.stats() for t in st.lower]
             return StoreStats(
                 lookups=c.lookups, hits=c.hits, misses=c.misses, fetches=c.fetches,
                 fetched_blocks=c.fetched_blocks, fetch_short=c.fetch_short, puts=c.puts,
@@ -262,71 +246,3 @@ class Store:
                 dirty_blocks=st.catalog.dirty_count,
                 block_nbytes=self.layout.block_nbytes, tiers=tuple(tiers),
             )
-
-
-def open_store(
-    path: str | os.PathLike[str] | None = None,
-    *,
-    layout: KVLayout,
-    model_id: str,
-    model_revision: str | None = None,
-    device: str | torch.device | None = None,
-    gpu_capacity: int | str | None = None,
-    cpu_capacity: int | str = "4GiB",
-    disk_capacity: int | str = "64GiB",
-    tp_rank: int = 0,
-    tp_size: int = 1,
-    namespace_extras: Mapping[str, object] | None = None,
-    admission: str = "always",
-    disk_codec: str = "none",
-    warm_shared_memory: str | None = None,
-    remote: str | None = None,
-    remote_budget_s: float = 0.05,
-    remote_ttl_s: float | None = None,
-    remote_codec: str = "zstd",
-) -> Store:
-    """Open (or create) a store. Sizes are ints or strings like ``"4GiB"``.
-
-    ``gpu_capacity`` defaults to 1GiB on a CUDA device and 0 on ``cpu`` (pass a size to run
-    the hot tier on the CPU, as the tests do). ``path=None`` keeps everything in memory.
-    ``warm_shared_memory`` puts the warm slab in a file (under ``/dev/shm``) that other
-    processes can map — the sidecar daemon's data plane. ``remote`` adds a shared tier below
-    disk on Redis (``redis://host:port``, ``rediss://`` for TLS, ``redis+cluster://host:port``);
-    a lookup or read there never costs more than ``remote_budget_s`` (a slow or absent Redis
-    is a miss), values expire after ``remote_ttl_s`` when set. See docs/scale-out.md.
-    """
-    if not isinstance(layout, KVLayout):
-        raise ConfigError(f"layout must be a KVLayout, got {type(layout).__name__}")
-    if path is not None and not isinstance(path, (str, os.PathLike)):
-        raise ConfigError(f"path must be a str or os.PathLike, got {type(path).__name__}")
-    if remote is not None and not isinstance(remote, str):
-        raise ConfigError("remote must be a URL string like 'redis://host:6379'")
-    if remote_codec not in ("none", "zstd"):
-        raise ConfigError(f"remote_codec must be 'none' or 'zstd', got {remote_codec!r}")
-    if disk_codec not in ("none", "zstd"):
-        raise ConfigError(f"disk_codec must be 'none' or 'zstd', got {disk_codec!r}")
-    if admission not in ("always", "second-hit"):
-        raise ConfigError(f"admission must be 'always' or 'second-hit', got {admission!r}")
-    dev = resolve_device(device)
-    ns = Namespace.create(model_id, layout, model_revision=model_revision, tp_rank=tp_rank,
-                          tp_size=tp_size, extras=namespace_extras)
-    if gpu_capacity is None:
-        gpu_capacity = "1GiB" if dev.type == "cuda" else 0
-    bn = layout.block_nbytes
-    config = StoreConfig(
-        path=Path(os.fspath(path)).expanduser() if path is not None else None,
-        namespace=ns,
-        device=dev,
-        gpu_capacity=capacity(gpu_capacity, "gpu_capacity", bn),
-        cpu_capacity=capacity(cpu_capacity, "cpu_capacity", bn),
-        disk_capacity=capacity(disk_capacity, "disk_capacity", bn),
-        admission=admission,
-        pin_memory=torch.cuda.is_available() and dev.type == "cuda",
-        disk_codec=disk_codec,
-        warm_shared_memory=warm_shared_memory,
-        remote=remote,
-        remote_codec=remote_codec,
-        remote_budget_s=float(remote_budget_s),
-        remote_ttl_s=remote_ttl_s,
-    )
-    return Store(config)

@@ -1,4 +1,4 @@
-"""fetch and prefetch: plan under the lock, then disk reads and layer-wise copies on the copy engine."""
+"""fetch and prefetch: plan under the lock, then lower-tier reads and layer-wise copies on the copy engine."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from kvstore.errors import StoreClosedError
 from kvstore.keys import BlockKey
 from kvstore.store.residency import Residency
 from kvstore.store.state import StoreState
+from kvstore.tiers.base import Located, LowerTier, ReadStatus
 from kvstore.tiers.slab import paired_runs
 from kvstore.transfer import Transfer
 from kvstore.validate import check_out
@@ -28,20 +29,33 @@ class FetchPlan:
     parent: BlockKey | None
     hot: list[tuple[int, int]]  # (position, hot slot)
     warm: list[tuple[int, int]]  # (position, warm slot)
-    disk: list[tuple[int, int]]  # (position, reserved warm slot or -1) to read from disk
-    promote: list[int]  # hot slots reserved for the warm+disk positions, in order
+    lower: list[tuple[int, int]]  # (position, reserved warm slot or -1) to read from a lower tier
+    promote: list[int]  # hot slots reserved for the warm and lower-tier positions, in order
     pinned: list[BlockKey]
     deps: list[tuple[int, Transfer]]  # (position, pending put that writes it)
     valid: int = 0  # leading positions whose bytes are good
-    direct: bool = False  # disk blocks were read straight into the result
-    staging: torch.Tensor | None = None  # host rows for disk blocks without a warm slot
+    direct: bool = False  # lower-tier blocks were read straight into the result
+    staging: torch.Tensor | None = None  # host rows for lower-tier blocks without a warm slot
     promote_failed: bool = False  # the hot copies were not made: release the hot slots
-    remote: set[int] = field(default_factory=set)  # lower positions the remote tier serves
-    located: dict[int, bytes] = field(default_factory=dict)  # disk records found at planning
+    # position -> (lower tier index, what it located, index in it): found while planning
+    source: dict[int, tuple[int, Located, int]] = field(default_factory=dict)
+
+    def located(self, idx: Sequence[int]) -> Located:
+        """What planning located for the lower-tier reads ``lower[j]``, ``j`` in ``idx``."""
+        srcs = [self.source[self.lower[j][0]] for j in idx]
+        keys = tuple(loc.keys[q] for _, loc, q in srcs)
+        if any(loc.handles is None for _, loc, _ in srcs):
+            return Located(keys)
+        return Located(keys, tuple(loc.handles[q] for _, loc, q in srcs))
+
+    def tier_of(self, p: int) -> int:
+        """The lower tier a position is read from (-1: memory)."""
+        src = self.source.get(p)
+        return -1 if src is None else src[0]
 
 
 class Fetcher:
-    """``fetch``/``prefetch``: plan under the lock, then disk reads and layer-wise copies."""
+    """``fetch``/``prefetch``: plan under the lock, then lower-tier reads and layer-wise copies."""
 
     def __init__(self, st: StoreState, res: Residency) -> None:
         self.st = st
@@ -73,108 +87,18 @@ class Fetcher:
         *, want_result: bool,
         then: Callable[[bool, BaseException | None], None] | None = None,
     ) -> tuple[Transfer, FetchPlan, torch.Tensor | None]:
-        """Plan under the lock, then queue: disk reads (``disk_read``), copies (``h2d``)."""
-        lay = self.st.layout
+        """Plan under the lock, then queue: lower-tier reads (``disk_read``), copies (``h2d``)."""
         with self.st.lock:
             self.st.check_open()
             plan = self.plan(ks, parent, want_result=want_result)
-        n = len(plan.keys)
-        result = None
-        if want_result:
-            try:
-                if out is None:
-                    out = torch.empty(lay.batch_shape(n), dtype=lay.dtype, device=self.st.device)
-                result = out[:n]
-            except BaseException:
-                with self.st.lock:
-                    self.release_plan(plan, ok=False)
-                raise
-        t: Transfer = Transfer(lay.num_layers)
-        asked = len(ks)
-        engine = self.st.engine
-        assert engine is not None
-
-        def settle(ok: bool, error: BaseException | None) -> None:
-            with self.st.lock:
-                self.release_plan(plan, ok=ok)
-
-        def finish(ok: bool, error: BaseException | None) -> None:
-            with self.st.lock:
-                if want_result:
-                    c = self.st.counters
-                    c.fetches += 1
-                    c.fetched_blocks += plan.valid if ok else 0
-                    c.fetch_short += asked - (plan.valid if ok else 0)
-            if not want_result:
-                # a prefetch's point is the blocks being in warm: settle before completing
-                settle(ok, error)
-                if ok:
-                    t.set_result(plan.valid)
-                else:
-                    t.set_error(error or RuntimeError("prefetch failed"))
-                if then is not None:
-                    then(ok, error)
-                return
-            if not ok:
-                t.set_error(error or RuntimeError("fetch failed"))
-            else:
-                assert result is not None
-                t.set_result(result[: plan.valid])
-            if then is not None:
-                then(ok, error)
-            if ok and plan.promote and plan.valid:
-                # promotion into hot happens behind the caller's back, off its critical path
-                try:
-                    engine.submit("h2d", Job(Transfer(), lambda st: self.promote_copy(plan, st), settle))
-                    return
-                except BaseException:  # closing: just settle without promoting
-                    plan.promote_failed = True
-            settle(ok, error)
-
-        def run_copy(stream: torch.cuda.Stream | None) -> list:
-            return self.copy(plan, result, t, stream)
-
-        copy_job = Job(t, run_copy, finish)
-        if want_result and not engine.cuda and not plan.disk and not plan.deps:
-            # Host memory only, nothing in flight that these bytes wait for: copying right
-            # here in whole-block runs beats a hand-off to the worker (the blocks are pinned).
-            try:
-                self.copy(plan, result, t, None, whole_blocks=True)
-            except BaseException as e:  # reported through the transfer
-                finish(False, e)
-            else:
-                finish(True, None)
-            return t, plan, result
+        job = FetchJob(self, plan, len(ks), want_result, then)
         try:
-            self.queue(engine, plan, copy_job, result, finish, want_result)
+            job.start(out)
         except BaseException:
             with self.st.lock:
                 self.release_plan(plan, ok=False)
             raise
-        return t, plan, result
-
-    def queue(self, engine, plan, copy_job, result, finish, want_result) -> None:
-        if plan.disk:
-            def run_disk(stream: torch.cuda.Stream | None) -> list:
-                self.read_lower(plan, result)
-                return []
-
-            def after_disk(ok: bool, error: BaseException | None) -> None:
-                if not ok:
-                    finish(False, error)
-                elif want_result:
-                    try:
-                        engine.submit("h2d", copy_job)
-                    except BaseException as e:  # closing: fail cleanly, release everything
-                        finish(False, e)
-                else:
-                    finish(True, None)
-
-            engine.submit("disk_read", Job(Transfer(), run_disk, after_disk))
-        elif want_result:
-            engine.submit("h2d", copy_job)
-        else:
-            finish(True, None)
+        return job.transfer, plan, job.result
 
     def check_out(self, out: torch.Tensor, n: int) -> None:
         check_out(self.st.layout, out, n)
@@ -183,13 +107,13 @@ class Fetcher:
         self, ks: list[BlockKey], parent: BlockKey | None, *, want_result: bool
     ) -> FetchPlan:
         hot, warm, cat = self.st.hot, self.st.warm, self.st.catalog
-        remote_at: list[int] = []
-        located: dict[int, bytes] = {}
-        n = self.res.leading_run(ks, remote_at, located)
+        found: list[tuple[int, int, Located]] = []
+        n = self.res.leading_run(ks, found)
         plan = FetchPlan(ks[:n], parent, [], [], [], [], [], [])
-        plan.remote = set(remote_at)
-        plan.located = located
-        disk_pos: list[int] = []
+        for start, t, loc in found:
+            for q in range(len(loc)):
+                plan.source[start + q] = (t, loc, q)
+        lower_pos: list[int] = []
         # per-block work of every fetch: plain dict lookups, no method call per key
         hot_slots = hot._slots if hot is not None else {}
         warm_slots = warm._slots if warm is not None else {}
@@ -204,7 +128,7 @@ class Fetcher:
             else:
                 s = warm_slots.get(k)
                 if s is None:
-                    disk_pos.append(i)
+                    lower_pos.append(i)
                     continue
                 on_warm((i, s))
             held(k)
@@ -216,15 +140,15 @@ class Fetcher:
                 cat.mark_dirty(k)
         cat.pin_many(plan.pinned)
         self.res.touch_chain(plan.keys)
-        if disk_pos:
+        if lower_pos:
             assert warm is not None
-            slots = self.res.reserve(warm, len(disk_pos))
-            plan.disk = [(p, slots[j] if j < len(slots) else -1) for j, p in enumerate(disk_pos)]
-            if not want_result and len(slots) < len(disk_pos):
+            slots = self.res.reserve(warm, len(lower_pos))
+            plan.lower = [(p, slots[j] if j < len(slots) else -1) for j, p in enumerate(lower_pos)]
+            if not want_result and len(slots) < len(lower_pos):
                 # a prefetch has nowhere else to put blocks: it ends where the room does
-                self.truncate(plan, disk_pos[len(slots)])
-        if want_result and hot is not None and (plan.warm or plan.disk):
-            plan.promote = self.res.reserve(hot, len(plan.warm) + sum(1 for _, s in plan.disk if s >= 0))
+                self.truncate(plan, lower_pos[len(slots)])
+        if want_result and hot is not None and (plan.warm or plan.lower):
+            plan.promote = self.res.reserve(hot, len(plan.warm) + sum(1 for _, s in plan.lower if s >= 0))
         plan.valid = len(plan.keys)
         if self.st.writer is not None and self.st.config.admission == "second-hit":
             self.st.writer.notify()
@@ -235,75 +159,56 @@ class Fetcher:
         plan.keys = plan.keys[:cut]
         plan.hot = [(p, s) for p, s in plan.hot if p < cut]
         plan.warm = [(p, s) for p, s in plan.warm if p < cut]
-        plan.disk = [(p, s) for p, s in plan.disk if p < cut and s >= 0]
+        plan.lower = [(p, s) for p, s in plan.lower if p < cut and s >= 0]
 
     def read_lower(self, plan: FetchPlan, result: torch.Tensor | None) -> None:
-        """Read the plan's disk blocks (straight into ``result`` when it is in host memory,
-        else into their warm slots or host staging rows) and cut ``plan.valid`` at damage."""
-        from kvstore.tiers.disk import ReadStatus
-
+        """Read the plan's lower-tier blocks (straight into ``result`` when it is in host
+        memory, else into their warm slots or host staging rows), one call per tier with what
+        planning located, and cut ``plan.valid`` at the first block not read."""
         assert self.st.warm is not None
         warm = self.st.warm.slab.data
         flat = None
         if result is not None and result.numel():
             flat = result.view(result.shape[0], -1).view(torch.uint8)
         plan.direct = flat is not None and flat.device.type == "cpu"
-        if not plan.direct and any(s < 0 for _, s in plan.disk):
-            plan.staging = torch.empty((len(plan.disk), self.st.layout.block_nbytes),
+        if not plan.direct and any(s < 0 for _, s in plan.lower):
+            plan.staging = torch.empty((len(plan.lower), self.st.layout.block_nbytes),
                                        dtype=torch.uint8, pin_memory=self.st.config.pin_memory)
-        dsts = []
-        for j, (p, s) in enumerate(plan.disk):
-            if plan.direct:
-                dsts.append(flat[p])
-            elif s >= 0:
-                dsts.append(warm[s])
-            else:
-                dsts.append(plan.staging[j])
-        statuses: list = [None] * len(plan.disk)
-        mirrored: set[int] = set()
-        for tier, mine in ((self.st.disk, False), (self.st.remote, True)):
-            idx = [j for j, (p, _) in enumerate(plan.disk) if (p in plan.remote) == mine]
+        dsts = [flat[p] if plan.direct else warm[s] if s >= 0 else plan.staging[j]
+                for j, (p, s) in enumerate(plan.lower)]
+        statuses: list[ReadStatus] = [ReadStatus.MISSING] * len(plan.lower)
+        damaged = 0
+        for t, tier in enumerate(self.st.lower):
+            idx = [j for j, (p, _) in enumerate(plan.lower) if plan.tier_of(p) == t]
             if not idx:
                 continue
-            assert tier is not None
-            keys = [plan.keys[plan.disk[j][0]] for j in idx]
-            try:
-                if mine:
-                    got = tier.read_many(keys, [dsts[j] for j in idx],
-                                         namespace_id=self.st.namespace_id)
-                else:
-                    # read straight into the caller's buffer: the reading threads keep the warm
-                    # copy as each run lands, overlapping that copy with the reads still going
-                    mirrors = None
-                    if plan.direct:
-                        mirrors = [warm[plan.disk[j][1]] if plan.disk[j][1] >= 0 else None
-                                   for j in idx]
-                        mirrored.update(idx)
-                    # the records found while planning: no second index transaction
-                    recs = [plan.located.get(plan.disk[j][0]) for j in idx]
-                    got = tier.read_many(keys, [dsts[j] for j in idx], mirrors=mirrors,
-                                         namespace_id=self.st.namespace_id,
-                                         records=recs if None not in recs else None)
-            except StoreClosedError:
-                raise
-            except Exception as e:  # a damaged index or tier: a counted miss, never wrong KV
-                log.warning("fetch: reading %d block(s) from the %s tier failed (%s: %s); "
-                            "treating them as damaged", len(idx), "remote" if mine else "disk",
-                            type(e).__name__, e)
-                got = [ReadStatus.DAMAGED] * len(idx)
+            # read straight into the caller's buffer: the reading threads keep the warm copy
+            # as each run lands, overlapping that copy with the reads still going
+            mirrors = ([warm[plan.lower[j][1]] if plan.lower[j][1] >= 0 else None for j in idx]
+                       if plan.direct else None)
+            got = self.read_tier(tier, plan.located(idx), [dsts[j] for j in idx], mirrors)
             for j, st in zip(idx, got, strict=True):
                 statuses[j] = st
-        bad = [p for (p, _), st in zip(plan.disk, statuses, strict=True) if st is not ReadStatus.OK]
-        damaged = sum(1 for (p, _), st in zip(plan.disk, statuses, strict=True)
-                      if st is ReadStatus.DAMAGED or (st is ReadStatus.MISSING and p not in plan.remote))
+                # a volatile tier's value may expire between lookup and read: a plain miss
+                damaged += st is ReadStatus.DAMAGED or (st is ReadStatus.MISSING
+                                                        and not tier.volatile)
+        bad = [p for (p, _), st in zip(plan.lower, statuses, strict=True) if st is not ReadStatus.OK]
         if bad:
             with self.st.lock:
-                self.st.counters.damaged += damaged  # an expired remote value is a plain miss
+                self.st.counters.damaged += damaged
             plan.valid = min(plan.valid, min(bad))
-        if plan.direct:
-            for j, ((p, s), dst) in enumerate(zip(plan.disk, dsts, strict=True)):
-                if p < plan.valid and s >= 0 and j not in mirrored:
-                    warm[s].copy_(dst)  # keep a warm copy of what was read
+
+    @staticmethod
+    def read_tier(tier: LowerTier, found: Located, dsts: list[torch.Tensor],
+                  mirrors: list[torch.Tensor | None] | None) -> list[ReadStatus]:
+        try:
+            return tier.read(found, dsts, mirrors)
+        except StoreClosedError:
+            raise
+        except Exception as e:  # a damaged index or tier: a counted miss, never wrong KV
+            log.warning("fetch: reading %d block(s) from the %s tier failed (%s: %s); "
+                        "treating them as damaged", len(dsts), tier.name, type(e).__name__, e)
+            return [ReadStatus.DAMAGED] * len(dsts)
 
     def copy(
         self, plan: FetchPlan, result: torch.Tensor | None, t: Transfer,
@@ -330,11 +235,11 @@ class Fetcher:
         if self.st.warm is not None:
             warm_items = [(p, s) for p, s in plan.warm if p < n]
             if not plan.direct:
-                warm_items += [(p, s) for p, s in plan.disk if p < n and s >= 0]
+                warm_items += [(p, s) for p, s in plan.lower if p < n and s >= 0]
             if warm_items:
                 sources.append((self.st.warm.slab.data, list(paired_runs(sorted(warm_items)))))
         if plan.staging is not None and not plan.direct:
-            rows = [(p, j) for j, (p, s) in enumerate(plan.disk) if p < n and s < 0]
+            rows = [(p, j) for j, (p, s) in enumerate(plan.lower) if p < n and s < 0]
             if rows:
                 sources.append((plan.staging, list(paired_runs(rows))))
         events: list = []
@@ -362,7 +267,7 @@ class Fetcher:
         hot, warm = self.st.hot, self.st.warm
         if hot is None or warm is None or not plan.promote:
             return []
-        lower = sorted(plan.warm + [(p, s) for p, s in plan.disk if s >= 0])
+        lower = sorted(plan.warm + [(p, s) for p, s in plan.lower if s >= 0])
         items = [(plan.promote[j], s) for j, (p, s) in enumerate(lower[: len(plan.promote)])
                  if p < plan.valid]
         for dst_first, src_first, length in paired_runs(items):
@@ -379,8 +284,8 @@ class Fetcher:
         if self.st.closed:
             return
         n = plan.valid if ok else 0
-        # blocks read from disk join the warm tier (only the valid leading run: prefix-closed)
-        for p, slot in plan.disk:
+        # blocks read from a lower tier join the warm tier (only the valid leading run: prefix-closed)
+        for p, slot in plan.lower:
             if slot < 0:
                 continue
             assert warm is not None
@@ -388,9 +293,12 @@ class Fetcher:
             if k is not None and p < n and k not in warm:
                 if k not in cat:
                     cat.add(k, plan.keys[p - 1] if p else plan.parent)
-                    if p in plan.remote and self.st.disk is not None:
-                        cat.mark_dirty(k)  # a block from another host: keep a local copy too
-                        self.st.skip_remote.add(k)
+                    t = plan.tier_of(p)
+                    if t > 0:
+                        # from a tier below the first (another host's, via Redis): copy it
+                        # into the tiers above that one too
+                        cat.mark_dirty(k)
+                        self.st.came_from[k] = t
                     else:
                         cat.set_on_disk(k)
                 warm.insert(k, slot)
@@ -398,7 +306,7 @@ class Fetcher:
             else:
                 warm.release(slot)
         if hot is not None and plan.promote:
-            lower = sorted(plan.warm + [(p, s) for p, s in plan.disk if s >= 0])
+            lower = sorted(plan.warm + [(p, s) for p, s in plan.lower if s >= 0])
             for (p, _), slot in zip(lower, plan.promote, strict=False):
                 k = plan.keys[p] if p < len(plan.keys) else None
                 if k is not None and p < n and not plan.promote_failed and k not in hot and k in cat:
@@ -407,10 +315,10 @@ class Fetcher:
                 else:
                     hot.release(slot)
         if n:
-            if plan.disk or plan.promote:  # blocks joined a tier since the plan touched them
+            if plan.lower or plan.promote:  # blocks joined a tier since the plan touched them
                 self.res.touch_chain(plan.keys[:n])
-            if self.st.disk is not None:
-                self.st.disk.touch(plan.keys[:n], self.st.namespace_id)
+            for low in self.st.lower:
+                low.touch(plan.keys[:n])
         cat.unpin_many(plan.pinned)
 
     # -- prefetch / flush / stats -------------------------------------------------------------
@@ -421,3 +329,102 @@ class Fetcher:
         """
         ks = self.st.keys(keys)
         return self.fetch_keys(ks, self.st.chain_parent(keys), None, want_result=False)
+
+
+class FetchJob:
+    """One planned fetch or prefetch on its way: lower-tier reads on ``disk_read``, then the
+    layer-wise copies on ``h2d``, then settling the plan (and promotion into hot behind the
+    caller's back). Every path ends in ``finish`` exactly once."""
+
+    def __init__(self, fetcher: Fetcher, plan: FetchPlan, asked: int, want_result: bool,
+                 then: Callable[[bool, BaseException | None], None] | None) -> None:
+        self.fetcher = fetcher
+        self.st = fetcher.st
+        self.plan = plan
+        self.asked = asked
+        self.want_result = want_result
+        self.then = then
+        self.result: torch.Tensor | None = None
+        self.transfer: Transfer = Transfer(self.st.layout.num_layers)
+        assert self.st.engine is not None
+        self.engine = self.st.engine
+
+    def start(self, out: torch.Tensor | None) -> None:
+        plan, lay = self.plan, self.st.layout
+        if self.want_result:
+            n = len(plan.keys)
+            if out is None:
+                out = torch.empty(lay.batch_shape(n), dtype=lay.dtype, device=self.st.device)
+            self.result = out[:n]
+        if self.want_result and not self.engine.cuda and not plan.lower and not plan.deps:
+            # Host memory only, nothing in flight that these bytes wait for: copying right
+            # here in whole-block runs beats a hand-off to the worker (the blocks are pinned).
+            try:
+                self.fetcher.copy(plan, self.result, self.transfer, None, whole_blocks=True)
+            except BaseException as e:  # reported through the transfer
+                self.finish(False, e)
+            else:
+                self.finish(True, None)
+        elif plan.lower:
+            self.engine.submit("disk_read", Job(Transfer(), self.read, self.after_read))
+        elif self.want_result:
+            self.engine.submit("h2d", self.copy_job())
+        else:
+            self.finish(True, None)
+
+    def copy_job(self) -> Job:
+        return Job(self.transfer, lambda stream: self.fetcher.copy(
+            self.plan, self.result, self.transfer, stream), self.finish)
+
+    def read(self, stream: torch.cuda.Stream | None) -> list:
+        self.fetcher.read_lower(self.plan, self.result)
+        return []
+
+    def after_read(self, ok: bool, error: BaseException | None) -> None:
+        if not ok:
+            self.finish(False, error)
+        elif self.want_result:
+            try:
+                self.engine.submit("h2d", self.copy_job())
+            except BaseException as e:  # closing: fail cleanly, release everything
+                self.finish(False, e)
+        else:
+            self.finish(True, None)
+
+    def settle(self, ok: bool, error: BaseException | None = None) -> None:
+        with self.st.lock:
+            self.fetcher.release_plan(self.plan, ok=ok)
+
+    def finish(self, ok: bool, error: BaseException | None) -> None:
+        plan, t = self.plan, self.transfer
+        if not self.want_result:
+            # a prefetch's point is the blocks being in warm: settle before completing
+            self.settle(ok)
+            if ok:
+                t.set_result(plan.valid)
+            else:
+                t.set_error(error or RuntimeError("prefetch failed"))
+            if self.then is not None:
+                self.then(ok, error)
+            return
+        with self.st.lock:
+            c = self.st.counters
+            c.fetches += 1
+            c.fetched_blocks += plan.valid if ok else 0
+            c.fetch_short += self.asked - (plan.valid if ok else 0)
+        if not ok:
+            t.set_error(error or RuntimeError("fetch failed"))
+        else:
+            assert self.result is not None
+            t.set_result(self.result[: plan.valid])
+        if self.then is not None:
+            self.then(ok, error)
+        if ok and plan.promote and plan.valid:
+            # promotion into hot happens behind the caller's back, off its critical path
+            try:
+                self.engine.submit("h2d", Job(
+                    Transfer(), lambda st: self.fetcher.promote_copy(plan, st), self.settle))
+                return
+            except BaseException:  # closing: just settle without promoting
+                plan.promote_failed = True
+        self.settle(ok)

@@ -12,7 +12,7 @@ from kvstore.tiers.memory import MemoryTier
 
 
 def open_state(config: StoreConfig) -> StoreState:
-    """The memory tiers, then the disk and remote tiers below them."""
+    """The memory tiers, then the lower tiers below them: disk, then remote."""
     lay = config.namespace.layout
     hot = MemoryTier(HOT, lay, config.gpu_capacity, config.device) if config.gpu_capacity else None
     warm = None
@@ -28,21 +28,24 @@ def open_state(config: StoreConfig) -> StoreState:
             raise ConfigError("a disk tier stages reads and writes in the warm tier: set "
                               "cpu_capacity > 0 or disk_capacity=0")
         from kvstore.tiers.disk import DiskTier
+        from kvstore.tiers.disk.bound import BoundDisk
 
-        st.disk = DiskTier(config.path, capacity_bytes=config.disk_capacity,
-                           codec=config.disk_codec)
+        disk = DiskTier(config.path, capacity_bytes=config.disk_capacity,
+                        codec=config.disk_codec)
         try:
-            st.disk.register_namespace(config.namespace)
+            disk.register_namespace(config.namespace)
         except BaseException:
-            st.disk.close()
+            disk.close()
             raise
+        st.lower.append(BoundDisk(disk, config.namespace.id))
     if config.remote is not None:
         if warm is None:
             raise ConfigError("a remote tier stages blocks in the warm tier: set cpu_capacity > 0")
         from kvstore.tiers.remote import RemoteConfig, RemoteTier
+        from kvstore.tiers.remote.bound import BoundRemote
 
         itemsize = lay.itemsize
-        st.remote = RemoteTier(
+        remote = RemoteTier(
             RemoteConfig(config.remote, codec=config.remote_codec, ttl_s=config.remote_ttl_s,
                          budget_s=config.remote_budget_s,
                          # one key space per namespace: no tenant can shadow or delete
@@ -50,4 +53,5 @@ def open_state(config: StoreConfig) -> StoreState:
                          key_prefix=f"kvstore:{config.namespace.id.hex()}:"),
             itemsize_for=lambda _ns: itemsize,
         )
+        st.lower.append(BoundRemote(remote, config.namespace.id, itemsize))
     return st

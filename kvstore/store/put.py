@@ -88,7 +88,7 @@ class Putter:
                 rest = rest[len(slots) :]
         stored = len(new_pos) - len(rest)
         overflow_ok = (
-            rest and self.st.disk is not None
+            rest and self.st.durable is not None
             and self.st.overflow_bytes + len(rest) * self.st.layout.block_nbytes <= OVERFLOW_BYTES
         )
         for p in reversed(rest):

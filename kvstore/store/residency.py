@@ -10,6 +10,7 @@ from itertools import islice, takewhile
 from kvstore.errors import ConfigError
 from kvstore.keys import BlockKey
 from kvstore.store.state import DISK, HOT, WARM, StoreState
+from kvstore.tiers.base import Located, LowerTier
 from kvstore.tiers.memory import MemoryTier
 
 
@@ -43,17 +44,18 @@ class Residency:
             self.st.warm is not None and key in self.st.warm
         )
 
-    def leading_run(self, ks: list[BlockKey], remote_at: list[int] | None = None,
-                     located: dict[int, bytes] | None = None) -> int:
-        """Leading ``ks`` held by memory, disk or the remote tier, consulted in that order one
-        stretch at a time (each lower tier answers a whole stretch in one call).
+    def leading_run(self, ks: list[BlockKey],
+                    found: list[tuple[int, int, Located]] | None = None) -> int:
+        """Leading ``ks`` held by memory or a lower tier, consulted in that order one stretch
+        at a time (each lower tier answers a whole stretch in one call).
 
-        Positions only the remote tier holds are appended to ``remote_at``; the disk's index
-        records of the positions it holds go into ``located`` (a fetch reads with them).
+        Each stretch a lower tier holds goes into ``found`` as ``(start, tier index, what
+        it located)``: a fetch reads those blocks with it, no second transaction.
         """
         i, n = 0, len(ks)
         hot = self.st.hot._slots if self.st.hot is not None else {}
         warm = self.st.warm._slots if self.st.warm is not None else {}
+        lower = self.st.lower
         while i < n:
             # the hot loop of every lookup: stretches of dict probes run by C-level iterators
             m = 0
@@ -66,23 +68,26 @@ class Residency:
             if m:
                 i += m
                 continue
-            m = 0
-            if self.st.disk is not None:
-                recs = self.st.disk.locate(ks[i:], self.st.namespace_id)
-                m = len(recs)
-                if located is not None:
-                    located.update(zip(range(i, i + m), recs, strict=True))
-            if m == 0 and self.st.remote is not None:
-                j = i
-                while j < n and not self.held(ks[j]):
-                    j += 1  # ask the remote tier only for the stretch memory lacks
-                m = self.st.remote.leading_run(ks[i:j])
-                if remote_at is not None:
-                    remote_at.extend(range(i, i + m))
+            for t, tier in enumerate(lower):
+                # a volatile tier (a round trip away) is asked only for what memory lacks
+                j = self.memory_gap(ks, i) if tier.volatile else n
+                got = tier.locate(ks[i:j])
+                m = len(got)
+                if m:
+                    if found is not None:
+                        found.append((i, t, got))
+                    break
             if m == 0:
                 break
             i += m
         return i
+
+    def memory_gap(self, ks: list[BlockKey], i: int) -> int:
+        """The end of the stretch of ``ks`` from ``i`` that no memory tier holds."""
+        j = i
+        while j < len(ks) and not self.held(ks[j]):
+            j += 1
+        return j
 
     def lookup(self, ks: list[BlockKey]) -> int:
         """Leading ``ks`` held by any tier, counted as one lookup (takes the lock)."""
@@ -104,10 +109,11 @@ class Residency:
 
     # -- room -----------------------------------------------------------------------------
     def disk_run(self, ks: list[BlockKey]) -> int:
-        """Leading ``ks`` already on disk (so a put need not keep them)."""
-        if self.st.disk is None or not ks or self.held(ks[0]):
+        """Leading ``ks`` already in the durable lower tier (so a put need not keep them)."""
+        durable = self.st.durable
+        if durable is None or not ks or self.held(ks[0]):
             return 0
-        return self.st.disk.leading_run(ks, self.st.namespace_id)
+        return len(durable.locate(ks))
 
     def new_blocks(self, ks: list[BlockKey], parent: BlockKey | None,
                    skip: Set[BlockKey] = frozenset()) -> NewBlocks:
@@ -123,7 +129,7 @@ class Residency:
                 out.duplicates += 1
             elif (prev is None or self.held(prev) or prev in skip
                   or (out.positions and ks[out.positions[-1]] == prev) or (i and i - 1 < on_disk)
-                  or (i == 0 and self.st.disk is not None and self.disk_run([prev]) == 1)):
+                  or (i == 0 and self.st.durable is not None and self.disk_run([prev]) == 1)):
                 out.positions.append(i)
                 out.parents.append(prev)
                 seen.add(k)
@@ -210,20 +216,16 @@ class Residency:
             if tier is None:
                 targets = list(cat.keys()) if ks is None else [k for k in ks if k in cat]
                 removed = set(self.remove_subtrees(targets))
-                if self.st.disk is not None:
-                    on_disk = self.namespace_disk_keys() if ks is None else ks
-                    doomed = [k for k in on_disk if k not in cat]
-                    if doomed:
-                        # only this namespace's records: keys of another tenant stay
-                        gone = self.disk_delete(doomed)
-                        removed.update(gone)
+                for low in self.st.lower:
+                    if not low.volatile:
+                        # what memory still holds stays (pinned, or an ancestor of a pin)
+                        removed.update(BlockKey(k) for k in low.delete(ks, keep=cat.__contains__))
                 return len(removed)
             if tier == DISK:
-                if self.st.disk is None:
+                low = self.lower_named(DISK)
+                if low is None:
                     return 0
-                targets = self.namespace_disk_keys() if ks is None else ks
-                doomed = [k for k in targets if not cat.is_pinned(k)]
-                gone = self.disk_delete(doomed)
+                gone = [BlockKey(k) for k in low.delete(ks, keep=cat.is_pinned)]
                 for k in gone:
                     cat.clear_on_disk(k)
                 return len(gone)
@@ -247,14 +249,11 @@ class Residency:
                     count += 1
             return count
 
-    def disk_delete(self, keys: list[BlockKey]) -> list[BlockKey]:
-        """Delete this namespace's disk records of ``keys``; returns the keys that went."""
-        assert self.st.disk is not None
-        return [BlockKey(k) for k in self.st.disk.delete_owned(keys, self.st.namespace_id)]
-
-    def namespace_disk_keys(self) -> list[BlockKey]:
-        assert self.st.disk is not None
-        return [BlockKey(r.key) for r in self.st.disk.records(self.st.namespace_id)]
+    def lower_named(self, name: str) -> LowerTier | None:
+        for t in self.st.lower:
+            if t.name == name:
+                return t
+        return None
 
     def remove_subtrees(self, roots: list[BlockKey]) -> list[BlockKey]:
         """Remove ``roots`` and their memory-held descendants from memory, leaves first."""

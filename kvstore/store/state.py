@@ -27,9 +27,8 @@ if TYPE_CHECKING:
     from kvstore.namespace import Namespace
     from kvstore.store.config import StoreConfig
     from kvstore.store.put import OverflowJob
-    from kvstore.tiers.disk import DiskTier
+    from kvstore.tiers.base import LowerTier
     from kvstore.tiers.memory import MemoryTier
-    from kvstore.tiers.remote import RemoteTier
     from kvstore.transfer import Transfer
     from kvstore.writer import WriteBehind
 
@@ -44,8 +43,7 @@ class StoreState:
     config: StoreConfig
     hot: MemoryTier | None
     warm: MemoryTier | None
-    disk: DiskTier | None = None
-    remote: RemoteTier | None = None
+    lower: list[LowerTier] = field(default_factory=list)  # below memory, fastest first
     engine: CopyEngine | None = None
     writer: WriteBehind | None = None
     lock: threading.RLock = field(default_factory=threading.RLock)
@@ -53,11 +51,21 @@ class StoreState:
     counters: Counters = field(default_factory=Counters)
     closed: bool = False
     closing: bool = False
-    skip_remote: set[BlockKey] = field(default_factory=set)  # dirty blocks from the remote tier
+    # dirty blocks read from a lower tier below the first: the index of that tier (write-back
+    # copies them to the tiers above it, not back to where they came from)
+    came_from: dict[BlockKey, int] = field(default_factory=dict)
     overflow: deque[OverflowJob] = field(default_factory=deque)  # puts going straight to disk
     overflow_bytes: int = 0
     pending: dict[BlockKey, Transfer[int]] = field(default_factory=dict)  # put copies in flight
     granted: set[BlockKey] = field(default_factory=set)  # granted puts not yet committed
+
+    @property
+    def durable(self) -> LowerTier | None:
+        """The first lower tier that keeps what it is given (the disk), or None."""
+        for t in self.lower:
+            if not t.volatile:
+                return t
+        return None
 
     @property
     def namespace(self) -> Namespace:

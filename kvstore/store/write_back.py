@@ -6,10 +6,12 @@ import logging
 
 import torch
 
+from kvstore.errors import DiskError
 from kvstore.keys import BlockKey
 from kvstore.store.put import OverflowJob
 from kvstore.store.residency import Residency
 from kvstore.store.state import StoreState
+from kvstore.tiers.base import BlockWrite, LowerTier
 
 log = logging.getLogger("kvstore.store")
 #: how much the background writer puts into one segment
@@ -25,24 +27,50 @@ class WriteBack:
         self.res = res
 
     def write_pass(self) -> bool:
-        """One batch of the background writer: dirty blocks -> one disk segment, and the
-        remote tier when there is one."""
-        disk, remote = self.st.disk, self.st.remote
+        """One batch of the background writer: overflow of a put straight to the durable
+        tier, else dirty blocks into every lower tier (one disk segment, one remote pipeline)."""
         per_batch = max(1, WRITE_BATCH_BYTES // self.st.layout.block_nbytes)
         with self.st.lock:
-            if self.st.closed or (disk is None and remote is None):
+            if self.st.closed or not self.st.lower:
                 return False
             job = self.st.overflow.popleft() if self.st.overflow else None
         if job is not None:
-            self.write_overflow(disk, job)
+            self.write_overflow(job)
             return True
+        jobs = self.take_dirty(per_batch)
+        if not jobs:
+            return False
+        cpu = [(k, p, d if d.device.type == "cpu" else d.to("cpu"), c) for k, p, d, c in jobs]
+        ok = True
+        for t, tier in enumerate(self.st.lower):
+            items = [BlockWrite(k, p, d) for k, p, d, c in cpu if t < c]
+            wrote = self.write_tier(tier, items)
+            if not tier.volatile:  # the durable copy decides whether memory may let them go
+                ok = ok and wrote
         with self.st.lock:
             cat = self.st.catalog
-            batch = cat.take_dirty(per_batch)
-            if not batch:
-                return False
-            jobs: list[tuple[BlockKey, BlockKey | None, torch.Tensor, bool]] = []
-            for k in batch:
+            for k, *_ in jobs:
+                cat.unpin(k)
+                if ok:
+                    cat.set_on_disk(k)  # a lower copy exists (disk, or remote alone)
+            if not ok:
+                self.st.counters.disk_write_dropped += len(jobs)
+        if ok:
+            for tier in self.st.lower:
+                try:
+                    tier.evict(protect=lambda key: key in cat)
+                except Exception:
+                    log.exception("%s tier eviction failed", tier.name)
+        return True
+
+    def take_dirty(self, limit: int) -> list[tuple[BlockKey, BlockKey | None, torch.Tensor, int]]:
+        """Up to ``limit`` dirty blocks, pinned, with their parent, bytes and how many lower
+        tiers (from the first) should get them."""
+        with self.st.lock:
+            cat = self.st.catalog
+            everywhere = len(self.st.lower)
+            jobs = []
+            for k in cat.take_dirty(limit):
                 warm, hot = self.st.warm, self.st.hot
                 if warm is not None and k in warm:
                     data = warm.slab.data[warm.slot(k)]
@@ -51,66 +79,37 @@ class WriteBack:
                 else:
                     continue
                 cat.pin(k)
-                skip_remote = k in self.st.skip_remote
-                self.st.skip_remote.discard(k)
-                jobs.append((k, cat.parent(k), data, skip_remote))
-        cpu = [(k, p, d if d.device.type == "cpu" else d.to("cpu"), sr) for k, p, d, sr in jobs]
-        ok = self.write_disk_batch(disk, cpu) if disk is not None else True
-        if remote is not None:
-            self.write_remote_batch(remote, [(k, d) for k, _, d, sr in cpu if not sr])
-        with self.st.lock:
-            for k, *_ in jobs:
-                self.st.catalog.unpin(k)
-                if ok:
-                    self.st.catalog.set_on_disk(k)  # a lower copy exists (disk, or remote alone)
-            if not ok:
-                self.st.counters.disk_write_dropped += len(jobs)
-            cat = self.st.catalog
-        if ok and disk is not None:
-            try:
-                disk.evict_to_budget(protect=lambda key: key in cat)
-            except Exception:
-                log.exception("disk tier eviction failed")
-        return True
+                jobs.append((k, cat.parent(k), data, self.st.came_from.pop(k, everywhere)))
+            return jobs
 
-    def write_disk_batch(self, disk, jobs: list) -> bool:
-        from kvstore.errors import DiskError
-        from kvstore.tiers.disk import DiskWrite
-
+    def write_tier(self, tier: LowerTier, items: list[BlockWrite]) -> bool:
+        """``items`` into ``tier``; False (logged) if it failed."""
+        if not items:
+            return True
         try:
-            disk.write_blocks([DiskWrite(k, p, self.st.namespace_id, d) for k, p, d, _ in jobs])
+            tier.write(items)
             return True
         except DiskError as e:
-            log.warning("disk tier write failed, %d blocks stay memory-only: %s", len(jobs), e)
+            log.warning("%s tier write failed, %d blocks stay memory-only: %s",
+                        tier.name, len(items), e)
         except Exception:
-            log.exception("disk tier write failed unexpectedly; %d blocks stay memory-only", len(jobs))
+            log.exception("%s tier write failed unexpectedly; %d blocks stay memory-only",
+                          tier.name, len(items))
         return False
 
-    def write_remote_batch(self, remote, items: list[tuple[BlockKey, torch.Tensor]]) -> None:
-        from kvstore.tiers.remote import RemoteWrite
-
-        if not items:
-            return
-        try:  # failures are counted by the remote tier; the engine never sees them
-            remote.write_blocks([RemoteWrite(k, self.st.namespace_id, d, self.st.layout.itemsize)
-                                 for k, d in items])
-        except Exception:
-            log.exception("remote tier write failed")
-
-    def write_overflow(self, disk, job: OverflowJob) -> None:
-        from kvstore.tiers.disk import DiskWrite
-
+    def write_overflow(self, job: OverflowJob) -> None:
         ok = False
         base = job.base
         if job.memory is not None:
             base = job.memory.wait()
+        durable = self.st.durable
         try:
-            items = [
-                DiskWrite(k, par, self.st.namespace_id,
-                          job.kv[p].detach().to("cpu").contiguous().reshape(-1).view(torch.uint8))
+            assert durable is not None  # a put overflows only with a durable tier
+            durable.write([
+                BlockWrite(k, par,
+                           job.kv[p].detach().to("cpu").contiguous().reshape(-1).view(torch.uint8))
                 for k, par, p in zip(job.keys, job.parents, job.positions, strict=True)
-            ]
-            disk.write_blocks(items)
+            ])
             ok = True
         except Exception as e:  # DiskError or worse: the blocks are lost, the engine is not
             log.warning("disk tier write failed, %d blocks of a put were dropped: %s",

@@ -3,23 +3,27 @@
 A lower tier holds verified copies of blocks outside the process's memory. The store keeps
 a list of them, fastest first, and asks each in turn for the stretch the ones before it
 lack. Every method below is what the store calls; bad data is never raised: a block that is
-absent, unreachable or damaged is a :class:`ReadStatus`, counted by the tier.
+absent, unreachable or damaged is a :class:`ReadStatus`, counted by the tier. Disk and remote
+tiers serve many namespaces; ``bind(namespace_id)`` gives the view of one that the store keeps.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from kvstore.errors import KeyFormatError, TensorMismatchError
+from kvstore.stats import TierStats
 
 if TYPE_CHECKING:
     import torch
 
 KEY_BYTES = 32
 
-__all__ = ["KEY_BYTES", "LowerTier", "ReadStatus", "as_byte_tensor", "check_key"]
+__all__ = ["KEY_BYTES", "BlockWrite", "Located", "LowerTier", "ReadStatus", "as_byte_tensor",
+           "check_key"]
 
 
 class ReadStatus(enum.Enum):
@@ -30,21 +34,79 @@ class ReadStatus(enum.Enum):
     DAMAGED = "damaged"  # short read, checksum mismatch, undecodable payload or record
 
 
+@dataclass(frozen=True, slots=True)
+class Located:
+    """The leading run of keys a lower tier holds, with what it found for reading them.
+
+    ``handles`` are the tier's own (the disk's index records; nothing for the remote tier),
+    so ``read(locate(keys))`` needs no second index transaction.
+    """
+
+    keys: tuple[bytes, ...]
+    handles: tuple[object, ...] | None = None
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def pick(self, idx: Sequence[int]) -> Located:
+        """The blocks at positions ``idx`` of this run, in that order."""
+        keys = tuple(self.keys[i] for i in idx)
+        if self.handles is None:
+            return Located(keys)
+        return Located(keys, tuple(self.handles[i] for i in idx))
+
+
+@dataclass(frozen=True, slots=True)
+class BlockWrite:
+    """One block for a lower tier: its key, its parent in the chain, its raw bytes."""
+
+    key: bytes
+    parent: bytes | None
+    data: torch.Tensor  # CPU uint8, one block's raw bytes
+
+
 @runtime_checkable
 class LowerTier(Protocol):
-    """A tier below memory. Keys are 32-byte block keys of ``namespace_id``'s key space."""
+    """A tier below memory, bound to one namespace's key space (see docs/architecture.md).
 
-    def leading_run(self, keys: Sequence[bytes], namespace_id: bytes | None = None) -> int:
-        """How many leading ``keys`` the tier holds (one round trip / one transaction)."""
+    ``name`` is the tier's :class:`kvstore.api.Tier` value; ``volatile`` tiers may lose a
+    block between ``locate`` and ``read`` without that being damage (a Redis TTL), and are
+    never the store's durable copy.
+    """
+
+    name: str
+    volatile: bool
+
+    def locate(self, keys: Sequence[bytes]) -> Located:
+        """The leading ``keys`` the tier holds (one transaction / one round trip)."""
         ...
 
-    def read_many(self, keys: Sequence[bytes], dsts: Sequence[torch.Tensor], *,
-                  namespace_id: bytes | None = None) -> list[ReadStatus]:
-        """Read and verify blocks into ``dsts`` (CPU uint8, one block each); a status each."""
+    def read(self, found: Located, dsts: Sequence[torch.Tensor],
+             mirrors: Sequence[torch.Tensor | None] | None = None) -> list[ReadStatus]:
+        """Read and verify ``found``'s blocks into ``dsts`` (CPU uint8, one block each), and
+        into ``mirrors[i]`` too where given; one status each."""
         ...
 
-    def delete_owned(self, keys: Sequence[bytes], namespace_id: bytes) -> list[bytes]:
-        """Remove ``namespace_id``'s blocks of ``keys``; returns the keys that went."""
+    def write(self, items: Sequence[BlockWrite]) -> None:
+        """Store ``items`` (raises :class:`kvstore.errors.KVStoreError` if not done)."""
+        ...
+
+    def delete(self, keys: Sequence[bytes] | None,
+               keep: Callable[[bytes], bool] | None = None) -> list[bytes]:
+        """Remove ``keys`` (``None``: all of the namespace's) except those ``keep`` names;
+        returns the keys that went."""
+        ...
+
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """Mark ``keys`` used now (the tier's eviction order)."""
+        ...
+
+    def evict(self, protect: Callable[[bytes], bool] | None = None) -> int:
+        """Bring the tier within its byte budget, never removing what ``protect`` names;
+        returns how many blocks went."""
+        ...
+
+    def stats(self) -> TierStats:
         ...
 
     def close(self) -> None:

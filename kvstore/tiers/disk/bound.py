@@ -1,0 +1,71 @@
+"""One namespace's view of the disk tier: the :class:`~kvstore.tiers.base.LowerTier` a store
+keeps. The :class:`DiskTier` serves every namespace of a path; this binds the key space."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from kvstore.stats import TierStats
+from kvstore.tiers.base import BlockWrite, Located, ReadStatus, check_key
+from kvstore.tiers.disk.records import DiskWrite
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvstore.tiers.disk.tier import DiskTier
+
+
+class BoundDisk:
+    """``disk``'s blocks of ``namespace_id``: one LMDB read transaction per ``locate``, and
+    ``read`` reads with the records ``locate`` found (no second transaction)."""
+
+    name = "disk"
+    volatile = False
+
+    def __init__(self, disk: DiskTier, namespace_id: bytes) -> None:
+        self.disk = disk
+        self.namespace_id = check_key(namespace_id, "namespace_id")
+
+    def locate(self, keys: Sequence[bytes]) -> Located:
+        recs = self.disk.locate(keys, self.namespace_id)
+        return Located(tuple(keys[: len(recs)]), tuple(recs))
+
+    def read(self, found: Located, dsts: Sequence[torch.Tensor],
+             mirrors: Sequence[torch.Tensor | None] | None = None) -> list[ReadStatus]:
+        recs = found.handles
+        return self.disk.read_many(list(found.keys), dsts, mirrors=mirrors,
+                                   namespace_id=self.namespace_id,
+                                   records=list(recs) if recs is not None else None)
+
+    def write(self, items: Sequence[BlockWrite]) -> None:
+        ns = self.namespace_id
+        self.disk.write_blocks([DiskWrite(w.key, w.parent, ns, w.data) for w in items])
+
+    def delete(self, keys: Sequence[bytes] | None,
+               keep: Callable[[bytes], bool] | None = None) -> list[bytes]:
+        if keys is None:
+            keys = [r.key for r in self.disk.records(self.namespace_id)]
+        if keep is not None:
+            keys = [k for k in keys if not keep(k)]
+        if not keys:
+            return []
+        return self.disk.delete_owned(keys, self.namespace_id)
+
+    def touch(self, keys: Sequence[bytes]) -> None:
+        self.disk.touch(keys, self.namespace_id)
+
+    def evict(self, protect: Callable[[bytes], bool] | None = None) -> int:
+        return len(self.disk.evict_to_budget(protect=protect))
+
+    def stats(self) -> TierStats:
+        d = self.disk.stats()
+        return TierStats(name=self.name, device=str(self.disk.path),
+                         capacity_bytes=d.capacity_bytes, used_bytes=d.stored_bytes,
+                         blocks=d.blocks, evictions=d.evictions)
+
+    def close(self) -> None:
+        self.disk.close()
+
+    def __repr__(self) -> str:
+        return f"BoundDisk({self.disk!r}, namespace {self.namespace_id.hex()[:16]})"
