@@ -543,6 +543,8 @@ def test_tls_passed_through(make_tier, tmp_path):
         assert all(torch.equal(a.data, b) for a, b in zip(items, out, strict=True))
         # without the CA the certificate does not verify: a miss, not an exception
         plain = make_tier(f"rediss://127.0.0.1:{p.port}/0")
-        assert plain.leading_run(k) == 0 and plain.stats().errors == 1
+        # a refused handshake; on a loaded machine it may outlast the budget instead
+        assert plain.leading_run(k) == 0
+        assert plain.stats().errors + plain.stats().timeouts == 1
     finally:
         p.cleanup()
