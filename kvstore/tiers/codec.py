@@ -21,9 +21,11 @@ exponent) first, then every low byte — the layout zstd compresses best.
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING
 
-import numpy as np
-import zstandard
+if TYPE_CHECKING:  # imported where a block is (de)compressed: listing a store needs neither
+    import numpy as np
+    import zstandard
 
 CODEC_NONE = 0
 CODEC_ZSTD = 1
@@ -54,6 +56,7 @@ class CodecError(ValueError):
 
 def shuffle(raw: np.ndarray, width: int) -> np.ndarray:
     """Byte-shuffle ``raw`` (1-D uint8, length a multiple of ``width``), MSB plane first."""
+    import numpy as np
     if width == 1:
         return raw
     return np.ascontiguousarray(raw.reshape(-1, width)[:, ::-1].T).reshape(-1)
@@ -61,6 +64,7 @@ def shuffle(raw: np.ndarray, width: int) -> np.ndarray:
 
 def unshuffle_into(shuffled: np.ndarray, dst: np.ndarray, width: int) -> None:
     """Inverse of :func:`shuffle`, written into ``dst`` (1-D uint8 of the same length)."""
+    import numpy as np
     if width == 1:
         np.copyto(dst, shuffled)
         return
@@ -71,6 +75,8 @@ _local = threading.local()
 
 
 def _cctx(level: int) -> zstandard.ZstdCompressor:
+    import zstandard
+
     cache = getattr(_local, "cctx", None)
     if cache is None:
         cache = _local.cctx = {}
@@ -81,6 +87,8 @@ def _cctx(level: int) -> zstandard.ZstdCompressor:
 
 
 def _dctx() -> zstandard.ZstdDecompressor:
+    import zstandard
+
     d = getattr(_local, "dctx", None)
     if d is None:
         d = _local.dctx = zstandard.ZstdDecompressor()
@@ -90,6 +98,7 @@ def _dctx() -> zstandard.ZstdDecompressor:
 def compress(raw: memoryview | np.ndarray, itemsize: int, level: int = 3) -> tuple[int, bytes | None]:
     """Compress one block. Returns ``(codec_id, payload)``; ``(CODEC_NONE, None)`` when
     compression would not save at least 1/64 of the bytes (store it raw then)."""
+    import numpy as np
     arr = np.frombuffer(raw, dtype=np.uint8) if not isinstance(raw, np.ndarray) else raw
     width = itemsize if itemsize in (2, 4, 8) and arr.size % itemsize == 0 else 1
     payload = _cctx(level).compress(shuffle(arr, width))
@@ -100,6 +109,8 @@ def compress(raw: memoryview | np.ndarray, itemsize: int, level: int = 3) -> tup
 
 def decompress_into(codec_id: int, payload: bytes | bytearray | memoryview, dst: np.ndarray) -> None:
     """Decode ``payload`` into ``dst`` (1-D uint8, exactly the raw size). Raises CodecError."""
+    import numpy as np
+    import zstandard
     if codec_id == CODEC_NONE:
         if len(payload) != dst.size:
             raise CodecError(f"raw payload has {len(payload)} bytes, expected {dst.size}")
