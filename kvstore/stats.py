@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
 class TierStats:
     """One tier at the moment of the snapshot."""
 
-    name: str  # "hot", "warm" or "disk"
+    name: str  # "hot", "warm", "disk" or "remote"
     device: str
     capacity_bytes: int
     used_bytes: int
@@ -17,6 +17,8 @@ class TierStats:
     evictions: int
     demotions_in: int = 0
     promotions_in: int = 0
+    hits: int = 0  # blocks a fetch or lease was served from this tier
+    hit_bytes: int = 0  # their raw bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,3 +73,4 @@ class Counters:
     damaged: int = 0
     dirty_dropped: int = 0
     disk_write_dropped: int = 0
+    served: dict[str, int] = field(default_factory=dict)  # tier name -> blocks served from it

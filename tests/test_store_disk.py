@@ -308,3 +308,23 @@ def test_a_disk_fetch_opens_one_index_transaction(tmp_path, monkeypatch):
         monkeypatch.setattr(disk_env.SharedEnv, "read", real)
         assert got.shape[0] == 8 and same(got, kv_for(keys))
         assert len(calls) == 1, f"{len(calls)} read transactions for one fetch"
+
+
+def test_stats_attribute_each_served_block_to_its_tier(tmp_path):
+    """hits per tier: a hit rate has a denominator per tier (hot, warm, disk)."""
+    with opened(tmp_path) as s:
+        keys = s.block_keys(list(range(24)))
+        s.put(keys, kv_for(keys)).wait()
+    with opened(tmp_path, warm=8, hot=8) as s:
+        keys = s.block_keys(list(range(24)))
+        got = s.fetch(keys).wait()  # 6 blocks, all from disk; promoted into warm and hot
+        assert same(got, kv_for(keys))
+        st = s.stats()
+        assert (st.tier("disk").hits, st.tier("warm").hits, st.tier("hot").hits) == (6, 0, 0)
+        assert st.tier("disk").hit_bytes == 6 * BN
+        s.flush()
+        assert s.fetch(keys[:3]).wait().shape[0] == 3  # now held in memory (hot first)
+        st = s.stats()
+        assert st.tier("disk").hits == 6
+        assert st.tier("hot").hits + st.tier("warm").hits == 3
+        assert sum(t.hits for t in st.tiers) == st.fetched_blocks == 9

@@ -40,6 +40,10 @@ class _StoreCollector(Collector):
         blocks = GaugeMetricFamily("kvstore_tier_blocks", "Blocks held by a tier", labels=tier_labels)
         evict = CounterMetricFamily("kvstore_tier_evictions", "Blocks evicted from a tier",
                                     labels=tier_labels)
+        hits = CounterMetricFamily("kvstore_hits", "Blocks served from a tier (fetch or lease)",
+                                   labels=tier_labels)
+        hit_bytes = CounterMetricFamily("kvstore_hit_bytes", "Bytes served from a tier",
+                                        labels=tier_labels)
         counters = {
             name: CounterMetricFamily(f"kvstore_store_{name}", help_, labels=labels)
             for name, help_ in (
@@ -64,10 +68,12 @@ class _StoreCollector(Collector):
                 cap.add_metric(lv, t.capacity_bytes)
                 blocks.add_metric(lv, t.blocks)
                 evict.add_metric(lv, t.evictions)
+                hits.add_metric(lv, t.hits)
+                hit_bytes.add_metric(lv, t.hit_bytes)
             for name, fam in counters.items():
                 fam.add_metric([ns, model], getattr(st, name))
             pinned.add_metric([ns, model], st.pinned_blocks)
-        yield from (used, cap, blocks, evict, pinned, *counters.values())
+        yield from (used, cap, blocks, evict, hits, hit_bytes, pinned, *counters.values())
 
 
 class DaemonMetrics:

@@ -5,6 +5,7 @@ it (residency, fetch, put, paged, write_back, zero_copy) over one
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
@@ -236,6 +237,9 @@ class Store:
                 for t in (st.hot, st.warm) if t is not None
             ]
             tiers += [t.stats() for t in st.lower]
+            bn = self.layout.block_nbytes
+            tiers = [replace(t, hits=c.served.get(t.name, 0), hit_bytes=c.served.get(t.name, 0) * bn)
+                     for t in tiers]
             return StoreStats(
                 lookups=c.lookups, hits=c.hits, misses=c.misses, fetches=c.fetches,
                 fetched_blocks=c.fetched_blocks, fetch_short=c.fetch_short, puts=c.puts,

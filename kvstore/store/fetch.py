@@ -279,6 +279,19 @@ class Fetcher:
         ev.record(stream)
         return [ev]
 
+    def count_served(self, plan: FetchPlan, n: int) -> None:
+        """Attribute the first ``n`` blocks of ``plan`` to the tier each was served from
+        (``st.lock`` held): the per-tier hits of ``stats()``."""
+        served = self.st.counters.served
+        for name, items in (("hot", plan.hot), ("warm", plan.warm)):
+            got = sum(1 for p, _ in items if p < n)
+            if got:
+                served[name] = served.get(name, 0) + got
+        for p, _ in plan.lower:
+            if p < n:
+                name = self.st.lower[plan.tier_of(p)].name
+                served[name] = served.get(name, 0) + 1
+
     def release_plan(self, plan: FetchPlan, *, ok: bool) -> None:
         hot, warm, cat = self.st.hot, self.st.warm, self.st.catalog
         if self.st.closed:
@@ -412,6 +425,8 @@ class FetchJob:
             c.fetches += 1
             c.fetched_blocks += plan.valid if ok else 0
             c.fetch_short += self.asked - (plan.valid if ok else 0)
+            if ok:
+                self.fetcher.count_served(plan, plan.valid)
         if not ok:
             t.set_error(error or RuntimeError("fetch failed"))
         else:

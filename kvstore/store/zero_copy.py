@@ -53,7 +53,8 @@ class ZeroCopyPlane:
         ks = self.st.keys(keys)
         if self.st.warm is None:
             raise ConfigError("leases need a warm tier (cpu_capacity > 0)")
-        self.fetcher.fetch_keys(ks, self.st.chain_parent(keys), None, want_result=False).wait()
+        t, plan, _ = self.fetcher.submit(ks, self.st.chain_parent(keys), None, want_result=False)
+        t.wait()
         with self.st.lock:
             self.st.check_open()
             warm, cat = self.st.warm, self.st.catalog
@@ -70,6 +71,7 @@ class ZeroCopyPlane:
             c.fetches += 1
             c.fetched_blocks += len(got)
             c.fetch_short += len(ks) - len(got)
+            self.fetcher.count_served(plan, len(got))
             return got, slots
 
     def release_lease(self, keys: Sequence[bytes]) -> None:
