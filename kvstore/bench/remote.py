@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -67,25 +68,41 @@ def _pipe(client, cmds):
     return p.execute()
 
 
+@dataclass
+class _Setup:
+    """What every measurement of the section shares."""
+
+    opts: BenchOptions
+    url: str
+    raw: object  # a plain redis.Redis on the same server: the peer
+    blocks: torch.Tensor
+    nb: int
+    ns: bytes = field(default_factory=lambda: os.urandom(32))
+
+    @property
+    def n(self) -> int:
+        return self.blocks.shape[0]
+
+    @property
+    def total(self) -> int:
+        return self.n * self.nb
+
+    @property
+    def reps(self) -> int:
+        return 2 if self.opts.quick else 4
+
+
 def run(opts: BenchOptions) -> list[BenchRow]:
     try:
         import redis  # noqa: F401
     except ImportError:
         return []
     from kvstore.bench.procs import RedisProcess, redis_server_path
-    from kvstore.tiers.remote import ReadStatus, RemoteConfig, RemoteTier, RemoteWrite
 
     if redis_server_path() is None:
         return []
     layout = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16,
                       block_tokens=16)
-    nb = layout.block_nbytes
-    n = 16 if opts.quick else 64
-    total = n * nb
-    reps = 2 if opts.quick else 4
-    ns = os.urandom(32)
-    blocks = model_like_kv(layout, n)
-    rows: list[BenchRow] = []
     server = RedisProcess(workdir=None, args=["--maxmemory", "4gb",
                                               "--maxmemory-policy", "allkeys-lru"])
     try:
@@ -94,98 +111,133 @@ def run(opts: BenchOptions) -> list[BenchRow]:
         server.cleanup()
         return []
     try:
-        raw = _raw_client(server.port)
-        dsts = torch.empty((n, nb), dtype=torch.uint8)
-        dst_list = list(dsts)
+        n = 16 if opts.quick else 64
+        su = _Setup(opts, server.url, _raw_client(server.port), model_like_kv(layout, n),
+                    layout.block_nbytes)
+        rows: list[BenchRow] = []
         stored: dict[str, list[bytes]] = {}
+        raw_get_plain = 0.0
         for codec in ("none", "zstd"):
-            cfg = RemoteConfig(server.url, codec=codec, budget_s=5.0, write_budget_s=30.0,
-                               key_prefix=f"bench-{codec}:")
-            with RemoteTier(cfg) as t:
-                keys = [os.urandom(32) for _ in range(n)]
-                items = [RemoteWrite(k, ns, blocks[i], 2) for i, k in enumerate(keys)]
-                rkeys = [t.redis_key(k) for k in keys]
-                # -- write: ours vs raw pipelined SET of the very values we stored ----------
-                best_w = best_rw = float("inf")
-                for _ in range(reps):
-                    t0 = time.perf_counter()
-                    assert t.write_blocks(items) == n
-                    best_w = min(best_w, time.perf_counter() - t0)
-                values = raw.mget(rkeys)
-                stored[codec] = values
-                ref_keys = [b"bench-raw:" + rk for rk in rkeys]
-                for _ in range(reps):
-                    t0 = time.perf_counter()
-                    _pipe(raw, [("SET", rk, v) for rk, v in zip(ref_keys, values, strict=True)])
-                    best_rw = min(best_rw, time.perf_counter() - t0)
-                rows.append(throughput_row(
-                    SECTION, f"write_blocks codec={codec}", total, best_w,
-                    "raw pipelined SET (same values)", best_rw,
-                    note=(f"{n} x {nb // _MiB} MiB bf16 blocks; GB/s of raw block bytes; ours "
-                          "also hashes (xxh3) and copies each block behind its header"
-                          + ("; includes zstd+shuffle compression" if codec == "zstd" else ""))))
-                # -- read: ours vs raw pipelined GET of the same stored values -------------
-                best_r = best_rr = float("inf")
-                for _ in range(reps):
-                    t0 = time.perf_counter()
-                    st = t.read_many(keys, dst_list, namespace_id=ns)
-                    best_r = min(best_r, time.perf_counter() - t0)
-                    assert st == [ReadStatus.OK] * n
-                    t0 = time.perf_counter()
-                    got = _pipe(raw, [("GET", rk) for rk in rkeys])
-                    best_rr = min(best_rr, time.perf_counter() - t0)
-                    del got
-                assert torch.equal(dsts, blocks)
-                if codec == "none":
-                    rows.append(throughput_row(
-                        SECTION, "read_many codec=none", total, best_r,
-                        "raw pipelined GET (same values)", best_rr, goal=0.8,
-                        note="ours also checks the header, copies into the destination and "
-                             "verifies xxh3"))
-                    raw_get_plain = best_rr
-                else:
-                    sbytes = sum(len(v) for v in values)
-                    rows.append(throughput_row(
-                        SECTION, "read_many codec=zstd (stored bytes)", sbytes, best_r,
-                        "raw pipelined GET (same values)", best_rr,
-                        note="ours also decompresses, unshuffles and verifies"))
-                    rows.append(throughput_row(
-                        SECTION, "read_many codec=zstd (raw bytes)", total, best_r,
-                        "raw GET of uncompressed values", raw_get_plain,
-                        note="loopback: the network is not the bottleneck here, so zstd "
-                             "costs; across a real network it saves 1 - 1/ratio of the bytes"))
-                # -- lookup: one round trip for 64 keys vs raw pipelined EXISTS ------------
-                if codec == "none":
-                    chain = (keys * (64 // n + 1))[:64]
-                    rchain = [t.redis_key(k) for k in chain]
-                    t.leading_run(chain)
-                    best_l = best_rl = float("inf")
-                    for _ in range(50 if opts.quick else 200):
-                        t0 = time.perf_counter()
-                        t.leading_run(chain)
-                        best_l = min(best_l, time.perf_counter() - t0)
-                        t0 = time.perf_counter()
-                        _pipe(raw, [("EXISTS", rk) for rk in rchain])
-                        best_rl = min(best_rl, time.perf_counter() - t0)
-                    rows.append(time_row(
-                        SECTION, "leading_run (64 keys, 1 round trip)", best_l,
-                        "raw pipelined EXISTS", best_rl, unit="us",
-                        note="best of many; ours adds the worker-thread hand-off that bounds "
-                             "the wait by the budget"))
-        # -- compression ratio on model-like bf16 KV ----------------------------------------
-        stored_z = sum(len(v) for v in stored["zstd"])
-        ratio = total / stored_z
-        import zstandard
-
-        level = RemoteConfig(server.url).zstd_level
-        cctx = zstandard.ZstdCompressor(level=level)
-        plain = sum(len(cctx.compress(blocks[i].numpy().tobytes())) + 96 for i in range(n))
-        rows.append(BenchRow(
-            SECTION, "compression ratio, zstd+shuffle2 (model-like bf16 KV)", ratio, "x",
-            "plain zstd (no shuffle)", total / plain, ratio / (total / plain),
-            note="Llama-3-8B geometry; per-channel log-normal scales, K offsets and outlier "
-                 f"channels; zstd level {level}; 96-byte header included"))
-        raw.close()
+            rows_c, stored[codec], raw_get = _codec_rows(su, codec, raw_get_plain)
+            raw_get_plain = raw_get_plain or raw_get
+            rows += rows_c
+        rows.append(_compression_row(su, stored["zstd"]))
+        su.raw.close()
     finally:
         server.cleanup()
     return rows
+
+
+def _codec_rows(su: _Setup, codec: str,
+                raw_get_plain: float) -> tuple[list[BenchRow], list[bytes], float]:
+    """write, read (and for codec none the lookup) rows of one codec; the stored values and
+    the raw GET time of this codec's values."""
+    from kvstore.tiers.remote import RemoteConfig, RemoteTier, RemoteWrite
+
+    cfg = RemoteConfig(su.url, codec=codec, budget_s=5.0, write_budget_s=30.0,
+                       key_prefix=f"bench-{codec}:")
+    with RemoteTier(cfg) as t:
+        keys = [os.urandom(32) for _ in range(su.n)]
+        items = [RemoteWrite(k, su.ns, su.blocks[i], 2) for i, k in enumerate(keys)]
+        rkeys = [t.redis_key(k) for k in keys]
+        rows = [_write_row(su, t, codec, items, rkeys)]
+        values = su.raw.mget(rkeys)
+        read_rows, best_rr = _read_rows(su, t, codec, keys, rkeys, values, raw_get_plain)
+        rows += read_rows
+        if codec == "none":
+            rows.append(_lookup_row(su, t, keys))
+    return rows, values, best_rr
+
+
+def _write_row(su: _Setup, t, codec: str, items: list, rkeys: list[bytes]) -> BenchRow:
+    """Ours vs a raw pipelined SET of the very values we stored."""
+    best_w = best_rw = float("inf")
+    for _ in range(su.reps):
+        t0 = time.perf_counter()
+        assert t.write_blocks(items) == su.n
+        best_w = min(best_w, time.perf_counter() - t0)
+    values = su.raw.mget(rkeys)
+    ref_keys = [b"bench-raw:" + rk for rk in rkeys]
+    for _ in range(su.reps):
+        t0 = time.perf_counter()
+        _pipe(su.raw, [("SET", rk, v) for rk, v in zip(ref_keys, values, strict=True)])
+        best_rw = min(best_rw, time.perf_counter() - t0)
+    return throughput_row(
+        SECTION, f"write_blocks codec={codec}", su.total, best_w,
+        "raw pipelined SET (same values)", best_rw,
+        note=(f"{su.n} x {su.nb // _MiB} MiB bf16 blocks; GB/s of raw block bytes; ours "
+              "also hashes (xxh3) and copies each block behind its header"
+              + ("; includes zstd+shuffle compression" if codec == "zstd" else "")))
+
+
+def _read_rows(su: _Setup, t, codec: str, keys: list[bytes], rkeys: list[bytes],
+               values: list[bytes], raw_get_plain: float) -> tuple[list[BenchRow], float]:
+    """Ours vs a raw pipelined GET of the same stored values, interleaved."""
+    from kvstore.tiers.remote import ReadStatus
+
+    dsts = torch.empty((su.n, su.nb), dtype=torch.uint8)
+    dst_list = list(dsts)
+    best_r = best_rr = float("inf")
+    for _ in range(su.reps):
+        t0 = time.perf_counter()
+        st = t.read_many(keys, dst_list, namespace_id=su.ns)
+        best_r = min(best_r, time.perf_counter() - t0)
+        assert st == [ReadStatus.OK] * su.n
+        t0 = time.perf_counter()
+        got = _pipe(su.raw, [("GET", rk) for rk in rkeys])
+        best_rr = min(best_rr, time.perf_counter() - t0)
+        del got
+    assert torch.equal(dsts, su.blocks)
+    if codec == "none":
+        return [throughput_row(
+            SECTION, "read_many codec=none", su.total, best_r,
+            "raw pipelined GET (same values)", best_rr, goal=0.8,
+            note="ours also checks the header, copies into the destination and verifies "
+                 "xxh3")], best_rr
+    sbytes = sum(len(v) for v in values)
+    return [
+        throughput_row(SECTION, "read_many codec=zstd (stored bytes)", sbytes, best_r,
+                       "raw pipelined GET (same values)", best_rr,
+                       note="ours also decompresses, unshuffles and verifies"),
+        throughput_row(SECTION, "read_many codec=zstd (raw bytes)", su.total, best_r,
+                       "raw GET of uncompressed values", raw_get_plain,
+                       note="loopback: the network is not the bottleneck here, so zstd "
+                            "costs; across a real network it saves 1 - 1/ratio of the bytes"),
+    ], best_rr
+
+
+def _lookup_row(su: _Setup, t, keys: list[bytes]) -> BenchRow:
+    """One round trip for 64 keys vs a raw pipelined EXISTS."""
+    chain = (keys * (64 // su.n + 1))[:64]
+    rchain = [t.redis_key(k) for k in chain]
+    t.leading_run(chain)
+    best_l = best_rl = float("inf")
+    for _ in range(50 if su.opts.quick else 200):
+        t0 = time.perf_counter()
+        t.leading_run(chain)
+        best_l = min(best_l, time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        _pipe(su.raw, [("EXISTS", rk) for rk in rchain])
+        best_rl = min(best_rl, time.perf_counter() - t0)
+    return time_row(
+        SECTION, "leading_run (64 keys, 1 round trip)", best_l,
+        "raw pipelined EXISTS", best_rl, unit="us",
+        note="best of many; ours adds the worker-thread hand-off that bounds the wait by the "
+             "budget")
+
+
+def _compression_row(su: _Setup, stored_z: list[bytes]) -> BenchRow:
+    """zstd+shuffle vs plain zstd on model-like bf16 KV."""
+    import zstandard
+
+    from kvstore.tiers.remote import RemoteConfig
+
+    ratio = su.total / sum(len(v) for v in stored_z)
+    level = RemoteConfig(su.url).zstd_level
+    cctx = zstandard.ZstdCompressor(level=level)
+    plain = sum(len(cctx.compress(su.blocks[i].numpy().tobytes())) + 96 for i in range(su.n))
+    return BenchRow(
+        SECTION, "compression ratio, zstd+shuffle2 (model-like bf16 KV)", ratio, "x",
+        "plain zstd (no shuffle)", su.total / plain, ratio / (su.total / plain),
+        note="Llama-3-8B geometry; per-channel log-normal scales, K offsets and outlier "
+             f"channels; zstd level {level}; 96-byte header included")
