@@ -431,7 +431,7 @@ def test_disk_check_fix_keeps_intact_blocks_of_a_damaged_header(tmp_path):
 def test_repair_judges_each_item_again(tmp_path):
     # the plan says "unreachable", but the missing parent is written again before the fix
     # runs: its subtree is reachable again and stays
-    from kvstore.admin.maintenance import repair
+    from kvstore.admin.repairing import repair
 
     p = tmp_path / "store"
     keys = _old_chain(p, 6)

@@ -13,7 +13,9 @@ from kvstore.admin.common import (
     format_age,
     to_jsonable,
 )
+from kvstore.admin.compaction import CompactReport, compact
 from kvstore.admin.filters import FilterError, parse_filter, parse_sort
+from kvstore.admin.findings import FindingEntry
 from kvstore.admin.inventory import (
     BlockEntry,
     Fragmentation,
@@ -36,25 +38,19 @@ from kvstore.admin.live import (
     DaemonUnavailableError,
     daemon_stats,
 )
-from kvstore.admin.maintenance import (
-    CompactReport,
-    FindingEntry,
+from kvstore.admin.pruning import PruneResult, prune
+from kvstore.admin.removal import (
     NamespaceTarget,
-    PruneResult,
     RemovalPlan,
     RemovalResult,
-    RepairPlan,
     TargetError,
-    VerifyResult,
-    compact,
     execute_removal,
     plan_removal,
     preview_removal,
-    prune,
     remove,
-    repair,
-    verify,
 )
+from kvstore.admin.repairing import RepairPlan, repair
+from kvstore.admin.verification import VerifyResult, verify
 
 __all__ = [
     "AdminError",

@@ -19,7 +19,7 @@ from kvstore.admin.common import AdminError
 
 if TYPE_CHECKING:
     from kvstore.stats import StoreStats
-    from kvstore.wire.messages import ServerStats
+    from kvstore.wire.stats import ServerStats
 
 __all__ = [
     "DaemonNamespaceStats",

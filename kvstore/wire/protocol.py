@@ -13,7 +13,8 @@ from collections.abc import Mapping
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.layout import KVLayout, dtype_from_name, dtype_name
 from kvstore.namespace import Namespace
-from kvstore.wire.messages import BadRequest, ErrorCode, Hello
+from kvstore.wire.errors import BadRequest, ErrorCode
+from kvstore.wire.handshake import Hello
 
 #: bumped on any incompatible change of frames, messages or their meaning
 PROTOCOL_VERSION = 1

@@ -1,19 +1,6 @@
-"""``kvstore.connect``: the embedded store's API, served by a ``kvstore serve`` daemon.
-
-The control plane is the daemon's Unix socket (:mod:`kvstore.wire`, served by :mod:`kvstore.daemon`); the data plane is
-the namespace's warm tier, a shared-memory slab this process maps. A fetch leases the
-blocks' slots, copies them into the caller's tensor (on its device; the mapping is
-registered as pinned memory where CUDA exists, so those copies are DMA) and releases the
-lease without waiting; a put asks for slots, writes them, then commits. Keys are computed
-here, with the daemon's namespace id.
-
-If the daemon is down, or goes away, nothing raises into the engine: lookups and fetches
-miss, puts are dropped, a warning is logged once, and the client reconnects (with backoff)
-when the daemon is back. Only configuration errors raise: a daemon that refuses this uid,
-speaks another protocol version or cannot serve the namespace; and ``flush``, the durability
-barrier, when it cannot vouch for puts made since the last flush (the daemon restarted
-without a clean stop, or none answers).
-"""
+"""The :class:`Client`: the embedded store's API, over a ``kvstore serve`` daemon (see
+:mod:`kvstore.client`). Round trips go through its :class:`~kvstore.client.link.Link`; the
+KV bytes are copied through the session's mapping of the namespace's warm slab."""
 
 from __future__ import annotations
 
@@ -27,11 +14,9 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from kvstore.api import PinReceipt
-from kvstore.errors import (
-    NamespaceMismatchError,
-    PutsLostError,
-    StoreClosedError,
-)
+from kvstore.client.link import CLOSED_MESSAGE, Link
+from kvstore.client.session import Session, open_session
+from kvstore.errors import NamespaceMismatchError, PutsLostError, StoreClosedError
 from kvstore.kernels import gather_pages, scatter_pages
 from kvstore.keys import KEY_BYTES, BlockKey, KeyChain, check_key, join_keys
 from kvstore.keys import block_keys as _block_keys
@@ -40,76 +25,18 @@ from kvstore.namespace import Namespace
 from kvstore.paged import page_index, paged_geometry
 from kvstore.stats import StoreStats
 from kvstore.store.config import resolve_device
-from kvstore.tiers.key_directory import KeyDirectory
-from kvstore.tiers.slab import (
-    directory_path,
-    map_shared,
-    paired_runs,
-    register_pinned,
-    runs,
-    unregister_pinned,
-)
+from kvstore.tiers.slab import paired_runs, runs
 from kvstore.transfer import Transfer
 from kvstore.validate import check_kv, check_out
 from kvstore.wire import messages as m
-from kvstore.wire.channel import Channel, ChannelClosed
-from kvstore.wire.messages import PermissionDeniedError, ProtocolVersionError, ServerError
-from kvstore.wire.protocol import PROTOCOL_VERSION, derive_namespace, make_hello
+from kvstore.wire.channel import ChannelClosed
+from kvstore.wire.protocol import derive_namespace, make_hello
+
+__all__ = ["Client", "connect"]
 
 log = logging.getLogger("kvstore.client")
 
 _TIERS = (None, "hot", "warm", "disk")
-#: raised at connect (and logged, not raised, on a later reconnect): the setup is wrong
-_CONFIG_ERRORS = (ProtocolVersionError, PermissionDeniedError)
-#: error replies that are the daemon's trouble, not the caller's: a miss and a warning
-_SOFT_CODES = frozenset({m.ErrorCode.LIMIT, m.ErrorCode.SHUTTING_DOWN, m.ErrorCode.INTERNAL,
-                         m.ErrorCode.UNKNOWN_ID, m.ErrorCode.FRAME_TOO_LARGE})
-_WARN_EVERY = 10.0  # seconds between two warnings about the same error code
-
-
-class _Session:
-    """One live connection and the mapping of its namespace's slab.
-
-    Copies into or out of slots this connection holds (leases, granted puts) run inside
-    :meth:`copying`; the socket is closed only when none is in flight, because the daemon
-    frees a connection's slots as soon as it sees the connection go.
-    """
-
-    __slots__ = ("channel", "hello", "slab", "pinned", "directory", "instance", "_active", "_idle")
-
-    def __init__(self, channel: Channel, hello: m.HelloReply, slab: torch.Tensor,
-                 pinned: bool, directory: KeyDirectory | None = None) -> None:
-        self.channel = channel
-        self.hello = hello
-        self.slab = slab  # [slots, block_nbytes] uint8, shared with the daemon
-        self.pinned = pinned
-        self.directory = directory  # the warm tier's key -> slot table, read-only
-        # which daemon run this is (an older daemon does not say: its pid has to do)
-        self.instance = hello.instance or hello.server.encode()
-        self._active = 0
-        self._idle = threading.Condition()
-
-    @contextlib.contextmanager
-    def copying(self):
-        with self._idle:
-            self._active += 1
-        try:
-            yield
-        finally:
-            with self._idle:
-                self._active -= 1
-                if not self._active:
-                    self._idle.notify_all()
-
-    def close(self) -> None:
-        with self._idle:
-            self._idle.wait_for(lambda: not self._active, timeout=60)
-        self.channel.close()
-        if self.directory is not None:
-            self.directory.close()
-        if self.pinned:
-            with contextlib.suppress(Exception):  # best effort
-                unregister_pinned(self.slab)
 
 
 class Client:
@@ -142,14 +69,7 @@ class Client:
         # what the daemon will derive; its hello reply has the final word
         self.namespace: Namespace = derive_namespace(self._hello, os.getuid())
         self.namespace_id: bytes = self.namespace.id
-        self._closed = False
-        self._session: _Session | None = None
-        self._lock = threading.Lock()  # connecting / swapping the session
-        self._backoff_min, self._backoff_max = backoff
-        self._backoff = self._backoff_min
-        self._next_attempt = 0.0
-        self._down = False
-        self._warned: dict[int, float] = {}
+        self._link = Link(self.socket_path, self._open, backoff)
         self._report_lock = threading.Lock()
         self._unreported = [0, 0, 0]  # lookups, hits, misses answered from the key directory
         self._reported_at = 0.0
@@ -159,133 +79,38 @@ class Client:
         self._unflushed: dict[bytes, int] = {}
 
     # -- connection ------------------------------------------------------------------------------
-    def _open(self) -> _Session:
-        ch = Channel.connect(self.socket_path, self.timeout)
-        try:
-            reply = ch.call(self._hello)
-            assert isinstance(reply, m.HelloReply)
-            if reply.version != PROTOCOL_VERSION:
-                raise ProtocolVersionError(m.ErrorCode.VERSION_MISMATCH,
-                                           f"daemon answered with protocol {reply.version}")
-            if reply.block_nbytes != self.layout.block_nbytes:
-                raise ServerError(m.ErrorCode.CONFIG, "daemon disagrees on the block size")
-            ch.max_frame = reply.max_frame
-            nbytes = reply.slots * reply.block_nbytes
-            mapping = map_shared(reply.shm_path, nbytes, create=False)
-            slab = torch.frombuffer(mapping, dtype=torch.uint8).view(reply.slots, reply.block_nbytes)
-            del mapping  # the tensor keeps the mapping alive for as long as it is used
-            pinned = False
-            if self.device.type == "cuda":
-                try:
-                    register_pinned(slab)
-                    pinned = True
-                except OSError as e:
-                    log.warning("could not register the shared slab as pinned memory (%s); "
-                                "copies to the GPU will be staged", e)
-            directory = None
-            try:
-                directory = KeyDirectory.open_readonly(directory_path(reply.shm_path))
-            except (OSError, ValueError) as e:  # an older daemon: every lookup asks it
-                log.info("no key directory next to %s (%s); lookups go to the daemon",
-                         reply.shm_path, e)
-        except BaseException:
-            ch.close()
-            raise
-        if reply.namespace_id != self.namespace_id:
+    def _open(self) -> Session:
+        s = open_session(self.socket_path, self.timeout, self._hello, self.layout, self.device)
+        if s.hello.namespace_id != self.namespace_id:
             log.warning("the daemon derived namespace %s, not %s (its salt policy?); keys "
-                        "computed before now are rejected", reply.namespace_id.hex()[:16],
+                        "computed before now are rejected", s.hello.namespace_id.hex()[:16],
                         self.namespace_id.hex()[:16])
-            self.namespace_id = reply.namespace_id
-        return _Session(ch, reply, slab, pinned, directory)
+            self.namespace_id = s.hello.namespace_id
+        return s
 
     def _connect_first(self) -> None:
         """At ``connect``: configuration errors raise; an absent daemon only warns."""
-        try:
-            with self._lock:
-                self._session = self._open()
-        except _CONFIG_ERRORS:
-            raise
-        except ServerError as e:
-            if e.code in (m.ErrorCode.CONFIG, m.ErrorCode.BAD_REQUEST):
-                raise
-            self._mark_down(e)
-        except (OSError, ChannelClosed) as e:
-            self._mark_down(e)
+        self._link.connect_first()
 
-    def _mark_down(self, e: BaseException) -> None:
-        now = time.monotonic()
-        if not self._down:
-            self._down = True
-            self._backoff = self._backoff_min
-            self._next_attempt = now  # the next call tries again at once, then backs off
-            log.warning("kvstore daemon at %s is unavailable (%s): lookups miss and puts are "
-                        "dropped until it is back; reconnecting with backoff", self.socket_path, e)
-        else:
-            self._next_attempt = now + self._backoff
-            self._backoff = min(self._backoff * 2, self._backoff_max)
+    @property
+    def _session(self) -> Session | None:
+        return self._link.session
 
-    def _get(self) -> _Session | None:
+    @property
+    def _closed(self) -> bool:
+        return self._link.closed
+
+    def _get(self) -> Session | None:
         """The live session, reconnecting if it is time to; ``None`` while the daemon is down."""
-        if self._closed:
-            raise StoreClosedError("this client is closed; connect again with kvstore.connect() "
-                                   "(or use an embedded store from open_store())")
-        s = self._session
-        if s is not None and not s.channel.broken:
-            return s
-        with self._lock:
-            s = self._session
-            if s is not None and not s.channel.broken:
-                return s
-            if s is not None:
-                self._drop(s, ChannelClosed("connection lost"))
-            if time.monotonic() < self._next_attempt:
-                return None
-            try:
-                s = self._session = self._open()
-            except _CONFIG_ERRORS as e:
-                log.error("kvstore daemon at %s refused us: %s", self.socket_path, e)
-                self._mark_down(e)
-                return None
-            except (OSError, ChannelClosed, ServerError) as e:
-                self._mark_down(e)
-                return None
-            if self._down:
-                log.warning("reconnected to the kvstore daemon at %s", self.socket_path)
-                self._down = False
-            return s
+        return self._link.get()
 
-    def _drop(self, s: _Session, e: BaseException) -> None:
-        """Forget a broken session (caller holds ``_lock``)."""
-        s.close()
-        if self._session is s:
-            self._session = None
-        self._mark_down(e)
+    def _lost(self, s: Session, e: BaseException) -> None:
+        self._link.lost(s, e)
 
-    def _lost(self, s: _Session, e: BaseException) -> None:
-        with self._lock:
-            if self._session is s:
-                self._drop(s, e)
-
-    def _request(self, s: _Session, req: m.Request, timeout: float | None | bool = True) -> object | None:
+    def _request(self, s: Session, req: m.Request, timeout: float | None | bool = True) -> object | None:
         """A round trip on ``s``; ``None`` when it could not be answered (a miss for the
         caller). Only errors that are the caller's to fix raise (bad arguments)."""
-        try:
-            return s.channel.call(req, timeout)
-        except ChannelClosed as e:
-            self._lost(s, e)
-            return None
-        except ServerError as e:
-            if e.code == m.ErrorCode.TIMEOUT:
-                raise TimeoutError(e.message) from None
-            if e.code not in _SOFT_CODES:
-                raise
-            now = time.monotonic()
-            if now - self._warned.get(e.code, -_WARN_EVERY) >= _WARN_EVERY:
-                self._warned[e.code] = now
-                log.warning("kvstore daemon: %s failed (%s); answered as a miss", req.OP, e)
-            if s.channel.broken:
-                self._lost(s, e)
-            return None
+        return self._link.request(s, req, timeout)
 
     def _call(self, req: m.Request, timeout: float | None | bool = True) -> object | None:
         """A round trip; ``None`` when the daemon is not there (the caller reports a miss)."""
@@ -304,8 +129,7 @@ class Client:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise StoreClosedError("this client is closed; connect again with kvstore.connect() "
-                                   "(or use an embedded store from open_store())")
+            raise StoreClosedError(CLOSED_MESSAGE)
 
     def _keys(self, keys: Sequence[bytes]) -> tuple[bytes, int, bytes | None]:
         """``keys`` as one ``n * 32``-byte blob, ``n`` and the chain's parent key."""
@@ -631,15 +455,11 @@ class Client:
 
     def close(self) -> None:
         """Close the connection (the daemon gives back whatever it still holds for us)."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            s = self._session
-        if s is not None:
+        if not self._link.mark_closed():
+            return
+        if self._session is not None:
             self._report(0, 0, 0, now=True)
-        with self._lock:
-            s, self._session = self._session, None
+        s = self._link.detach()
         if s is not None:
             s.close()
 

@@ -1,0 +1,154 @@
+"""The client's hold on its daemon: the current :class:`~kvstore.client.session.Session`,
+reopened with backoff when the daemon goes and comes back, and round trips whose failures are
+the daemon's trouble answered as ``None`` (a miss for the caller), with a warning now and
+then, never an exception into the engine."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from kvstore.client.session import Session
+from kvstore.errors import StoreClosedError
+from kvstore.wire import messages as m
+from kvstore.wire.channel import ChannelClosed
+from kvstore.wire.errors import ErrorCode, PermissionDeniedError, ProtocolVersionError, ServerError
+
+__all__ = ["CLOSED_MESSAGE", "Link"]
+
+log = logging.getLogger("kvstore.client")
+
+#: raised at connect (and logged, not raised, on a later reconnect): the setup is wrong
+_CONFIG_ERRORS = (ProtocolVersionError, PermissionDeniedError)
+#: error replies that are the daemon's trouble, not the caller's: a miss and a warning
+_SOFT_CODES = frozenset({ErrorCode.LIMIT, ErrorCode.SHUTTING_DOWN, ErrorCode.INTERNAL,
+                         ErrorCode.UNKNOWN_ID, ErrorCode.FRAME_TOO_LARGE})
+_WARN_EVERY = 10.0  # seconds between two warnings about the same error code
+
+CLOSED_MESSAGE = ("this client is closed; connect again with kvstore.connect() "
+                  "(or use an embedded store from open_store())")
+
+
+class Link:
+    """The session to the daemon at ``socket_path``, opened by ``open_session``; while the
+    daemon is down :meth:`get` answers ``None`` and retries after a backoff that doubles from
+    ``backoff[0]`` up to ``backoff[1]`` seconds."""
+
+    def __init__(self, socket_path: str, open_session: Callable[[], Session],
+                 backoff: tuple[float, float]) -> None:
+        self.socket_path = socket_path
+        self._open = open_session
+        self.closed = False
+        self.session: Session | None = None
+        self._lock = threading.Lock()  # connecting / swapping the session
+        self._backoff_min, self._backoff_max = backoff
+        self._backoff = self._backoff_min
+        self._next_attempt = 0.0
+        self._down = False
+        self._warned: dict[int, float] = {}
+
+    def connect_first(self) -> None:
+        """At ``connect``: configuration errors raise; an absent daemon only warns."""
+        try:
+            with self._lock:
+                self.session = self._open()
+        except _CONFIG_ERRORS:
+            raise
+        except ServerError as e:
+            if e.code in (ErrorCode.CONFIG, ErrorCode.BAD_REQUEST):
+                raise
+            self._mark_down(e)
+        except (OSError, ChannelClosed) as e:
+            self._mark_down(e)
+
+    def _mark_down(self, e: BaseException) -> None:
+        now = time.monotonic()
+        if not self._down:
+            self._down = True
+            self._backoff = self._backoff_min
+            self._next_attempt = now  # the next call tries again at once, then backs off
+            log.warning("kvstore daemon at %s is unavailable (%s): lookups miss and puts are "
+                        "dropped until it is back; reconnecting with backoff", self.socket_path, e)
+        else:
+            self._next_attempt = now + self._backoff
+            self._backoff = min(self._backoff * 2, self._backoff_max)
+
+    def get(self) -> Session | None:
+        """The live session, reconnecting if it is time to; ``None`` while the daemon is down."""
+        if self.closed:
+            raise StoreClosedError(CLOSED_MESSAGE)
+        s = self.session
+        if s is not None and not s.channel.broken:
+            return s
+        with self._lock:
+            s = self.session
+            if s is not None and not s.channel.broken:
+                return s
+            if s is not None:
+                self._drop(s, ChannelClosed("connection lost"))
+            if time.monotonic() < self._next_attempt:
+                return None
+            try:
+                s = self.session = self._open()
+            except _CONFIG_ERRORS as e:
+                log.error("kvstore daemon at %s refused us: %s", self.socket_path, e)
+                self._mark_down(e)
+                return None
+            except (OSError, ChannelClosed, ServerError) as e:
+                self._mark_down(e)
+                return None
+            if self._down:
+                log.warning("reconnected to the kvstore daemon at %s", self.socket_path)
+                self._down = False
+            return s
+
+    def _drop(self, s: Session, e: BaseException) -> None:
+        """Forget a broken session (caller holds ``_lock``)."""
+        s.close()
+        if self.session is s:
+            self.session = None
+        self._mark_down(e)
+
+    def lost(self, s: Session, e: BaseException) -> None:
+        """``s`` broke (``e``): forget it, unless it was replaced meanwhile."""
+        with self._lock:
+            if self.session is s:
+                self._drop(s, e)
+
+    def request(self, s: Session, req: m.Request,
+                timeout: float | None | bool = True) -> object | None:
+        """A round trip on ``s``; ``None`` when it could not be answered (a miss for the
+        caller). Only errors that are the caller's to fix raise (bad arguments)."""
+        try:
+            return s.channel.call(req, timeout)
+        except ChannelClosed as e:
+            self.lost(s, e)
+            return None
+        except ServerError as e:
+            if e.code == ErrorCode.TIMEOUT:
+                raise TimeoutError(e.message) from None
+            if e.code not in _SOFT_CODES:
+                raise
+            now = time.monotonic()
+            if now - self._warned.get(e.code, -_WARN_EVERY) >= _WARN_EVERY:
+                self._warned[e.code] = now
+                log.warning("kvstore daemon: %s failed (%s); answered as a miss", req.OP, e)
+            if s.channel.broken:
+                self.lost(s, e)
+            return None
+
+    def mark_closed(self) -> bool:
+        """Refuse every later :meth:`get`; False if it was closed already."""
+        with self._lock:
+            if self.closed:
+                return False
+            self.closed = True
+            return True
+
+    def detach(self) -> Session | None:
+        """The session, no longer held here (the caller closes it)."""
+        with self._lock:
+            s, self.session = self.session, None
+        return s

@@ -1,0 +1,118 @@
+"""One live connection to the daemon and this process's mapping of its namespace's warm
+slab (and key directory), opened by :func:`open_session` with the hello handshake."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Iterator
+
+import torch
+
+from kvstore.layout import KVLayout
+from kvstore.tiers.key_directory import KeyDirectory
+from kvstore.tiers.slab import directory_path, map_shared, register_pinned, unregister_pinned
+from kvstore.wire import messages as m
+from kvstore.wire.channel import Channel
+from kvstore.wire.errors import ErrorCode, ProtocolVersionError, ServerError
+from kvstore.wire.protocol import PROTOCOL_VERSION
+
+__all__ = ["Session", "open_session"]
+
+log = logging.getLogger("kvstore.client")
+
+
+class Session:
+    """One live connection and the mapping of its namespace's slab.
+
+    Copies into or out of slots this connection holds (leases, granted puts) run inside
+    :meth:`copying`; the socket is closed only when none is in flight, because the daemon
+    frees a connection's slots as soon as it sees the connection go.
+    """
+
+    __slots__ = ("channel", "hello", "slab", "pinned", "directory", "instance", "_active", "_idle")
+
+    def __init__(self, channel: Channel, hello: m.HelloReply, slab: torch.Tensor,
+                 pinned: bool, directory: KeyDirectory | None = None) -> None:
+        self.channel = channel
+        self.hello = hello
+        self.slab = slab  # [slots, block_nbytes] uint8, shared with the daemon
+        self.pinned = pinned
+        self.directory = directory  # the warm tier's key -> slot table, read-only
+        # which daemon run this is (an older daemon does not say: its pid has to do)
+        self.instance = hello.instance or hello.server.encode()
+        self._active = 0
+        self._idle = threading.Condition()
+
+    @contextlib.contextmanager
+    def copying(self) -> Iterator[None]:
+        with self._idle:
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._idle:
+                self._active -= 1
+                if not self._active:
+                    self._idle.notify_all()
+
+    def close(self) -> None:
+        with self._idle:
+            self._idle.wait_for(lambda: not self._active, timeout=60)
+        self.channel.close()
+        if self.directory is not None:
+            self.directory.close()
+        if self.pinned:
+            with contextlib.suppress(Exception):  # best effort
+                unregister_pinned(self.slab)
+
+
+def open_session(socket_path: str, timeout: float | None, hello: m.Hello, layout: KVLayout,
+                 device: torch.device) -> Session:
+    """Connect, say hello, map the namespace's slab (registered as pinned memory when the
+    client's device is a GPU) and open its key directory. Raises for a daemon that speaks
+    another protocol version or disagrees on the block size; the channel never leaks."""
+    ch = Channel.connect(socket_path, timeout)
+    try:
+        reply = ch.call(hello)
+        assert isinstance(reply, m.HelloReply)
+        if reply.version != PROTOCOL_VERSION:
+            raise ProtocolVersionError(ErrorCode.VERSION_MISMATCH,
+                                       f"daemon answered with protocol {reply.version}")
+        if reply.block_nbytes != layout.block_nbytes:
+            raise ServerError(ErrorCode.CONFIG, "daemon disagrees on the block size")
+        ch.max_frame = reply.max_frame
+        slab = _map_slab(reply)
+        pinned = device.type == "cuda" and _pin(slab)
+        directory = _open_directory(reply.shm_path)
+    except BaseException:
+        ch.close()
+        raise
+    return Session(ch, reply, slab, pinned, directory)
+
+
+def _map_slab(reply: m.HelloReply) -> torch.Tensor:
+    mapping = map_shared(reply.shm_path, reply.slots * reply.block_nbytes, create=False)
+    slab = torch.frombuffer(mapping, dtype=torch.uint8).view(reply.slots, reply.block_nbytes)
+    del mapping  # the tensor keeps the mapping alive for as long as it is used
+    return slab
+
+
+def _pin(slab: torch.Tensor) -> bool:
+    try:
+        register_pinned(slab)
+    except OSError as e:
+        log.warning("could not register the shared slab as pinned memory (%s); "
+                    "copies to the GPU will be staged", e)
+        return False
+    return True
+
+
+def _open_directory(shm_path: str) -> KeyDirectory | None:
+    try:
+        return KeyDirectory.open_readonly(directory_path(shm_path))
+    except (OSError, ValueError) as e:  # an older daemon: every lookup asks it
+        log.info("no key directory next to %s (%s); lookups go to the daemon", shm_path, e)
+        return None
+

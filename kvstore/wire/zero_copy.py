@@ -1,0 +1,89 @@
+"""Requests and replies that hand warm-tier slots to a client, which copies through its own
+mapping of the slab: a fetch's :class:`Lease` (read, then ``release``) and a put's
+:class:`Grant` (write, then ``commit`` or ``abort``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from kvstore.wire.errors import BadRequest
+from kvstore.wire.fields import IdRequest, KeysRequest, check_args, check_int, check_int_list
+
+__all__ = ["Abort", "Commit", "Fetch", "Grant", "Lease", "Put", "Release"]
+
+
+@dataclass(frozen=True, slots=True)
+class Fetch(KeysRequest):
+    """Lease the leading held blocks in the warm tier -> :class:`Lease`."""
+
+    OP: ClassVar[str] = "fetch"
+
+
+@dataclass(frozen=True, slots=True)
+class Put(KeysRequest):
+    """Reserve warm slots for the new blocks -> :class:`Grant`."""
+
+    OP: ClassVar[str] = "put"
+
+
+@dataclass(frozen=True, slots=True)
+class Release(IdRequest):
+    """Give back a lease -> :class:`~kvstore.wire.data_ops.Empty` (clients need not wait
+    for it)."""
+
+    OP: ClassVar[str] = "release"
+
+
+@dataclass(frozen=True, slots=True)
+class Commit(IdRequest):
+    """Publish a granted put whose slots were written -> :class:`~kvstore.wire.data_ops.Count`
+    (blocks stored)."""
+
+    OP: ClassVar[str] = "commit"
+
+
+@dataclass(frozen=True, slots=True)
+class Abort(IdRequest):
+    """Give back a granted put's slots; nothing becomes visible ->
+    :class:`~kvstore.wire.data_ops.Empty`."""
+
+    OP: ClassVar[str] = "abort"
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """Warm slots of the leading held blocks, pinned until ``release(lease_id)``."""
+
+    lease_id: int  # 0 when no block was leased (nothing to release)
+    slots: list[int]
+
+    def to_wire(self) -> list:
+        return [self.lease_id, self.slots]
+
+    @classmethod
+    def from_wire(cls, body: object) -> Lease:
+        a = check_args(body, 2, "fetch reply")
+        return cls(check_int(a[0], "lease_id"), check_int_list(a[1], "slots"))
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """Warm slots to fill with the blocks at ``positions`` of the put, then ``commit``."""
+
+    grant_id: int  # 0 when nothing was granted (nothing to commit)
+    positions: list[int]
+    slots: list[int]
+    duplicates: int
+
+    def to_wire(self) -> list:
+        return [self.grant_id, self.positions, self.slots, self.duplicates]
+
+    @classmethod
+    def from_wire(cls, body: object) -> Grant:
+        a = check_args(body, 4, "put reply")
+        g = cls(check_int(a[0], "grant_id"), check_int_list(a[1], "positions"),
+                check_int_list(a[2], "slots"), check_int(a[3], "duplicates"))
+        if len(g.positions) != len(g.slots):
+            raise BadRequest("put reply: positions and slots differ in length")
+        return g
