@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from kvstore.errors import TensorMismatchError
+from kvstore.errors import ConfigError, TensorMismatchError
 from kvstore.layout import KVLayout
 
 
@@ -55,3 +55,22 @@ def check_out(lay: KVLayout, out: object, n: int) -> None:
         raise TensorMismatchError(f"out holds {out.shape[0]} blocks, {n} keys were asked for")
     if not out.is_contiguous():
         raise TensorMismatchError("out must be contiguous")
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """``device`` as a torch device the hot tier can run on (default: the current CUDA
+    device, else the CPU); :class:`ConfigError` naming what to pass otherwise."""
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ConfigError(f"device={device!r} is not a torch device ('cpu', 'cuda:0', ...)") from e
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device={device!r} but CUDA is not available here; use device='cpu'")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    elif dev.type != "cpu":
+        raise ConfigError(f"device={device!r}: the hot tier runs on 'cpu' or 'cuda:N'")
+    return dev

@@ -24,10 +24,9 @@ from kvstore.layout import KVLayout
 from kvstore.namespace import Namespace
 from kvstore.paged import page_index, paged_geometry
 from kvstore.stats import StoreStats
-from kvstore.store.config import resolve_device
 from kvstore.tiers.slab import paired_runs, runs
 from kvstore.transfer import Transfer
-from kvstore.validate import check_kv, check_out
+from kvstore.validate import check_kv, check_out, resolve_device
 from kvstore.wire import messages as m
 from kvstore.wire.channel import ChannelClosed
 from kvstore.wire.protocol import derive_namespace, make_hello
