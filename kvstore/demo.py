@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import random
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -297,7 +298,11 @@ def open_engine(path: Path | None, *, engine: str = "auto", size: str = "tiny",
 # -- running -----------------------------------------------------------------------------------
 @dataclass
 class PhaseResult:
-    """One run of a workload (one process)."""
+    """One phase of the demo (one process): the workload run ``runs`` times.
+
+    Token and block figures are those of the phase's first run (every run of a phase sees the
+    same ones); times are medians over the runs, with each run's in ``*_runs``.
+    """
 
     engine: str
     requests: int = 0
@@ -313,9 +318,27 @@ class PhaseResult:
     blocks_on_disk: int = 0
     disk_bytes: int = 0
     plan: dict[str, int] | None = field(default=None)
+    runs: int = 1
+    cached_runs: list[float] = field(default_factory=list)
+    uncached_runs: list[float] = field(default_factory=list)
+    kv_bytes_per_token: int = 0  # K/V bytes a cached token spares computing
+
+    @property
+    def speedups(self) -> list[float]:
+        """``without / with`` of each run."""
+        return [u / max(c, 1e-9) for c, u in zip(self.cached_runs, self.uncached_runs,
+                                                strict=True)]
+
+    @property
+    def speedup(self) -> float:
+        """The median of :attr:`speedups`."""
+        return statistics.median(self.speedups) if self.speedups else 0.0
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        s = self.speedups
+        return asdict(self) | {"speedups": s, "speedup": self.speedup,
+                               "speedup_min": min(s, default=0.0),
+                               "speedup_max": max(s, default=0.0)}
 
 
 def _compare(res: PhaseResult, got: Any, ref: Any) -> None:
@@ -349,6 +372,7 @@ def run_workload(store: Store, engine: Any, workload: str, seed: int = 0,
     spec = _spec(workload, quick)
     res = PhaseResult(engine=getattr(engine, "name", type(engine).__name__))
     tick = progress or (lambda: None)
+    before = store.stats()
     # warm-up: the process's first forward passes pay one-time costs that would otherwise
     # land on whichever path ran first
     for n in (3 * BLOCK_TOKENS + 1, 2):
@@ -377,10 +401,14 @@ def run_workload(store: Store, engine: Any, workload: str, seed: int = 0,
         raise ValueError(f"unknown workload {workload!r}; choose {', '.join(WORKLOADS)}")
     store.flush()
     st = store.stats()
-    res.hit_rate = st.hit_rate
+    hits, misses = st.hits - before.hits, st.misses - before.misses  # this run's lookups
+    res.hit_rate = hits / (hits + misses) if hits + misses else 0.0
     disk = st.tier("disk")
     if disk is not None:
         res.blocks_on_disk, res.disk_bytes = disk.blocks, disk.used_bytes
+    res.cached_runs, res.uncached_runs = [res.cached_seconds], [res.uncached_seconds]
+    lay = store.layout
+    res.kv_bytes_per_token = lay.block_nbytes // lay.block_tokens
     return res
 
 
@@ -410,14 +438,40 @@ def _run_batch(store: Store, engine: Any, spec: WorkloadSpec, prompts: list[list
         _account(res, p, got, ref)
 
 
+def _merge(first: PhaseResult, more: PhaseResult) -> None:
+    """Fold a repetition into the phase's result: its times, and whether it matched."""
+    first.cached_runs.append(more.cached_seconds)
+    first.uncached_runs.append(more.uncached_seconds)
+    first.identical = first.identical and more.identical
+    first.max_logit_diff = max(first.max_logit_diff, more.max_logit_diff)
+
+
 def run_phase(path: Path | None, workload: str, *, seed: int = 0, size: str = "tiny",
-              engine: str = "auto", cold: bool = False, quick: bool = False,
+              engine: str = "auto", cold: bool = False, quick: bool = False, repeat: int = 1,
               progress: Callable[[], object] | None = None) -> PhaseResult:
-    """Open the store, run ``workload`` once, close the store (everything durable on disk)."""
+    """Open the store, run ``workload`` ``repeat`` times, close the store (everything durable
+    on disk). Each run starts from the state the phase is about: ``cold``, an empty cache
+    (this demo's namespace only); else empty memory over the disk a previous process left,
+    as a freshly started process has it."""
+    if repeat < 1:
+        raise ValueError(f"repeat must be >= 1, got {repeat}")
     store, eng, label = open_engine(path, engine=engine, size=size, seed=seed)
     with store:
-        if cold:
-            store.evict()  # start from an empty cache (this demo's namespace only)
-        res = run_workload(store, eng, workload, seed=seed, progress=progress, quick=quick)
+        res: PhaseResult | None = None
+        for i in range(repeat):
+            if cold:
+                store.evict()  # every tier, disk included
+            elif i:
+                for tier in ("hot", "warm"):  # memory only: the disk keeps every block
+                    store.evict(tier=tier)
+            one = run_workload(store, eng, workload, seed=seed, progress=progress, quick=quick)
+            if res is None:
+                res = one
+            else:
+                _merge(res, one)
+    assert res is not None
+    res.runs = repeat
+    res.cached_seconds = statistics.median(res.cached_runs)
+    res.uncached_seconds = statistics.median(res.uncached_runs)
     res.engine = label
     return res

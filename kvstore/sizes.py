@@ -14,25 +14,33 @@ _UNITS = {
     "g": 1000**3, "gb": 1000**3, "gi": 1024**3, "gib": 1024**3,
     "t": 1000**4, "tb": 1000**4, "ti": 1024**4, "tib": 1024**4,
 }
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+# a sign is matched so that "-1GiB" is refused as negative, not as "not a size"
+_SIZE_RE = re.compile(r"^\s*([+-]?)\s*(\d+(?:\.\d+)?|\.\d+)\s*([a-zA-Z]*)\s*$")
 
 
 def parse_size(value: int | str, *, what: str = "size") -> int:
-    """Return ``value`` in bytes: an int, or a string like ``"512MiB"``, ``"4GiB"``, ``"1.5GB"``."""
+    """Return ``value`` in bytes: an int, or a string like ``"512MiB"``, ``"4GiB"``, ``"1.5GB"``.
+
+    Negative sizes are refused (:class:`~kvstore.errors.SizeError`), whatever their spelling.
+    """
     if isinstance(value, bool):
         raise SizeError(f"{what} must be a byte count or a string like '4GiB', not {value!r}")
     if isinstance(value, int):
         if value < 0:
-            raise SizeError(f"{what} must be >= 0 bytes, got {value}")
+            raise SizeError(f"{what} must be >= 0 bytes, got {value} (0 disables the tier)")
         return value
     if isinstance(value, str):
         m = _SIZE_RE.match(value)
-        if m is None or m.group(2).lower() not in _UNITS:
+        if m is None or m.group(3).lower() not in _UNITS:
             raise SizeError(
                 f"{what}={value!r} is not a size; write an int or a string like "
                 "'512MiB', '4GiB' or '1.5GB'"
             )
-        return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        n = int(float(m.group(2)) * _UNITS[m.group(3).lower()])
+        if m.group(1) == "-" and n:
+            raise SizeError(f"{what}={value.strip()!r} is negative; sizes are >= 0 (0 disables "
+                            "the tier)")
+        return n
     raise SizeError(f"{what} must be an int or a string like '4GiB', not {type(value).__name__}")
 
 
@@ -44,3 +52,8 @@ def format_size(nbytes: float) -> str:
             return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+def plural(n: int, word: str, many: str | None = None) -> str:
+    """``plural(1, "file")`` -> ``'1 file'``; ``plural(3, "file")`` -> ``'3 files'``."""
+    return f"{n:,} {word if n == 1 else (many or word + 's')}"

@@ -181,7 +181,9 @@ def test_ls_bad_filter_and_sort_are_usage_errors(base_store, capsys):
     assert "not a duration" in capsys.readouterr().err
     assert main(["ls", "--store", str(p), "--sort", "bogus"]) == 2
     assert "keys for namespaces" in capsys.readouterr().err
-    assert main(["ls", "--store", str(p), "--limit", "-1"]) == 2
+    with pytest.raises(SystemExit) as e:  # argparse: the flag's own check
+        main(["ls", "--store", str(p), "--limit", "-1"])
+    assert e.value.code == 2 and "argument --limit: must be >= 0" in capsys.readouterr().err
 
 
 def test_missing_store_is_exit_2_and_never_created(tmp_path, capsys, monkeypatch):
@@ -373,8 +375,10 @@ def test_rm_block_takes_its_descendants(store, capsys):
 def test_rm_bad_ambiguous_and_unknown_targets(store, capsys):
     p, chains, ids = store
     s = ["--store", str(p), "-y"]
-    assert main(["rm", "zz-not-hex", *s]) == 2
-    assert "not a namespace id or block key" in capsys.readouterr().err
+    # not hex: a model id; one no namespace has is "not found" (exit 1), naming the models
+    assert main(["rm", "zz-not-hex", *s]) == 1
+    err = capsys.readouterr().err
+    assert "no namespace of model 'zz-not-hex'" in err and "'meta/llama-a'" in err
     assert main(["rm", "ab", *s]) == 2
     assert "too short" in capsys.readouterr().err
     assert main(["rm", "aaaa", *s]) == 2  # the three old/model keys start with aaaa

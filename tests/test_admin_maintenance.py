@@ -256,3 +256,45 @@ def test_maintenance_still_exports_what_it_held():
                  "compact", "execute_removal", "plan_removal", "preview_removal", "prune",
                  "remove", "repair", "verify"):
         assert getattr(maintenance, name) is getattr(admin, name), name
+
+
+def test_verify_one_namespace_checks_and_fixes_only_its_blocks(tmp_path, capsys):
+    p = tmp_path / "store"
+    build_store(p, "meta/llama-a", prompts=3, blocks=4, flush_each=True)
+    build_store(p, "meta/llama-b", prompts=2, blocks=4, flush_each=True, salt=7)
+    recs = _records(p)
+    ns = {}
+    for r in recs:
+        ns.setdefault(r.namespace_id, []).append(r)
+    assert len(ns) == 2
+    t = DiskTier(p, capacity_bytes=0, readonly=True)
+    try:
+        infos = {i.model_id: i.namespace_id for i in t.namespaces()}
+    finally:
+        t.close()
+    b_id = infos["meta/llama-b"]
+    victim = sorted(ns[b_id], key=lambda r: (r.segment, r.offset))[0]
+    with open(os.path.join(p, "segments", seg.segment_name(victim.segment)), "r+b") as f:
+        f.seek(victim.offset + 5)
+        byte = f.read(1)
+        f.seek(victim.offset + 5)
+        f.write(bytes([byte[0] ^ 0x01]))
+    a_blocks = len(ns[infos["meta/llama-a"]])
+    assert main(["verify", "--store", str(p), "--namespace", "meta/llama-a",
+                 "--format", "json"]) == 0
+    data = _json(capsys, "kvstore.verify/1")
+    assert data["blocks_checked"] == a_blocks and data["findings"] == []
+    assert main(["verify", "--store", str(p), "--namespace", b_id.hex()[:8],
+                 "--format", "json"]) == 1
+    data = _json(capsys, "kvstore.verify/1")
+    assert data["blocks_checked"] == len(ns[b_id])
+    assert {f["namespace_id"] for f in data["findings"]} == {b_id.hex()}
+    assert victim.key.hex() in {f["key"] for f in data["findings"]}
+    assert main(["verify", "--store", str(p), "--namespace", "meta/llama-b", "--fix", "-y",
+                 "--format", "json"]) == 0
+    capsys.readouterr()
+    after = {(r.namespace_id, r.key) for r in _records(p)}
+    assert all((infos["meta/llama-a"], r.key) in after for r in ns[infos["meta/llama-a"]])
+    assert (b_id, victim.key) not in after
+    assert main(["verify", "--store", str(p), "--namespace", "meta/llama-typo"]) == 2
+    assert "did you mean" in capsys.readouterr().err

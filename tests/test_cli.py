@@ -20,3 +20,52 @@ def test_bench_cli_json(tmp_path):
     assert main(["bench", "--quick", "--section", "memory", "--json", str(path)]) == 0
     data = json.loads(path.read_text())
     assert data["rows"] and all("ratio" in r for r in data["rows"])
+
+
+def test_bench_reports_a_failing_section_and_runs_the_rest(tmp_path, capsys, monkeypatch):
+    import kvstore.bench.memory as memory
+
+    def boom(opts):
+        raise RuntimeError("forced failure for the test")
+
+    monkeypatch.setattr(memory, "run", boom)
+    path = tmp_path / "b.json"
+    rc = main(["bench", "--quick", "--section", "memory", "--section", "hashing",
+               "--json", str(path)])
+    assert rc == 1  # non-zero at the end, after every section ran
+    cap = capsys.readouterr()
+    # a progress line per section, as it starts and as it ends
+    assert "[1/2] memory: running" in cap.err and "[2/2] hashing: running" in cap.err
+    assert "[1/2] memory: FAILED" in cap.err and "forced failure for the test" in cap.err
+    assert "[2/2] hashing: done in" in cap.err
+    assert "FAILED memory: RuntimeError: forced failure for the test" in cap.out
+    assert "hashing" in cap.out  # the table of the sections that ran
+    data = json.loads(path.read_text())
+    assert data["rows"] and {r["section"] for r in data["rows"]} == {"hashing"}
+    (f,) = data["failed"]
+    assert f["section"] == "memory" and "forced failure" in f["error"]
+    assert "RuntimeError" in f["traceback"]
+
+
+def test_bench_json_format_on_stdout_and_exit_0(capsys):
+    assert main(["bench", "--quick", "--section", "hashing", "--format", "json"]) == 0
+    cap = capsys.readouterr()
+    data = json.loads(cap.out)
+    assert data["failed"] == [] and data["rows"] and "[1/1] hashing: done" in cap.err
+
+
+def test_entry_children_run_this_kvstore_not_the_cwd_one(tmp_path, monkeypatch):
+    import subprocess
+
+    from kvstore import __version__
+    from kvstore.commands.entry import env, kvstore_argv
+
+    fake = tmp_path / "kvstore"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("__version__ = 'the checkout in the cwd'\n")
+    (fake / "cli.py").write_text("raise SystemExit('the checkout in the cwd ran')\n")
+    monkeypatch.chdir(tmp_path)
+    p = subprocess.run(kvstore_argv("--version"), env=env(), capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.startswith(f"kvstore {__version__}")

@@ -57,14 +57,19 @@ class VerifyResult:
 
 def verify(path: str | os.PathLike[str] | None = None, *, fix: bool = False,
            grace_s: float = DEFAULT_GRACE_S,
-           progress: VerifyProgress | None = None) -> VerifyResult:
+           progress: VerifyProgress | None = None,
+           namespace: str | None = None) -> VerifyResult:
     """Check the whole store, read-only: the index against the segment files (missing or
     cut-off segments, segment headers listing each block at its recorded offset, orphan and
     temp files older than ``grace_s``, side-index consistency), the checksum of every block,
     read back in full, and blocks that no lookup can reach. The result's ``plan`` says what
     fixing the findings does; ``fix`` carries it out at once (:func:`repair`): damaged blocks
     and unreachable ones are dropped, intact blocks of a damaged segment header are rewritten
-    into a fresh segment, orphans are unlinked and side indexes rebuilt."""
+    into a fresh segment, orphans are unlinked and side indexes rebuilt.
+
+    ``namespace`` (an id, a unique id prefix of >= 4 hex digits, or a model id naming one
+    namespace) checks only that namespace's blocks: its findings, none of the store-wide ones
+    (orphan and temp files, side indexes), so a fix never touches another tenant's data."""
     from kvstore.admin.common import check_store
     from kvstore.tiers.disk.guard import require_intact
 
@@ -76,18 +81,33 @@ def verify(path: str | os.PathLike[str] | None = None, *, fix: bool = False,
     with open_disk(path, readonly=True) as ro, quiet_disk_log():
         segdir = os.path.join(ro.path, "segments")
         snapshot = list(ro.records())
+        only = _namespace_id(ro, namespace)
         # 1. structure (no data read): missing/short segments, orphans, temps, indexes
         findings, recs = _check_structure(ro, snapshot, segdir, grace_s)
+        if only is not None:
+            findings = [f for f in findings if f.namespace_id == only.hex()]
+            recs = [r for r in recs if r.namespace_id == only]
         # 2. every remaining block: checksum, and header agreement
         findings += _read_back(ro, recs, segdir, progress)
         # 3. blocks below a missing block, or below one that fixing drops
         findings, young = _add_unreachable(findings, snapshot, segdir, grace_s)
+        if only is not None:
+            findings = [f for f in findings if f.namespace_id == only.hex()]
         store = ro.path
     unfixed = sum(1 for f in findings if not f.fixed)
     res = VerifyResult(store, False, len(recs), sum(r.raw_nbytes for r in recs),
                        len({r.segment for r in recs}), tuple(findings), unfixed, float(grace_s),
                        plan_repair(findings, young))
     return repair(res) if fix else res
+
+
+def _namespace_id(ro: DiskTier, namespace: str | None) -> bytes | None:
+    """The id of the registered namespace ``namespace`` names (None: the whole store)."""
+    if namespace is None:
+        return None
+    from kvstore.admin.nsmatch import resolve_namespace
+
+    return resolve_namespace(namespace, ro.namespaces()).namespace_id
 
 
 def _check_structure(ro: DiskTier, snapshot: list[DiskRecord], segdir: str,

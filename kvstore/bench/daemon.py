@@ -10,7 +10,6 @@ from __future__ import annotations
 import shutil
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -42,7 +41,9 @@ def _percentiles(fn, n: int) -> tuple[float, float]:
 
 def _echo_round_trip(path: Path, nbytes: int, iters: int) -> tuple[float, float]:
     """p50/p99 of sending an ``nbytes`` frame to the bare echo server and reading its reply."""
-    proc = subprocess.Popen([sys.executable, "-m", "kvstore.bench.echo", str(path)])
+    from kvstore.commands.entry import env, python_argv
+
+    proc = subprocess.Popen(python_argv("kvstore.bench.echo", str(path)), env=env())
     try:
         deadline = time.monotonic() + 30
         while not path.exists():

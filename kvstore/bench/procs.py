@@ -15,7 +15,6 @@ import signal
 import socket
 import ssl
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -24,7 +23,8 @@ from pathlib import Path
 # -- kvstore serve -----------------------------------------------------------------------------
 
 class DaemonProcess:
-    """``python -m kvstore.cli serve`` on ``socket_path``; ``start()`` waits until it answers."""
+    """``kvstore serve`` on ``socket_path``; ``start()`` waits until it answers. The child runs
+    this process's kvstore, whatever the working directory holds (:mod:`kvstore.commands.entry`)."""
 
     def __init__(self, path: str | os.PathLike[str], socket_path: str | os.PathLike[str],
                  *args: str, log_path: str | os.PathLike[str] | None = None) -> None:
@@ -40,12 +40,17 @@ class DaemonProcess:
         return self.proc.pid
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "kvstore.cli", "serve", "--path", str(self.path),
-                "--socket", str(self.socket_path), *self.args]
+        from kvstore.commands.entry import kvstore_argv
+
+        return kvstore_argv("serve", "--store", str(self.path), "--socket",
+                            str(self.socket_path), *self.args)
 
     def start(self, timeout: float = 60.0) -> DaemonProcess:
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in wait()
-        self.proc = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT)
+        from kvstore.commands.entry import env
+
+        self.proc = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=env())
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -1,4 +1,9 @@
-"""Run benchmark sections, print a table, optionally write JSON."""
+"""Run benchmark sections, print a table, optionally write JSON.
+
+Each section prints a progress line (to stderr) when it starts and ends. A section that fails
+is reported (its error, and the traceback's last lines) and skipped: the others still run,
+the table and the JSON still come out, and the run ends with exit status 1.
+"""
 
 from __future__ import annotations
 
@@ -6,68 +11,149 @@ import dataclasses
 import importlib
 import json
 import platform
+import sys
 import time
-from collections.abc import Sequence
-
-import torch
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TextIO
 
 from kvstore.bench import BenchOptions, BenchRow
 
-#: section name -> module; a module whose import fails (optional pieces) is reported, not fatal
+
+@dataclass(frozen=True, slots=True)
+class Section:
+    module: str
+    about: str  # one line for ``kvstore bench --help``
+
+
+#: section name -> module and what it measures; a module whose import fails (optional pieces)
+#: is reported as not available, not as a failure
 SECTIONS = {
-    "hashing": "kvstore.bench.hashing",
-    "memory": "kvstore.bench.memory",
-    "promotion": "kvstore.bench.promotion",
-    "disk": "kvstore.bench.disk",
-    "remote": "kvstore.bench.remote",
-    "prefill": "kvstore.bench.prefill",
-    "daemon": "kvstore.bench.daemon",
+    "hashing": Section("kvstore.bench.hashing", "block keys of a 128k-token prompt vs a "
+                       "vLLM-style sha256 chain"),
+    "memory": Section("kvstore.bench.memory", "hot/warm tier fetch and put vs memcpy"),
+    "promotion": Section("kvstore.bench.promotion", "promoting warm blocks to the hot tier vs a "
+                         "plain copy"),
+    "disk": Section("kvstore.bench.disk", "disk tier reads and writes vs raw file I/O of the "
+                    "same bytes"),
+    "remote": Section("kvstore.bench.remote", "Redis tier vs raw redis-py (needs redis-server)"),
+    "prefill": Section("kvstore.bench.prefill", "prefill with a cached prefix vs none; batch "
+                       "planner vs naive (needs transformers)"),
+    "daemon": Section("kvstore.bench.daemon", "the sidecar daemon: lookup round trip, "
+                      "shared-memory fetch/put vs embedded and memcpy"),
+    "startup": Section("kvstore.bench.startup", "kvstore --help / ls start-up vs a bare "
+                       "interpreter and vs import torch"),
+    "explain": Section("kvstore.bench.explain", "kvstore explain of a 128k-token prompt on a "
+                       "10,000-block store vs a plain lookup"),
+    "packs": Section("kvstore.bench.packs", "prefix pack export / import vs cp of the same "
+                     "bytes"),
+    "routing": Section("kvstore.bench.routing", "prefix routing vs round-robin / hash on the "
+                       "Mooncake trace; the router's decision time"),
+    "batch": Section("kvstore.bench.batch", "batched prefix sharing vs HF padded batching and "
+                     "vLLM prefix caching (needs transformers)"),
 }
 
 
-def run_sections(names: Sequence[str], opts: BenchOptions) -> tuple[list[BenchRow], list[str]]:
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """A section that raised: what, and the end of its traceback."""
+
+    section: str
+    error: str
+    traceback: str
+
+
+@dataclass(frozen=True, slots=True)
+class BenchRun:
+    rows: tuple[BenchRow, ...]
+    skipped: tuple[str, ...]  # sections not available here, with why
+    failed: tuple[Failure, ...]
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+
+def sections_help() -> str:
+    width = max(len(n) for n in SECTIONS)
+    return "sections (--section, repeatable; default: all, in this order):\n" + "\n".join(
+        f"  {n:<{width}}  {s.about}" for n, s in SECTIONS.items())
+
+
+def _run_one(name: str, opts: BenchOptions) -> list[BenchRow]:
+    mod = importlib.import_module(SECTIONS[name].module)
+    run: Callable[[BenchOptions], list[BenchRow]] = mod.run
+    return list(run(opts))
+
+
+def run_sections(names: Sequence[str], opts: BenchOptions, *,
+                 log: TextIO | None = None) -> BenchRun:
+    """Run ``names`` in order (names must be keys of :data:`SECTIONS`), one progress line per
+    section on ``log`` (default stderr); a section that raises is recorded and skipped."""
+    out = sys.stderr if log is None else log
     rows: list[BenchRow] = []
-    problems: list[str] = []
-    for name in names:
-        if name not in SECTIONS:
-            raise SystemExit(f"unknown benchmark section {name!r}; choose from {', '.join(SECTIONS)}")
+    skipped: list[str] = []
+    failed: list[Failure] = []
+    t_all = time.perf_counter()
+    for i, name in enumerate(names, 1):
+        tag = f"[{i}/{len(names)}] {name}"
+        print(f"{tag}: running ({SECTIONS[name].about})", file=out, flush=True)
+        t0 = time.perf_counter()
         try:
-            mod = importlib.import_module(SECTIONS[name])
+            got = _run_one(name, opts)
         except ImportError as e:
-            problems.append(f"{name}: not available ({e})")
+            skipped.append(f"{name}: not available ({e})")
+            print(f"{tag}: skipped, not available ({e})", file=out, flush=True)
             continue
-        rows.extend(mod.run(opts))
-    return rows, problems
+        except Exception as e:  # one section's failure must not end the run
+            tb = "".join(traceback.format_exception(e)[-6:])
+            failed.append(Failure(name, f"{type(e).__name__}: {e}", tb))
+            print(f"{tag}: FAILED after {time.perf_counter() - t0:.1f} s: "
+                  f"{type(e).__name__}: {e}\n{tb}", file=out, flush=True)
+            continue
+        rows.extend(got)
+        print(f"{tag}: done in {time.perf_counter() - t0:.1f} s, {len(got)} figure(s)",
+              file=out, flush=True)
+    return BenchRun(tuple(rows), tuple(skipped), tuple(failed), time.perf_counter() - t_all)
 
 
-def render(rows: Sequence[BenchRow], problems: Sequence[str]) -> None:
+def render(res: BenchRun) -> None:
     from rich.console import Console
     from rich.table import Table
 
     table = Table(title="kvstore benchmarks (ratio: higher is better for kvstore)")
     for col in ("section", "figure", "value", "reference", "ref value", "ratio", "goal"):
-        table.add_column(col, justify="right" if col in ("value", "ref value", "ratio", "goal") else "left")
-    for r in rows:
+        table.add_column(col, justify="right" if col in ("value", "ref value", "ratio", "goal")
+                         else "left")
+    for r in res.rows:
         goal = "" if r.goal is None else (f"≥{r.goal:g} " + ("✓" if r.meets_goal else "✗"))
         table.add_row(r.section, r.name + (f"\n[dim]{r.note}[/dim]" if r.note else ""),
                       f"{r.value:.3g} {r.unit}", r.ref_name, f"{r.ref_value:.3g} {r.unit}",
                       f"{r.ratio:.2f}×", goal)
-    import sys
-
     console = Console(width=None if sys.stdout.isatty() else 160)
     console.print(table)
-    for p in problems:
+    for p in res.skipped:
         console.print(f"[yellow]skipped[/yellow] {p}")
+    for f in res.failed:
+        console.print(f"[red]FAILED[/red] {f.section}: {f.error} (traceback above, on stderr)")
+    console.print(f"{len(res.rows)} figure(s) in {res.seconds:.0f} s"
+                  + (f"; {len(res.failed)} section(s) failed" if res.failed else ""))
 
 
-def to_json(rows: Sequence[BenchRow], problems: Sequence[str]) -> str:
+def to_json(res: BenchRun) -> str:
+    import torch
+
     return json.dumps(
         {
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "machine": {"platform": platform.platform(), "python": platform.python_version(),
                         "torch": torch.__version__, "cuda": torch.cuda.is_available()},
-            "rows": [dataclasses.asdict(r) | {"meets_goal": r.meets_goal} for r in rows],
-            "skipped": list(problems),
+            "rows": [dataclasses.asdict(r) | {"meets_goal": r.meets_goal} for r in res.rows],
+            "skipped": list(res.skipped),
+            "failed": [dataclasses.asdict(f) for f in res.failed],
+            "seconds": res.seconds,
         },
         indent=2,
     )

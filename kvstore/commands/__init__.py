@@ -9,5 +9,8 @@ COMMANDS = (
     "kvstore.commands.serve",
     "kvstore.commands.admin",
     "kvstore.commands.recover",
+    "kvstore.commands.explain",
+    "kvstore.commands.packs",
+    "kvstore.commands.batch",
     "kvstore.commands.bench",
 )

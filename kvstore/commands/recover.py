@@ -14,27 +14,26 @@ EXIT_OK, EXIT_FINDINGS, EXIT_ERROR = 0, 1, 2
 
 
 def _run(args: argparse.Namespace) -> int:
-    # the shared plumbing of the admin commands (consoles, JSON, tables, progress, sizes)
     from kvstore.admin.common import resolve_store_path
-    from kvstore.commands import admin as a
+    from kvstore.commands import output as a
     from kvstore.tiers.disk.recover import recover
 
     store = resolve_store_path(args.store)
-    err = a._err_console()
-    with a._progress(err, "verifying segments") as bar:
+    err = a.err_console()
+    with a.progress(err, "verifying segments") as bar:
         task = bar.add_task("recover", total=None, extra="")
 
         def tick(done_b: int, total_b: int, done: int, total: int) -> None:
             bar.update(task, completed=done, total=total,
-                       extra=f"{a._size(done_b)} / {a._size(total_b)}")
+                       extra=f"{a.size(done_b)} / {a.size(total_b)}")
 
         res = recover(store, dry_run=args.dry_run, force=args.force, threads=args.threads,
                       progress=tick)
     status = EXIT_OK if res.ok else EXIT_FINDINGS
     if args.format == "json":
-        a._emit_json("recover", res)
+        a.emit_json("recover", res)
         return status
-    con = a._out_console()
+    con = a.out_console()
     if res.index_state == "intact":
         con.print(f"The index of {res.store} is intact ({res.segments} segment file(s)): "
                   "nothing to recover. --force rebuilds it anyway (access times and hit "
@@ -43,17 +42,17 @@ def _run(args: argparse.Namespace) -> int:
     shown = [f for f in res.findings if f.kind != "temp_file"]
     if shown:
         rows = [(f.kind, f"block {f.key[:16]}" if f.key else f.path, f.detail) for f in shown]
-        con.print(a._table([("KIND", "left"), ("WHERE", "left"), ("DETAIL", "left")], rows,
+        con.print(a.table([("KIND", "left"), ("WHERE", "left"), ("DETAIL", "left")], rows,
                            wrap=("WHERE", "DETAIL")))
         con.print()
     why = f" ({res.index_problem})" if res.index_problem else ""
     con.print(f"Index: {res.index_state}{why}.")
     rate = res.read_bytes_per_s
     con.print(f"Segments: {res.segments} file(s), {res.segments_skipped} unreadable; read and "
-              f"verified {a._size(res.bytes_read)} in {res.read_seconds:.2f} s"
-              + (f" ({a._size(int(rate))}/s)." if rate else "."))
+              f"verified {a.size(res.bytes_read)} in {res.read_seconds:.2f} s"
+              + (f" ({a.size(int(rate))}/s)." if rate else "."))
     verb = "Would recover" if res.dry_run else "Recovered"
-    con.print(f"{verb} {res.blocks_recovered} block(s) ({a._size(res.stored_bytes)}) of "
+    con.print(f"{verb} {res.blocks_recovered} block(s) ({a.size(res.stored_bytes)}) of "
               f"{res.blocks_found} in the segment headers: {res.blocks_bad} bad (not "
               f"recovered), {res.duplicates} duplicate copies left as dead bytes.")
     con.print(f"Namespaces: {res.namespaces} record(s) salvaged from the old index"
@@ -74,24 +73,29 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from kvstore.commands.args import Formatter, add_format, add_store, examples, integer
+
     p = sub.add_parser(
         "recover", help="rebuild the disk index from the segment files",
+        formatter_class=Formatter,
+        epilog=examples("kvstore recover --store ~/.cache/kvstore --dry-run",
+                        "kvstore recover --store ~/.cache/kvstore",
+                        "kvstore recover --force --threads 2 --format json"),
         description="Rebuild a store's disk index from its segment files when the index is "
         "missing or damaged (the engines refuse to open such a store and name this command). "
         "Every block's bytes are read and verified; the old index is kept as "
         "index.damaged-<time>/. Stop every engine using the store first.")
-    p.add_argument("--store", metavar="PATH",
-                   help="store directory (default: $KVSTORE_PATH or ~/.cache/kvstore)")
+    add_store(p)
     p.add_argument("--dry-run", action="store_true",
                    help="read and verify everything, write nothing")
     p.add_argument("--force", action="store_true",
                    help="rebuild even when the index is intact")
-    p.add_argument("--threads", type=int, metavar="N",
+    p.add_argument("--threads", type=integer(minimum=1), metavar="N",
                    help="reading threads (default: the CPU count, at most 4)")
-    p.add_argument("--format", choices=["table", "json"], default="table",
-                   help="human summary (default) or JSON for scripts")
+    add_format(p)
 
     def run(args: argparse.Namespace) -> int:
+        from kvstore.commands.output import os_error_text
         from kvstore.errors import KVStoreError
 
         try:
@@ -99,9 +103,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         except KVStoreError as e:
             print(f"kvstore recover: error: {e}", file=sys.stderr)
             return EXIT_ERROR
+        except BrokenPipeError:
+            raise  # the reader went away: kvstore.cli ends quietly
         except OSError as e:
-            print(f"kvstore recover: error: {e.strerror or e}"
-                  + (f": {e.filename}" if e.filename else ""), file=sys.stderr)
+            print(f"kvstore recover: error: {os_error_text(e)}", file=sys.stderr)
             return EXIT_ERROR
         except KeyboardInterrupt:
             print("kvstore recover: interrupted (the old index is untouched)", file=sys.stderr)

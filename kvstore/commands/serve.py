@@ -1,85 +1,126 @@
-"""``kvstore serve``: the sidecar daemon (see docs/operations.md, "Running the daemon")."""
+"""``kvstore serve``: the sidecar daemon (see docs/operations.md, "Running the daemon").
+
+Every flag is checked before anything starts: a bad value is a usage error (exit 2) naming
+the flag; a path the daemon cannot use is a one-line error (exit 2) before it takes the
+store's lock or binds the socket.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
-import sys
 from pathlib import Path
+
+from kvstore.commands import args as a
+
+#: the smallest warm tier worth starting: blocks of real models are far larger (Llama-3-8B,
+#: 16 tokens: 2 MiB); below this no hello could be served
+MIN_CPU_CAPACITY = 64 << 10
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvstore.commands.output import error, os_error_text
     from kvstore.daemon.config import DaemonConfig
     from kvstore.daemon.daemon import run_daemon
+    from kvstore.daemon.event_options import config_from_args
     from kvstore.daemon.security import Limits
     from kvstore.errors import KVStoreError
-    from kvstore.sizes import parse_size
 
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s kvstore-serve %(levelname)s %(message)s")
-    limits = Limits(
-        max_frame=parse_size(args.max_frame, what="--max-frame"),
-        max_keys=args.max_keys, max_leases=args.max_leases,
-        max_connections=args.max_connections, max_namespaces=args.max_namespaces,
-    )
-    config = DaemonConfig(
-        path=Path(args.path).expanduser(),
-        socket_path=Path(args.socket).expanduser(),
-        cpu_capacity=parse_size(args.cpu_capacity, what="--cpu-capacity"),
-        disk_capacity=parse_size(args.disk_capacity, what="--disk-capacity"),
-        allow_uids=tuple(args.allow_uid or ()),
-        metrics_path=Path(args.metrics_path) if args.metrics_path else None,
-        metrics_port=args.metrics_port,
-        metrics_interval=args.metrics_interval,
-        limits=limits,
-        salt_policy=args.salt_policy,
-        workers=args.workers,
-        shm_base=Path(args.shm_dir),
-        admission=args.admission,
-        disk_codec=args.disk_codec,
-        shutdown_timeout=args.shutdown_timeout,
-    )
     try:
+        limits = Limits(max_frame=args.max_frame, max_keys=args.max_keys,
+                        max_leases=args.max_leases, max_connections=args.max_connections,
+                        max_namespaces=args.max_namespaces)
+        config = DaemonConfig(
+            path=Path(args.store).expanduser().absolute(),
+            socket_path=Path(args.socket).expanduser().absolute(),
+            cpu_capacity=args.cpu_capacity, disk_capacity=args.disk_capacity,
+            allow_uids=tuple(args.allow_uid or ()),
+            metrics_path=Path(args.metrics_path).expanduser() if args.metrics_path else None,
+            metrics_port=args.metrics_port, metrics_interval=args.metrics_interval,
+            limits=limits, salt_policy=args.salt_policy, workers=args.workers,
+            shm_base=Path(args.shm_dir), admission=args.admission, disk_codec=args.disk_codec,
+            shutdown_timeout=args.shutdown_timeout, kv_events=config_from_args(args),
+        )
         return run_daemon(config)
-    except (KVStoreError, OSError) as e:
-        print(f"kvstore serve: {e}", file=sys.stderr)
-        return 2
+    except KVStoreError as e:
+        return error("serve", str(e))
+    except OSError as e:
+        return error("serve", os_error_text(e))
+
+
+_DESCRIPTION = """\
+Serve a store to the engine processes of this host: they connect with kvstore.connect(S) (or
+the vLLM connector's "socket" option) and share one cache. The daemon owns the store's disk
+tier and one warm tier per namespace (model, revision, layout, TP rank) in shared memory;
+clients copy to their own GPUs. SIGTERM or SIGINT stops it gracefully."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser(
         "serve", help="run the sidecar daemon: engines share one cache over a Unix socket",
-        description="Serve a store to engine processes on this host (kvstore.connect()).",
-    )
-    s.add_argument("--path", required=True, help="store directory (disk tier)")
-    s.add_argument("--socket", required=True,
+        description=_DESCRIPTION, formatter_class=a.Formatter,
+        epilog=a.examples(
+            "kvstore serve --store ~/.cache/kvstore --socket $XDG_RUNTIME_DIR/kvstore.sock",
+            "kvstore serve --store /var/cache/kvstore --socket /run/kvstore/kvstore.sock \\\n"
+            "      --cpu-capacity 16GiB --disk-capacity 500GiB --metrics-port 9464",
+            "kvstore serve --store /tmp/kv --socket /tmp/kv/s.sock --disk-capacity 0  "
+            "# memory only",
+            extra="docs/operations.md (\"Running the daemon\") covers sizing, security and "
+            "systemd."))
+    s.add_argument("--store", "--path", dest="store", metavar="PATH", required=True,
+                   help="store directory (disk tier; created when missing). --path is the "
+                   "old spelling")
+    s.add_argument("--socket", required=True, metavar="PATH",
                    help="Unix socket path; its directory is created 0700 when missing")
-    s.add_argument("--cpu-capacity", default="4GiB",
-                   help="warm tier (shared memory) per namespace (default 4GiB)")
-    s.add_argument("--disk-capacity", default="64GiB",
-                   help="disk tier budget (default 64GiB; 0 disables the disk tier)")
-    s.add_argument("--allow-uid", type=int, action="append", metavar="UID",
+    s.add_argument("--cpu-capacity", type=a.size(minimum=MIN_CPU_CAPACITY, hint=(
+                       ": the warm tier holds whole blocks, and a real model's block is "
+                       "hundreds of KiB or more (Llama-3-8B: 2 MiB)")),
+                   default="4GiB", metavar="SIZE",
+                   help="warm tier (shared memory) per namespace, e.g. 16GiB (default 4GiB)")
+    s.add_argument("--disk-capacity", type=a.size(), default="64GiB", metavar="SIZE",
+                   help="disk tier budget, e.g. 500GiB (default 64GiB; 0 disables the disk "
+                   "tier: memory only)")
+    s.add_argument("--allow-uid", type=a.integer(minimum=0), action="append", metavar="UID",
                    help="uid allowed to connect (repeatable; default: the daemon's own uid)")
     m = s.add_mutually_exclusive_group()
     m.add_argument("--metrics-path", metavar="FILE",
-                   help="write Prometheus metrics to FILE every 10 s")
-    m.add_argument("--metrics-port", type=int, metavar="N",
-                   help="serve Prometheus metrics on http://127.0.0.1:N/metrics")
-    s.add_argument("--metrics-interval", type=float, default=10.0, help=argparse.SUPPRESS)
-    s.add_argument("--max-frame", default="4MiB", help="largest request frame (default 4MiB)")
-    s.add_argument("--max-keys", type=int, default=65536, help="keys per request")
-    s.add_argument("--max-leases", type=int, default=1024,
-                   help="leases + granted puts outstanding per connection")
-    s.add_argument("--max-connections", type=int, default=256)
-    s.add_argument("--max-namespaces", type=int, default=16,
-                   help="open stores; the least recently used idle one is closed for room")
+                   help="write Prometheus metrics to FILE every 10 s (node-exporter textfile)")
+    m.add_argument("--metrics-port", type=a.integer(minimum=0, maximum=65535), metavar="N",
+                   help="serve Prometheus metrics on http://127.0.0.1:N/metrics (0: any free "
+                   "port, logged)")
+    s.add_argument("--metrics-interval", type=a.seconds(positive=True), default=10.0,
+                   help=argparse.SUPPRESS)
+    s.add_argument("--max-frame", type=a.size(minimum=1024), default="4MiB", metavar="SIZE",
+                   help="largest request frame a client may send (default 4MiB, at least 1KiB)")
+    s.add_argument("--max-keys", type=a.integer(minimum=1), default=65536, metavar="N",
+                   help="keys in one request (default 65536)")
+    s.add_argument("--max-leases", type=a.integer(minimum=1), default=1024, metavar="N",
+                   help="leases + granted puts outstanding per connection (default 1024)")
+    s.add_argument("--max-connections", type=a.integer(minimum=1), default=256, metavar="N",
+                   help="client connections at once; more are refused (default 256)")
+    s.add_argument("--max-namespaces", type=a.integer(minimum=1), default=16, metavar="N",
+                   help="open stores (one per namespace); the least recently used idle one is "
+                   "closed for room (default 16)")
     s.add_argument("--salt-policy", choices=["client", "per-uid"], default="client",
-                   help="per-uid: every namespace also depends on the client's uid")
-    s.add_argument("--workers", type=int, default=8, help="threads doing store work")
-    s.add_argument("--shm-dir", default="/dev/shm", help="where the shared-memory slabs live")
-    s.add_argument("--admission", choices=["always", "second-hit"], default="always")
-    s.add_argument("--disk-codec", choices=["none", "zstd"], default="none")
-    s.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds in-flight requests get to finish on SIGTERM")
-    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+                   help="client: honour each client's salt; per-uid: every namespace also "
+                   "depends on the client's uid (tenants never share blocks)")
+    s.add_argument("--workers", type=a.integer(minimum=1, maximum=1024), default=8, metavar="N",
+                   help="threads doing store work off the event loop (default 8)")
+    s.add_argument("--shm-dir", default="/dev/shm", metavar="DIR",
+                   help="where the warm tiers' shared-memory files live (default /dev/shm)")
+    s.add_argument("--admission", choices=["always", "second-hit"], default="always",
+                   help="always: every put is stored; second-hit: a block is stored the "
+                   "second time it is put (one-off prompts never reach the disk)")
+    s.add_argument("--disk-codec", choices=["none", "zstd"], default="none",
+                   help="compression of blocks on disk (zstd: smaller, more CPU per read)")
+    s.add_argument("--shutdown-timeout", type=a.seconds(), default=30.0, metavar="SECONDS",
+                   help="seconds in-flight requests get to finish on SIGTERM (default 30)")
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="log verbosity on stderr (default info: starts, stops, namespaces "
+                   "opened, clients' hellos)")
+    from kvstore.daemon.event_options import add_arguments as add_event_arguments
+
+    add_event_arguments(s)
     s.set_defaults(func=run)

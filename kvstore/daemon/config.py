@@ -7,6 +7,7 @@ from pathlib import Path
 
 from kvstore.daemon.security import Limits
 from kvstore.errors import ConfigError
+from kvstore.events.config import EventsConfig
 
 #: "client": honour each hello's salt policy; "per-uid": every namespace is per uid
 DAEMON_SALT_POLICIES = ("client", "per-uid")
@@ -29,6 +30,7 @@ class DaemonConfig:
     admission: str = "always"
     disk_codec: str = "none"
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish on SIGTERM
+    kv_events: EventsConfig | None = None  # publish KV events (kvstore.daemon.events)
 
     def __post_init__(self) -> None:
         if self.salt_policy not in DAEMON_SALT_POLICIES:

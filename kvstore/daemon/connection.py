@@ -21,8 +21,8 @@ from kvstore.daemon.security import PeerCredentials, is_disconnect
 from kvstore.errors import KVStoreError, StoreClosedError
 from kvstore.wire import messages as m
 from kvstore.wire.codec import CodecError, CodecLimits, pack, unpack
+from kvstore.wire.errors import BadRequest, ErrorCode
 from kvstore.wire.framing import FrameError, FrameTooLarge, encode_frame, read_frame
-from kvstore.wire.messages import BadRequest, ErrorCode
 from kvstore.wire.protocol import PROTOCOL_VERSION, check_version, derive_namespace
 
 if TYPE_CHECKING:

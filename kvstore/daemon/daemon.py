@@ -20,8 +20,10 @@ from pathlib import Path
 
 from kvstore.daemon.config import DaemonConfig
 from kvstore.daemon.connection import Connection
+from kvstore.daemon.events import DaemonEvents
 from kvstore.daemon.metrics import DaemonMetrics
 from kvstore.daemon.namespaces import NamespaceRegistry
+from kvstore.daemon.preflight import check_config
 from kvstore.daemon.security import (
     PeerPolicy,
     bind_unix_socket,
@@ -31,6 +33,7 @@ from kvstore.daemon.security import (
     remove_stale_shm,
 )
 from kvstore.lockfile import DaemonLock
+from kvstore.sizes import format_size
 from kvstore.wire.protocol import PROTOCOL_VERSION
 
 log = logging.getLogger("kvstore.daemon")
@@ -56,6 +59,7 @@ class Daemon:
         self._stopped = asyncio.Event()
         self._shm_dir: Path | None = None
         self._metrics_task: asyncio.Task | None = None
+        self.events: DaemonEvents | None = None
         self.registry: NamespaceRegistry
         self.metrics: DaemonMetrics
 
@@ -67,6 +71,7 @@ class Daemon:
     # -- start -------------------------------------------------------------------------------
     async def start(self) -> None:
         cfg = self.config
+        check_config(cfg)  # every path, before the lock and the socket: errors that name them
         # one daemon per store path: a second one would keep a warm tier of its own that
         # admin deletions and the first daemon's clients never see
         self._lock = DaemonLock.acquire(cfg.path, os.path.abspath(cfg.socket_path),
@@ -80,7 +85,11 @@ class Daemon:
             self._lock.release(clean=False)
             raise
         try:
-            self.registry = NamespaceRegistry(cfg, self._shm_dir, self.run_blocking)
+            if cfg.kv_events is not None:
+                self.events = DaemonEvents(cfg.kv_events)
+                if cfg.disk_capacity:  # before any client can change the disk
+                    await self.run_blocking(self.events.announce_disk, cfg.path)
+            self.registry = NamespaceRegistry(cfg, self._shm_dir, self.run_blocking, self.events)
             self.metrics = DaemonMetrics(self.registry.snapshot)
             # metrics first: once the socket answers, everything the daemon serves is up
             if cfg.metrics_port is not None:
@@ -97,11 +106,14 @@ class Daemon:
                 metrics.stop_http()
             if self._metrics_task is not None:
                 self._metrics_task.cancel()
+            if self.events is not None:
+                self.events.close()
             remove_path(self._shm_dir)
             self._lock.release(clean=False)
             raise
-        log.info("serving %s on %s (store %s, warm %d B per namespace, disk %d B)",
-                 self.server_name, cfg.socket_path, cfg.path, cfg.cpu_capacity, cfg.disk_capacity)
+        log.info("serving %s on %s (store %s, warm tier %s per namespace, disk tier %s)",
+                 self.server_name, cfg.socket_path, cfg.path, format_size(cfg.cpu_capacity),
+                 format_size(cfg.disk_capacity) if cfg.disk_capacity else "off")
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         sock = writer.get_extra_info("socket")
@@ -164,6 +176,8 @@ class Daemon:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._metrics_task
         clean = await self.registry.close_all()
+        if self.events is not None:
+            await self.run_blocking(self.events.close)
         if self.config.metrics_path is not None:
             with contextlib.suppress(Exception):
                 self.metrics.write_file(self.config.metrics_path)

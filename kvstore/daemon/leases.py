@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from kvstore.api import PutGrant
 from kvstore.keys import BlockKey
-from kvstore.wire.messages import BadRequest, ErrorCode
+from kvstore.wire.errors import BadRequest, ErrorCode
 
 
 @dataclass(slots=True)

@@ -16,13 +16,21 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvstore.daemon.config import DaemonConfig
+from kvstore.daemon.events import report_evicted
 from kvstore.errors import KVStoreError
+from kvstore.layout import dtype_name
 from kvstore.namespace import Namespace
+from kvstore.sizes import format_size
 from kvstore.stats import StoreStats
 from kvstore.store import Store, open_store
-from kvstore.wire.messages import BadRequest, ErrorCode
+from kvstore.wire.errors import BadRequest, ErrorCode
+
+if TYPE_CHECKING:
+    from kvstore.daemon.events import DaemonEvents
+    from kvstore.events.publisher import NamespaceSink
 
 log = logging.getLogger("kvstore.daemon")
 
@@ -38,6 +46,7 @@ class NamespaceEntry:
     memory_only: bool  # no disk tier: store calls never block on I/O
     connections: set = field(default_factory=set)
     last_used: float = field(default_factory=time.monotonic)
+    events: NamespaceSink | None = None  # where its tier changes are reported (--kv-events)
 
     @property
     def label(self) -> str:
@@ -57,7 +66,8 @@ def _reserve(path: Path, nbytes: int) -> None:
         os.posix_fallocate(fd, 0, nbytes)
     except OSError as e:
         raise BadRequest(
-            f"no room for a {nbytes}-byte warm tier in {path.parent.parent} ({e.strerror}); "
+            f"no room for a {format_size(nbytes)} warm tier in {path.parent.parent} "
+            f"({e.strerror}); "
             "lower --cpu-capacity or grow /dev/shm", ErrorCode.CONFIG) from None
     finally:
         os.close(fd)
@@ -78,14 +88,69 @@ def _remove_from_disk(path: Path, namespace_id: bytes, keys: list[bytes] | None)
         return 0  # nothing was ever written there
 
 
+def _describe(ns: Namespace) -> str:
+    lay = ns.layout
+    L, P, T, H, D = lay.block_shape
+    extras = f", extras {dict(ns.extras)}" if ns.extras else ""
+    return (f"model_id {ns.model_id!r}, revision {ns.model_revision or '-'!r}, dtype "
+            f"{dtype_name(lay.dtype)}, layout L{L} P{P} T{T} H{H} D{D}, tp "
+            f"{ns.tp_rank}/{ns.tp_size}{extras}")
+
+
+def _differences(ns: Namespace, info) -> list[str]:
+    """Which fields of ``ns`` differ from a stored namespace's (``NamespaceInfo``)."""
+    lay = ns.layout
+    pairs = (("model_id", ns.model_id, info.model_id),
+             ("revision", ns.model_revision, info.model_revision),
+             ("dtype", dtype_name(lay.dtype), info.dtype),
+             ("layout", lay.block_shape, info.block_shape),
+             ("tp", (ns.tp_rank, ns.tp_size), (info.tp_rank, info.tp_size)),
+             ("extras/salt", tuple(ns.extras), tuple(info.extras)))
+    return [f"{name} {theirs!r}" for name, ours, theirs in pairs if ours != theirs]
+
+
+def _stored_namespaces(cfg: DaemonConfig) -> list:
+    """The namespaces the store at ``cfg.path`` has records of ([] when it has no index)."""
+    if not (cfg.path / "index" / "data.mdb").exists():
+        return []
+    from kvstore.tiers.disk import DiskTier
+
+    try:
+        tier = DiskTier(cfg.path, capacity_bytes=0, readonly=True)
+        try:
+            return tier.namespaces()
+        finally:
+            tier.close()
+    except (KVStoreError, OSError):
+        return []  # the store's own open reports what is wrong
+
+
 class NamespaceRegistry:
-    def __init__(self, config: DaemonConfig, shm_dir: Path, run_blocking: RunBlocking) -> None:
+    def __init__(self, config: DaemonConfig, shm_dir: Path, run_blocking: RunBlocking,
+                 events: DaemonEvents | None = None) -> None:
         self._config = config
+        self._events = events
         self._shm_dir = shm_dir
         self._run = run_blocking
         self._entries: dict[bytes, NamespaceEntry] = {}
         self._lock = asyncio.Lock()
         self._close_failed = False
+        self._seen: set[bytes] = set()  # namespaces opened by this daemon
+
+    def _new_namespace_note(self, ns: Namespace) -> str | None:
+        """An INFO line when ``ns`` is new to the store (nothing was ever stored under it),
+        naming its fields and any namespace of the store that differs in one field only: a
+        client's typo'd model id otherwise silently gets an empty cache."""
+        if ns.id in self._seen:
+            return None
+        known = _stored_namespaces(self._config) if self._config.disk_capacity else []
+        if any(i.namespace_id == ns.id for i in known):
+            return None
+        near = [f"{i.namespace_id.hex()[:16]} ({', '.join(d)})" for i in known
+                if len(d := _differences(ns, i)) == 1]
+        return (f"new namespace {ns.id.hex()[:16]}: {_describe(ns)}; nothing is stored under "
+                "it yet" + (f"; the store has namespace(s) differing in one field only: "
+                            f"{'; '.join(near[:4])}" if near else ""))
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -135,8 +200,12 @@ class NamespaceRegistry:
                         n += _remove_from_disk(self._config.path, namespace_id, keys)
                     return n
 
-                return await self._run(_remove)
-            return await self._run(_remove_from_disk, self._config.path, namespace_id, keys)
+                n = await self._run(_remove)
+            else:
+                n = await self._run(_remove_from_disk, self._config.path, namespace_id, keys)
+            if self._events is not None:
+                report_evicted(self._events.sink_of(namespace_id), keys, None)
+            return n
 
     async def release(self, entry: NamespaceEntry, conn: object) -> None:
         entry.connections.discard(conn)
@@ -148,13 +217,17 @@ class NamespaceRegistry:
         cap = cfg.cpu_capacity if not warm_capacity else min(warm_capacity, cfg.cpu_capacity)
         if cap < bn:
             raise BadRequest(
-                f"a block of this layout is {bn} bytes but the namespace's warm tier would be "
-                f"{cap} bytes (the daemon's --cpu-capacity is {cfg.cpu_capacity}); raise it",
+                f"a block of this layout is {format_size(bn)} but the namespace's warm tier "
+                f"would be {format_size(cap)} (the daemon's --cpu-capacity is "
+                f"{format_size(cfg.cpu_capacity)}); raise it",
                 ErrorCode.CONFIG,
             )
         shm = self._shm_dir / f"ns-{ns.id.hex()[:32]}.slab"
 
         def _open_store() -> Store:
+            note = self._new_namespace_note(ns)
+            if note is not None:
+                log.info("%s", note)
             store = open_store(
                 cfg.path, layout=ns.layout, model_id=ns.model_id,
                 model_revision=ns.model_revision or None, device="cpu", gpu_capacity=0,
@@ -182,9 +255,12 @@ class NamespaceRegistry:
         slab = store.warm_slab
         assert slab is not None
         memory_only = not (cfg.disk_capacity and cfg.path is not None)
-        log.info("opened namespace %s (model %s): %d warm slots of %d B, shm %s",
-                 ns.id.hex()[:16], ns.model_id, slab.shape[0], bn, shm)
-        return NamespaceEntry(ns, store, shm, int(slab.shape[0]), memory_only)
+        self._seen.add(ns.id)
+        log.info("opened namespace %s (model %s): %d warm slots of %s (%s), shm %s",
+                 ns.id.hex()[:16], ns.model_id, slab.shape[0], format_size(bn),
+                 format_size(slab.shape[0] * bn), shm)
+        sink = self._events.sink(ns) if self._events is not None else None
+        return NamespaceEntry(ns, store, shm, int(slab.shape[0]), memory_only, events=sink)
 
     async def _close_idle(self) -> None:
         idle = sorted((e for e in self._entries.values() if not e.connections),
@@ -201,6 +277,19 @@ class NamespaceRegistry:
         except BaseException:
             self._close_failed = True  # its dirty blocks may not have reached disk
             raise
+        finally:
+            if victim.events is not None:
+                await self._warm_gone(victim)
+
+    async def _warm_gone(self, entry: NamespaceEntry) -> None:
+        """A closed namespace: its warm tier is gone, what it flushed is on disk."""
+        assert entry.events is not None and self._events is not None
+        if not entry.memory_only:
+            try:
+                await self._run(self._events.announce_disk, self._config.path, entry.namespace.id)
+            except Exception:
+                log.exception("announcing namespace %s's disk blocks failed", entry.label)
+        entry.events.cleared("warm")
 
     async def close_all(self) -> bool:
         """Flush and close every store; False if one failed (now or earlier, for room)."""
@@ -213,4 +302,6 @@ class NamespaceRegistry:
             except Exception:
                 ok = False
                 log.exception("closing namespace %s failed", e.label)
+            if e.events is not None:
+                e.events.cleared("warm")
         return ok

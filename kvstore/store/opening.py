@@ -6,6 +6,7 @@ import torch
 
 from kvstore.copy_engine import CopyEngine
 from kvstore.errors import ConfigError
+from kvstore.memcheck import check_memory
 from kvstore.store.config import StoreConfig
 from kvstore.store.state import HOT, WARM, StoreState
 from kvstore.tiers.memory import MemoryTier
@@ -14,6 +15,8 @@ from kvstore.tiers.memory import MemoryTier
 def open_state(config: StoreConfig) -> StoreState:
     """The memory tiers, then the lower tiers below them: disk, then remote."""
     lay = config.namespace.layout
+    check_memory(config.device, hot=config.gpu_capacity,  # numbers before any allocation
+                 host=0 if config.warm_shared_memory else config.cpu_capacity)
     hot = MemoryTier(HOT, lay, config.gpu_capacity, config.device) if config.gpu_capacity else None
     warm = None
     if config.cpu_capacity:

@@ -1,0 +1,110 @@
+"""Routing across engines: prefix-aware routing against round-robin and first-blocks hashing
+on the Mooncake conversation trace (4 LRU engines at 2% and 5% of its unique blocks, all three
+in the same run), and the router's decision time for a 128k-token prompt.
+
+The trace is ``$KVSTORE_TRACE``, else ``../shared/traces/mooncake_conversation.jsonl`` beside
+the checkout; without it only the decision-time rows are measured.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from kvstore.bench import BenchOptions, BenchRow, time_row
+from kvstore.events.types import BlockStored
+from kvstore.keys import block_keys
+from kvstore.routing.index import PrefixIndex
+from kvstore.routing.router import Router
+from kvstore.routing.simulate import load_trace, simulate
+
+SECTION = "routing"
+ENGINES = 4
+PROMPT_TOKENS = 131_072
+BLOCK_TOKENS = 16
+DECISION_GOAL_S = 50e-6
+
+
+def _trace_path() -> Path | None:
+    env = os.environ.get("KVSTORE_TRACE")
+    p = Path(env) if env else (Path(__file__).resolve().parents[2].parent / "shared" / "traces"
+                               / "mooncake_conversation.jsonl")
+    return p if p.is_file() else None
+
+
+def _trace_rows(opts: BenchOptions) -> list[BenchRow]:
+    path = _trace_path()
+    if path is None:
+        print("routing: no trace (set KVSTORE_TRACE); trace rows skipped", file=sys.stderr)
+        return []
+    trace = load_trace(path)
+    if opts.quick:  # a smoke run: the goals are about the whole trace
+        trace = trace[:3000]
+    rows = []
+    for share in (0.02, 0.05):
+        r = {p: simulate(trace, p, engines=ENGINES, capacity_share=share, block_tokens=512)
+             for p in ("round-robin", "hash", "prefix")}
+        what = f"{ENGINES} engines at {share:.0%} of the unique blocks, {len(trace)} requests"
+        pre = r["prefix"]
+        note = (f"{what}; max/mean load: prefix {pre.max_over_mean:.3f}, round-robin "
+                f"{r['round-robin'].max_over_mean:.3f}, hash {r['hash'].max_over_mean:.3f}")
+        for peer, goal in (("round-robin", 2.2), ("hash", 1.0)):
+            rows.append(BenchRow(SECTION, f"prefix routing hit ratio ({share:.0%})",
+                                 pre.hit_ratio, "ratio", f"{peer} hit ratio",
+                                 r[peer].hit_ratio, pre.hit_ratio / r[peer].hit_ratio,
+                                 None if opts.quick else goal, note))
+        rows.append(BenchRow(SECTION, f"prefix routing max/mean load ({share:.0%})",
+                             pre.max_over_mean, "x", "perfect balance", 1.0,
+                             1.0 / pre.max_over_mean, None if opts.quick else 1 / 1.1,
+                             "goal: max/mean <= 1.1"))
+    return rows
+
+
+def _decision_rows(opts: BenchOptions) -> list[BenchRow]:
+    rng = random.Random(0)
+    ns = hashlib.sha256(b"kvstore-bench/routing").digest()
+    tokens = [rng.randrange(128_000) for _ in range(PROMPT_TOKENS)]
+    keys = block_keys(ns, tokens, BLOCK_TOKENS)
+    idx = PrefixIndex()
+    names = [f"engine-{i}" for i in range(ENGINES)]
+    for i, name in enumerate(names):  # each holds a different share of this prompt
+        idx.add_engine(name)
+        n = len(keys) * (i + 1) // (ENGINES + 1)
+        idx.apply(name, [BlockStored(tuple(keys[:n]), None, (), BLOCK_TOKENS, "CPU")])
+    router = Router(names, idx, "prefix", block_tokens=BLOCK_TOKENS)
+    loads = {n: 1000.0 * i for i, n in enumerate(names)}
+    reps = 300 if opts.quick else 3000
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        router.route(keys, loads)
+        times.append(time.perf_counter() - t0)
+    p50 = statistics.median(times)
+    t_keys = min(_timed(lambda: block_keys(ns, tokens, BLOCK_TOKENS)) for _ in range(5))
+    held = idx._held  # the linear scan a plain per-block index would do, for scale
+    t_scan = min(_timed(lambda: [held.get(k, 0) for k in keys]) for _ in range(5))
+    what = f"{PROMPT_TOKENS // 1024}k-token prompt, {len(keys)} blocks, {ENGINES} engines"
+    note = f"p50 of {reps}; p99 {sorted(times)[int(reps * 0.99)] * 1e6:.0f} us"
+    return [
+        time_row(SECTION, f"router decision p50 ({what})", p50, "the 50 us goal",
+                 DECISION_GOAL_S, unit="us", goal=1.0, note=note),
+        time_row(SECTION, f"router decision p50 ({what})", p50, "computing the prompt's keys",
+                 t_keys, unit="us", note="the hashing any prefix router needs first"),
+        time_row(SECTION, f"router decision p50 ({what})", p50, "one index probe per block",
+                 t_scan, unit="us", note="bisection vs a linear scan of the prompt"),
+    ]
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def run(opts: BenchOptions) -> list[BenchRow]:
+    return _decision_rows(opts) + _trace_rows(opts)

@@ -1,0 +1,300 @@
+"""``EventPublisher``: KV events out over ZMQ PUB, with replay and snapshots for resync.
+
+Sinks (one per namespace, :meth:`EventPublisher.sink`) only queue what the store tells them;
+one thread owns the sockets and does the rest: it keeps each namespace's :class:`Mirror`,
+turns the queued changes into events, packs them into batches (at most ``max_batch_blocks``
+hashes each), numbers and sends them, keeps the last ``buffer_steps`` batches for replay, and
+answers replay and snapshot requests on the ROUTER socket (:mod:`kvstore.events.frames`).
+
+Sequence numbers start at the publisher's start time in microseconds since the epoch, so a
+restarted publisher's numbers never continue the old ones: a consumer's next expected number
+is never found in the new buffer, and it resyncs from a snapshot instead of splicing two
+histories. The first batch of every publisher is ``AllBlocksCleared``; an empty batch goes out
+after ``heartbeat_s`` without one, so consumers can tell a quiet publisher from a dead one.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import zmq
+
+from kvstore.errors import ConfigError
+from kvstore.events import frames
+from kvstore.events.codec import encode_batch
+from kvstore.events.config import EventsConfig
+from kvstore.events.mirror import Mirror
+from kvstore.events.types import TIER_MEDIUM, AllBlocksCleared, Event, EventBatch
+from kvstore.keys import BlockKey
+
+log = logging.getLogger("kvstore.events")
+
+_POLL_S = 0.05  # longest a replay request waits while nothing else happens
+_STOP = object()
+
+
+@dataclass(frozen=True, slots=True)
+class PublisherStats:
+    last_seq: int
+    batches: int
+    events: int
+    replays: int
+    snapshots: int
+    bad_requests: int
+    blocks: int  # (block, namespace) pairs held in some tier, as published
+    queued: int  # sink calls not yet turned into events
+
+
+@dataclass(frozen=True, slots=True)
+class _Change:
+    mirror: Mirror
+    op: str  # "stored" | "removed" | "cleared"
+    tier: str | None
+    keys: tuple[BlockKey, ...]
+    parents: tuple[BlockKey | None, ...]
+
+
+class NamespaceSink:
+    """The :class:`~kvstore.events.sink.EventSink` of one namespace on a publisher."""
+
+    __slots__ = ("_put", "_mirror")
+
+    def __init__(self, publisher: EventPublisher, mirror: Mirror) -> None:
+        self._put = publisher._queue.put
+        self._mirror = mirror
+
+    @staticmethod
+    def _check(tier: str | None, optional: bool) -> None:
+        if tier not in TIER_MEDIUM and not (optional and tier is None):
+            raise ValueError(f"tier must be one of {', '.join(TIER_MEDIUM)}, got {tier!r}")
+
+    def stored(self, tier: str, keys: Sequence[BlockKey],
+               parents: Sequence[BlockKey | None]) -> None:
+        self._check(tier, False)
+        if len(keys) != len(parents):
+            raise ValueError(f"{len(keys)} keys but {len(parents)} parents")
+        if keys:
+            self._put(_Change(self._mirror, "stored", tier, tuple(keys), tuple(parents)))
+
+    def removed(self, tier: str | None, keys: Sequence[BlockKey]) -> None:
+        self._check(tier, True)
+        if keys:
+            self._put(_Change(self._mirror, "removed", tier, tuple(keys), ()))
+
+    def cleared(self, tier: str | None = None) -> None:
+        self._check(tier, True)
+        self._put(_Change(self._mirror, "cleared", tier, (), ()))
+
+
+class EventPublisher:
+    """Binds ``config.endpoint`` (PUB) and ``config.replay_endpoint`` (ROUTER) at once;
+    ``endpoint`` / ``replay_endpoint`` are the addresses bound (a port 0 resolved)."""
+
+    def __init__(self, config: EventsConfig, *, context: zmq.Context | None = None) -> None:
+        self.config = config
+        self._ctx = context or zmq.Context()
+        self._own_ctx = context is None
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._mirrors: dict[bytes, Mirror] = {}
+        self._sinks: dict[bytes, NamespaceSink] = {}
+        self._lock = threading.Lock()
+        self._buffer: deque[frames.StreamMessage] = deque(maxlen=config.buffer_steps)
+        self._topic = config.topic.encode()
+        self._next_seq = int(time.time() * 1e6)
+        self._counts = {"batches": 0, "events": 0, "replays": 0, "snapshots": 0, "bad": 0}
+        self._last_sent = 0.0
+        self.endpoint = ""
+        self.replay_endpoint = ""
+        self._pub: zmq.Socket | None = None
+        self._router: zmq.Socket | None = None
+        self._bind()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="kvstore-events", daemon=True)
+        self._publish([AllBlocksCleared()])  # before any sink call: consumers start from empty
+        self._thread.start()
+
+    # -- public --------------------------------------------------------------------------------
+    def sink(self, namespace_id: bytes, block_size: int) -> NamespaceSink:
+        """The sink of one namespace (the same one every time it is asked for)."""
+        with self._lock:
+            s = self._sinks.get(namespace_id)
+            if s is None:
+                m = Mirror(block_size, self.config.max_batch_blocks)
+                self._mirrors[namespace_id] = m
+                s = self._sinks[namespace_id] = NamespaceSink(self, m)
+            return s
+
+    def sink_of(self, namespace_id: bytes) -> NamespaceSink | None:
+        """The namespace's sink if it was ever asked for, else ``None``."""
+        with self._lock:
+            return self._sinks.get(namespace_id)
+
+    def flush(self, timeout: float | None = 10.0) -> bool:
+        """Wait until every sink call made before this one has been published."""
+        done = threading.Event()
+        self._queue.put(done)
+        return done.wait(timeout)
+
+    def stats(self) -> PublisherStats:
+        c = self._counts
+        return PublisherStats(self._next_seq - 1, c["batches"], c["events"], c["replays"],
+                              c["snapshots"], c["bad"],
+                              sum(len(m) for m in list(self._mirrors.values())),
+                              self._queue.qsize())
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Publish what is queued, then close the sockets. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(_STOP)
+        self._thread.join(timeout)
+        for s in (self._pub, self._router):
+            if s is not None:
+                s.close(linger=int(timeout * 1000))
+        if self._own_ctx:
+            self._ctx.term()
+
+    def __enter__(self) -> EventPublisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- sockets -------------------------------------------------------------------------------
+    def _bind(self) -> None:
+        cfg = self.config
+        try:
+            pub = self._pub = self._ctx.socket(zmq.PUB)
+            pub.set_hwm(cfg.hwm)
+            pub.bind(cfg.endpoint)
+            self.endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
+            r = self._router = self._ctx.socket(zmq.ROUTER)
+            r.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a vanished client is an error, not a stall
+            r.setsockopt(zmq.SNDHWM, 0)  # a snapshot reply is sent whole
+            r.setsockopt(zmq.MAXMSGSIZE, 4096)  # requests are tiny
+            assert cfg.replay_endpoint is not None
+            r.bind(cfg.replay_endpoint)
+            self.replay_endpoint = r.getsockopt_string(zmq.LAST_ENDPOINT)
+        except zmq.ZMQError as e:
+            for s in (self._pub, self._router):
+                if s is not None:
+                    s.close(linger=0)
+            if self._own_ctx:
+                self._ctx.term()
+            raise ConfigError(f"cannot bind the KV events sockets ({cfg.endpoint}, replay "
+                              f"{cfg.replay_endpoint}): {e}; choose free addresses") from None
+
+    # -- the thread ----------------------------------------------------------------------------
+    def _run(self) -> None:
+        get = self._queue.get
+        while True:
+            wait = max(0.0, min(_POLL_S, self._last_sent + self.config.heartbeat_s - time.monotonic()))
+            try:
+                item = get(timeout=wait)
+            except queue.Empty:
+                item = None
+            events: list[Event] = []
+            waiters: list[threading.Event] = []
+            stop = False
+            while item is not None:
+                if item is _STOP:
+                    stop = True
+                elif isinstance(item, threading.Event):
+                    waiters.append(item)
+                else:
+                    events.extend(self._apply(item))
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    item = None
+            try:
+                if events or time.monotonic() - self._last_sent >= self.config.heartbeat_s:
+                    self._publish(events)
+                self._serve_requests()
+            except Exception:  # never let a bad moment kill the stream
+                log.exception("publishing KV events failed")
+            for w in waiters:
+                w.set()
+            if stop:
+                return
+
+    @staticmethod
+    def _apply(c: _Change) -> list[Event]:
+        if c.op == "stored":
+            assert c.tier is not None
+            return c.mirror.stored(c.tier, c.keys, c.parents)
+        if c.op == "removed":
+            return c.mirror.removed(c.tier, c.keys)
+        return c.mirror.cleared(c.tier)
+
+    def _batches(self, events: Sequence[Event]) -> list[list[Event]]:
+        cap = self.config.max_batch_blocks
+        out: list[list[Event]] = [[]]
+        n = 0
+        for e in events:
+            w = len(e.block_hashes) if not isinstance(e, AllBlocksCleared) else 1
+            if out[-1] and n + w > cap:
+                out.append([])
+                n = 0
+            out[-1].append(e)
+            n += w
+        return out
+
+    def _encode(self, events: Sequence[Event]) -> bytes:
+        cfg = self.config
+        return encode_batch(EventBatch(time.time(), tuple(events), cfg.data_parallel_rank),
+                            cfg.layout)
+
+    def _publish(self, events: Sequence[Event]) -> None:
+        assert self._pub is not None
+        for chunk in self._batches(events):
+            msg = frames.StreamMessage(self._topic, self._next_seq, self._encode(chunk))
+            self._next_seq += 1
+            self._pub.send_multipart([msg.topic, frames.seq_bytes(msg.seq), msg.payload])
+            self._buffer.append(msg)
+            self._counts["batches"] += 1
+            self._counts["events"] += len(chunk)
+        self._last_sent = time.monotonic()
+
+    def _serve_requests(self) -> None:
+        r = self._router
+        assert r is not None
+        while r.poll(0):
+            try:
+                req = frames.parse_request(r.recv_multipart(zmq.NOBLOCK))
+            except Exception as e:  # garbage from a peer: tell nobody, count it
+                self._counts["bad"] += 1
+                log.debug("bad replay request: %s", e)
+                continue
+            try:
+                if req.snapshot:
+                    self._send_snapshot(req.client)
+                else:
+                    self._send_replay(req.client, req.start_seq)
+                r.send_multipart(frames.end_of_reply(req.client))
+            except zmq.ZMQError as e:  # the client left meanwhile
+                log.debug("replay client gone: %s", e)
+
+    def _send_replay(self, client: bytes, start: int) -> None:
+        self._counts["replays"] += 1
+        for msg in self._buffer:
+            if msg.seq >= start:
+                self._router.send_multipart(frames.reply(client, msg))  # type: ignore[union-attr]
+
+    def _send_snapshot(self, client: bytes) -> None:
+        self._counts["snapshots"] += 1
+        seq = self._next_seq - 1  # the state right now is the state after this batch
+        events: list[Event] = [AllBlocksCleared()]
+        for m in list(self._mirrors.values()):
+            events.extend(m.snapshot())
+        for chunk in self._batches(events):
+            msg = frames.StreamMessage(self._topic, seq, self._encode(chunk))
+            self._router.send_multipart(frames.reply(client, msg))  # type: ignore[union-attr]
+
