@@ -81,11 +81,15 @@ def test_log_is_in_human_sizes_and_names_new_namespaces(daemon):
     from kvstore.client import connect
 
     kv = torch.zeros(LAY.batch_shape(2), dtype=LAY.dtype)
+    notes = []
     for model in ("org/Model-8B", "org/Model-8b", "org/Model-8B"):  # the second: a typo
         with connect(daemon.socket_path, layout=LAY, model_id=model, device="cpu") as c:
+            notes.append(c.new_namespace)  # the client is told too, in hello's reply
             keys = c.block_keys(list(range(2 * LAY.block_tokens)))
             c.put(keys, kv).wait()
             c.flush()
+    assert notes[0].startswith("new namespace") and notes[2] == ""
+    assert "differing in one field only" in notes[1] and "org/Model-8B" in notes[1]
     log = daemon.log()
     assert "warm tier 1.0 MiB per namespace, disk tier 16.0 MiB" in log
     assert "1048576" not in log and "16777216" not in log  # no raw byte counts

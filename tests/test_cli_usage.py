@@ -110,7 +110,7 @@ def test_negative_size_with_a_space_reaches_the_check(capsys):
 
 @pytest.mark.parametrize("argv, words", [
     (["--cpu-capacity", "12XB"], "argument --cpu-capacity: '12XB' is not a size"),
-    (["--cpu-capacity", "1KiB"], "argument --cpu-capacity: 1KiB is less than 64.0 KiB"),
+    (["--cpu-capacity", "1KiB"], "argument --cpu-capacity: 1KiB is less than 16.0 KiB"),
     (["--workers", "0"], "argument --workers: must be >= 1"),
     (["--metrics-port", "99999"], "argument --metrics-port: must be >= 0 and <= 65535"),
     (["--max-frame", "12"], "argument --max-frame: 12 is less than 1.0 KiB"),

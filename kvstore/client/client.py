@@ -452,6 +452,14 @@ class Client:
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def new_namespace(self) -> str:
+        """The daemon's note when nothing was stored under this client's namespace before it
+        connected (its fields, and stored namespaces differing in one field: a typo'd
+        ``model_id``); ``""`` otherwise or while disconnected. Also logged as a warning."""
+        s = self._session
+        return s.hello.new_namespace if s is not None else ""
+
     def close(self) -> None:
         """Close the connection (the daemon gives back whatever it still holds for us)."""
         if not self._link.mark_closed():

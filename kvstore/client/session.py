@@ -83,6 +83,8 @@ def open_session(socket_path: str, timeout: float | None, hello: m.Hello, layout
         if reply.block_nbytes != layout.block_nbytes:
             raise ServerError(ErrorCode.CONFIG, "daemon disagrees on the block size")
         ch.max_frame = reply.max_frame
+        if reply.new_namespace:  # a typo'd model id would otherwise just never hit
+            log.warning("kvstore daemon at %s: %s", socket_path, reply.new_namespace)
         slab = _map_slab(reply)
         pinned = device.type == "cuda" and _pin(slab)
         directory = _open_directory(reply.shm_path)

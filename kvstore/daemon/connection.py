@@ -185,7 +185,9 @@ class Connection:
         await self._send(m.encode_reply(rid, m.HelloReply(
             PROTOCOL_VERSION, ns.id, str(e.shm_path), e.slots, ns.layout.block_nbytes,
             self.limits.max_frame, self.limits.max_keys, self.limits.max_leases,
-            self.daemon.server_name, self.daemon.instance, self.daemon.flushed_instances)))
+            self.daemon.server_name, self.daemon.instance, self.daemon.flushed_instances,
+            e.new_note)))
+        e.new_note = ""  # the first client is told; later ones find what it stored
         self.metrics.observe("hello", time.perf_counter() - t0)
         return True
 

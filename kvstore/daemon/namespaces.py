@@ -47,6 +47,9 @@ class NamespaceEntry:
     connections: set = field(default_factory=set)
     last_used: float = field(default_factory=time.monotonic)
     events: NamespaceSink | None = None  # where its tier changes are reported (--kv-events)
+    #: said to the first clients when nothing was stored under the namespace before this
+    #: daemon opened it (their model id may have a typo): its fields, and near namespaces
+    new_note: str = ""
 
     @property
     def label(self) -> str:
@@ -224,10 +227,13 @@ class NamespaceRegistry:
             )
         shm = self._shm_dir / f"ns-{ns.id.hex()[:32]}.slab"
 
+        notes: list[str] = []
+
         def _open_store() -> Store:
             note = self._new_namespace_note(ns)
             if note is not None:
                 log.info("%s", note)
+                notes.append(note)
             store = open_store(
                 cfg.path, layout=ns.layout, model_id=ns.model_id,
                 model_revision=ns.model_revision or None, device="cpu", gpu_capacity=0,
@@ -260,7 +266,8 @@ class NamespaceRegistry:
                  ns.id.hex()[:16], ns.model_id, slab.shape[0], format_size(bn),
                  format_size(slab.shape[0] * bn), shm)
         sink = self._events.sink(ns) if self._events is not None else None
-        return NamespaceEntry(ns, store, shm, int(slab.shape[0]), memory_only, events=sink)
+        return NamespaceEntry(ns, store, shm, int(slab.shape[0]), memory_only, events=sink,
+                              new_note=notes[0] if notes else "")
 
     async def _close_idle(self) -> None:
         idle = sorted((e for e in self._entries.values() if not e.connections),

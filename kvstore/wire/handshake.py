@@ -86,11 +86,14 @@ class HelloReply:
     instance: bytes = b""  # random per daemon start (b"": a daemon that does not say)
     #: earlier daemons on this store path that stopped with every committed put on disk
     flushed_instances: tuple[bytes, ...] = ()
+    #: non-empty when nothing is stored under the namespace yet: its fields, and any stored
+    #: namespace differing in one field only (a typo'd model id gets an empty cache)
+    new_namespace: str = ""
 
     def to_wire(self) -> list:
         return [self.version, self.namespace_id, self.shm_path, self.slots, self.block_nbytes,
                 self.max_frame, self.max_keys, self.max_leases, self.server, self.instance,
-                list(self.flushed_instances)]
+                list(self.flushed_instances), self.new_namespace]
 
     @classmethod
     def from_wire(cls, body: object) -> HelloReply:
@@ -111,4 +114,4 @@ class HelloReply:
                    check_int(a[3], "slots"), check_int(a[4], "block_nbytes", 1),
                    check_int(a[5], "max_frame", 64), check_int(a[6], "max_keys", 1),
                    check_int(a[7], "max_leases", 1), check_str(a[8], "server"), instance,
-                   tuple(flushed))
+                   tuple(flushed), check_str(a[11], "new_namespace", 4096) if len(a) > 11 else "")
