@@ -144,15 +144,21 @@ def test_failing_disk_read_in_the_middle_of_a_batch(tmp_path, monkeypatch):
         s.evict(tier="warm")
         real = s.state.lower[0].disk.read_many
 
+        calls = []
+
         def flaky(ks, dsts, **kw):
             out = real(ks, dsts, **kw)
-            out[3] = ReadStatus.DAMAGED
-            dsts[3].fill_(0xAB)  # garbage where the bad block would be
+            calls.append(len(ks))
+            if len(calls) == 1:  # the fetch's read (the warm copies are read after it)
+                out[3] = ReadStatus.DAMAGED
+                dsts[3].fill_(0xAB)  # garbage where the bad block would be
             return out
 
         monkeypatch.setattr(s.state.lower[0].disk, "read_many", flaky)
         got = s.fetch(keys).wait(5)
         assert got.shape[0] == 3 and torch.equal(got, kv[:3])
+        s.flush()  # the warm copies of the three are made behind the fetch
+        assert calls == [6, 3]
         st = s.stats()
         assert st.damaged == 1 and st.pinned_blocks == 0
         # only the valid leading run entered memory (prefix-closed)

@@ -33,7 +33,13 @@ def test_value_round_trip_and_damage():
 
 
 def test_absent_database_is_not_kept(tmp_path):
+    """An index written before tombstones existed has no such database: readers answer
+    NOT_KEPT until a writer records one (opening it writable creates it)."""
     t = DiskTier(tmp_path / "s", capacity_bytes=1 << 20)
+    assert tomb.kept(t)  # a writable open creates the database
+    sh = t._ensure()
+    with sh.env.begin(write=True) as txn:  # as an older index was
+        txn.drop(sh.dbs.pop(tomb.DB_TOMBSTONES), delete=True)
     try:
         assert not tomb.kept(t)
         assert tomb.lookup_on(t, bytes(32), [bytes(32)]) is tomb.NOT_KEPT

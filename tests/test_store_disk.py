@@ -13,7 +13,8 @@ import pytest
 import torch
 from conftest import bit_equal, keyed_kv
 
-from kvstore import ConfigError, DiskError, KVLayout, open_store
+from kvstore import ConfigError, KVLayout, open_store
+from kvstore.tiers.base import ReadStatus
 
 LAY = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16, block_tokens=4)
 BN = LAY.block_nbytes
@@ -155,12 +156,17 @@ def test_damaged_block_is_a_counted_miss(tmp_path, how):
         assert same(s.fetch(keys).wait(), kv)
 
 
-def test_disk_write_failure_is_counted_not_raised(tmp_path, monkeypatch):
-    with opened(tmp_path, warm=16) as s:
-        def boom(items):
-            raise DiskError(28, "No space left on device (injected)")
+@pytest.mark.parametrize("step", ["create_segment", "finish_segment"])
+def test_disk_write_failure_is_counted_not_raised(tmp_path, monkeypatch, step):
+    """A disk full while the writer stages a segment or while it commits: the blocks stay
+    in memory, counted, never an error for the engine."""
+    from kvstore.tiers.disk import segments as seg_mod
 
-        monkeypatch.setattr(s.state.lower[0].disk, "write_blocks", boom)
+    with opened(tmp_path, warm=16) as s:
+        def boom(*args, **kw):
+            raise OSError(28, "No space left on device (injected)")
+
+        monkeypatch.setattr(seg_mod, step, boom)
         keys = s.block_keys(list(range(16)))
         assert s.put(keys, kv_for(keys)).wait() == 4
         s.flush()
@@ -328,3 +334,87 @@ def test_stats_attribute_each_served_block_to_its_tier(tmp_path):
         assert st.tier("disk").hits == 6
         assert st.tier("hot").hits + st.tier("warm").hits == 3
         assert sum(t.hits for t in st.tiers) == st.fetched_blocks == 9
+
+
+def test_write_behind_stages_batches_and_commits_them_together(tmp_path, monkeypatch):
+    """Several write-behind batches, one index commit: once flush returns every block is on
+    disk, in one segment per batch."""
+    from kvstore.store import write_back
+
+    monkeypatch.setattr(write_back, "WRITE_BATCH_BYTES", 2 * BN)
+    with opened(tmp_path, warm=32) as s:
+        disk = s.state.lower[0].disk
+        commits = []
+        real = disk.commit_staged
+
+        def counting(staged):
+            commits.append(len(staged))
+            return real(staged)
+
+        monkeypatch.setattr(disk, "commit_staged", counting)
+        s.state.writer.flush()  # nothing staged: no commit at all
+        assert commits == []
+        with s.state.lock:  # hold the writer off until all 8 blocks are dirty
+            keys = s.block_keys(list(range(32)))
+            t = s.put(keys, kv_for(keys))
+        assert t.wait() == 8
+        s.flush()
+        assert sum(commits) == 4 and len(commits) <= 2  # 4 batches, (almost) all in one commit
+        assert s.stats().tier("disk").blocks == 8 and len(segment_files(tmp_path)) == 4
+        assert not list(Path(tmp_path).rglob("*.tmp"))
+    with opened(tmp_path, warm=32) as s:
+        keys = s.block_keys(list(range(32)))
+        assert same(s.fetch(keys).wait(), kv_for(keys))
+
+
+def test_staged_batches_commit_once_enough_is_staged(tmp_path, monkeypatch):
+    from kvstore.store import write_back
+
+    monkeypatch.setattr(write_back, "WRITE_BATCH_BYTES", BN)
+    monkeypatch.setattr(write_back, "COMMIT_BYTES", 2 * BN)
+    with opened(tmp_path, warm=64) as s:
+        disk = s.state.lower[0].disk
+        commits = []
+        real = disk.commit_staged
+        monkeypatch.setattr(disk, "commit_staged", lambda st: commits.append(len(st)) or real(st))
+        keys = s.block_keys(list(range(24)))
+        with s.state.lock:
+            t = s.put(keys, kv_for(keys))
+        assert t.wait() == 6
+        s.flush()
+        assert commits == [2, 2, 2]
+        assert s.stats().tier("disk").blocks == 6
+
+
+def test_a_disk_fetch_into_host_memory_fills_warm_behind_the_caller(tmp_path, monkeypatch):
+    """The fetch reads straight into the caller's tensor; the warm copies are read from disk
+    afterwards (never from the caller's buffer, which it may reuse at once), and a block
+    whose second read fails is simply not kept in warm (nor those after it)."""
+    with opened(tmp_path, warm=16) as s:
+        keys = s.block_keys(list(range(24)))
+        kv = kv_for(keys)
+        s.put(keys, kv).wait()
+        s.flush()
+        s.evict(tier="warm")
+        disk = s.state.lower[0].disk
+        real = disk.read_many
+        calls = []
+
+        def reading(ks, dsts, **kw):
+            calls.append((len(ks), kw.get("mirrors")))
+            out = real(ks, dsts, **kw)
+            if len(calls) == 2:  # the warm fill: pretend block 4's second read failed
+                out[4] = ReadStatus.DAMAGED
+            return out
+
+        monkeypatch.setattr(disk, "read_many", reading)
+        out = torch.empty_like(kv)
+        got = s.fetch(keys, out=out).wait()
+        assert same(got, kv)
+        out.fill_(0)  # the caller reuses its buffer at once: warm must not copy from it
+        s.flush()
+        assert [n for n, _m in calls] == [6, 6] and all(m is None for _n, m in calls)
+        # blocks 0-3 joined warm; 4 did not, nor 5 after it (warm stays prefix-closed)
+        assert s.stats().tier("warm").blocks == 4 and s.stats().pinned_blocks == 0
+        monkeypatch.undo()
+        assert same(s.fetch(keys).wait(), kv)  # warm copies (and a disk read of block 4)

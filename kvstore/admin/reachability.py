@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from kvstore.admin.findings import FindingEntry, block_id
+from kvstore.tiers.disk.tombstones import Detail, Reason
 
 if TYPE_CHECKING:
     from kvstore.tiers.disk import DiskTier
@@ -160,7 +161,7 @@ def remove_unreachable(t: DiskTier, planned: Iterable[bytes],
         for k in doomed:
             by_ns.setdefault(k[:32], []).append(k[32:])
         for ns, keys in by_ns.items():  # DiskTier.delete keeps the children/LRU dbs right
-            t.delete(keys, namespace_id=ns)
+            t.delete(keys, namespace_id=ns, reason=Reason.PRUNED, detail=Detail.UNREACHABLE)
         gone.update(k for k in doomed if t.get_record(k[32:], namespace_id=k[:32]) is None)
         late.extend(recs[k] for k in doomed if k not in planned)
         roots = set(doomed)

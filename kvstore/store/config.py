@@ -31,6 +31,8 @@ class StoreConfig:
     warm_shared_memory: str | None = None  # file (e.g. under /dev/shm) backing the warm slab
     # fault the warm slab's pages in at open, in the background (kvstore.tiers.slab.Prefault)
     prefault_warm: bool = True
+    # fault the warm slab's pages in at open, in the background (kvstore.tiers.slab.Prefault)
+    prefault_warm: bool = True
     remote: str | None = None  # redis://, rediss:// or redis+cluster:// URL of the remote tier
     remote_codec: str = "zstd"
     remote_budget_s: float = 0.05

@@ -37,6 +37,8 @@ class FetchPlan:
     direct: bool = False  # lower-tier blocks were read straight into the result
     staging: torch.Tensor | None = None  # host rows for lower-tier blocks without a warm slot
     promote_failed: bool = False  # the hot copies were not made: release the hot slots
+    fill: bool = False  # warm copies of direct reads are made after the fetch (fill_warm)
+    unfilled: set[int] = field(default_factory=set)  # positions whose warm copy failed
     # position -> (lower tier index, what it located, index in it): found while planning
     source: dict[int, tuple[int, Located, int]] = field(default_factory=dict)
 
@@ -182,10 +184,15 @@ class Fetcher:
             idx = [j for j, (p, _) in enumerate(plan.lower) if plan.tier_of(p) == t]
             if not idx:
                 continue
-            # read straight into the caller's buffer: the reading threads keep the warm copy
-            # as each run lands, overlapping that copy with the reads still going
-            mirrors = ([warm[plan.lower[j][1]] if plan.lower[j][1] >= 0 else None for j in idx]
-                       if plan.direct else None)
+            # read straight into the caller's buffer. A durable tier's blocks are read again
+            # into their warm slots after the fetch completed (fill_warm: page-cache hits, off
+            # the caller's path); a volatile tier's are copied by the reading threads as each
+            # run lands (a second round trip could find them expired)
+            mirrors = None
+            if plan.direct and tier.volatile:
+                mirrors = [warm[plan.lower[j][1]] if plan.lower[j][1] >= 0 else None for j in idx]
+            elif plan.direct:
+                plan.fill = plan.fill or any(plan.lower[j][1] >= 0 for j in idx)
             got = self.read_tier(tier, plan.located(idx), [dsts[j] for j in idx], mirrors)
             for j, st in zip(idx, got, strict=True):
                 statuses[j] = st
@@ -209,6 +216,29 @@ class Fetcher:
             log.warning("fetch: reading %d block(s) from the %s tier failed (%s: %s); "
                         "treating them as damaged", len(dsts), tier.name, type(e).__name__, e)
             return [ReadStatus.DAMAGED] * len(dsts)
+
+    def fill_warm(self, plan: FetchPlan) -> None:
+        """Read the durable tiers' blocks of a direct fetch into their reserved warm slots,
+        verified like any read, after the caller has its bytes (never from the caller's
+        buffer, which it may already be reusing). A block not read back is not published
+        in warm, nor any after it (``plan.unfilled``)."""
+        assert self.st.warm is not None
+        warm = self.st.warm.slab.data
+        n = plan.valid
+        for t, tier in enumerate(self.st.lower):
+            if tier.volatile:
+                continue
+            idx = [j for j, (p, s) in enumerate(plan.lower)
+                   if s >= 0 and p < n and plan.tier_of(p) == t]
+            if not idx:
+                continue
+            got = self.read_tier(tier, plan.located(idx), [warm[plan.lower[j][1]] for j in idx],
+                                 None)
+            plan.unfilled.update(plan.lower[j][0] for j, st in zip(idx, got, strict=True)
+                                 if st is not ReadStatus.OK)
+        if plan.unfilled:  # what joins warm stays prefix-closed: nothing after a gap
+            cut = min(plan.unfilled)
+            plan.unfilled.update(p for p, _ in plan.lower if p > cut)
 
     def copy(
         self, plan: FetchPlan, result: torch.Tensor | None, t: Transfer,
@@ -269,7 +299,7 @@ class Fetcher:
             return []
         lower = sorted(plan.warm + [(p, s) for p, s in plan.lower if s >= 0])
         items = [(plan.promote[j], s) for j, (p, s) in enumerate(lower[: len(plan.promote)])
-                 if p < plan.valid]
+                 if p < plan.valid and p not in plan.unfilled]
         for dst_first, src_first, length in paired_runs(items):
             hot.slab.data[dst_first : dst_first + length].copy_(
                 warm.slab.data[src_first : src_first + length], non_blocking=stream is not None)
@@ -303,7 +333,7 @@ class Fetcher:
                 continue
             assert warm is not None
             k = plan.keys[p] if p < len(plan.keys) else None
-            if k is not None and p < n and k not in warm:
+            if k is not None and p < n and k not in warm and p not in plan.unfilled:
                 if k not in cat:
                     cat.add(k, plan.keys[p - 1] if p else plan.parent)
                     t = plan.tier_of(p)
@@ -322,7 +352,8 @@ class Fetcher:
             lower = sorted(plan.warm + [(p, s) for p, s in plan.lower if s >= 0])
             for (p, _), slot in zip(lower, plan.promote, strict=False):
                 k = plan.keys[p] if p < len(plan.keys) else None
-                if k is not None and p < n and not plan.promote_failed and k not in hot and k in cat:
+                if (k is not None and p < n and not plan.promote_failed and k not in hot
+                        and k in cat and p not in plan.unfilled):
                     hot.insert(k, slot)
                     hot.counters.promotions_in += 1
                 else:
@@ -427,6 +458,16 @@ class FetchJob:
             c.fetch_short += self.asked - (plan.valid if ok else 0)
             if ok:
                 self.fetcher.count_served(plan, plan.valid)
+        filling = ok and plan.fill and plan.valid > 0
+        if filling:
+            # the warm copies of blocks read straight into the caller's buffer, behind the
+            # caller's back (the d2h path: into warm, off every fetch's disk_read and h2d);
+            # queued before the result is out, so that a flush after it waits for them too
+            try:
+                self.engine.submit("d2h", Job(Transfer(), self.fill, self.after_fill))
+            except BaseException:  # closing: publish nothing of them in warm
+                plan.unfilled.update(p for p, _ in plan.lower)
+                filling = False
         if not ok:
             t.set_error(error or RuntimeError("fetch failed"))
         else:
@@ -434,6 +475,20 @@ class FetchJob:
             t.set_result(self.result[: plan.valid])
         if self.then is not None:
             self.then(ok, error)
+        if not filling:
+            self.promote_or_settle(ok)
+
+    def fill(self, stream: torch.cuda.Stream | None) -> list:
+        self.fetcher.fill_warm(self.plan)
+        return []
+
+    def after_fill(self, ok: bool, error: BaseException | None) -> None:
+        if not ok:
+            self.plan.unfilled.update(p for p, _ in self.plan.lower)
+        self.promote_or_settle(True)
+
+    def promote_or_settle(self, ok: bool) -> None:
+        plan = self.plan
         if ok and plan.promote and plan.valid:
             # promotion into hot happens behind the caller's back, off its critical path
             try:

@@ -21,7 +21,8 @@ def open_state(config: StoreConfig) -> StoreState:
     warm = None
     if config.cpu_capacity:
         warm = MemoryTier(WARM, lay, config.cpu_capacity, torch.device("cpu"),
-                          pin_memory=config.pin_memory, shared_path=config.warm_shared_memory)
+                          pin_memory=config.pin_memory, shared_path=config.warm_shared_memory,
+                          prefault=config.prefault_warm)
     if hot is None and warm is None:
         raise ConfigError("gpu_capacity and cpu_capacity are both 0: give at least one memory "
                           "tier room")

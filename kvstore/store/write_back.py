@@ -1,8 +1,20 @@
-"""The background writer's passes: dirty blocks and put overflow into disk segments."""
+"""The background writer's passes: dirty blocks and put overflow into disk segments.
+
+The durable tier's writes are staged (:class:`~kvstore.tiers.base.StagedWrites`): each pass
+writes one segment's bytes (the device starts writing them at once) and the pass that finds
+nothing more to do commits every staged segment together: one fsync per file, one directory
+fsync, one index commit. Staging the next batch overlaps the device writing the last one, and
+``flush`` (which waits for such an idle pass) still returns only once every block put before
+it is durable. A commit also happens once :data:`COMMIT_BYTES` (or a quarter of the warm
+tier, whose slots stay pinned until then) is staged, or the oldest staged batch is
+:data:`COMMIT_AGE_S` old.
+"""
 
 from __future__ import annotations
 
 import logging
+import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -11,11 +23,27 @@ from kvstore.keys import BlockKey
 from kvstore.store.put import OverflowJob
 from kvstore.store.residency import Residency
 from kvstore.store.state import StoreState
-from kvstore.tiers.base import BlockWrite, LowerTier
+from kvstore.tiers.base import BlockWrite, LowerTier, StagedWrites
 
 log = logging.getLogger("kvstore.store")
 #: how much the background writer puts into one segment
 WRITE_BATCH_BYTES = 64 << 20
+#: staged bytes that make the writer commit without waiting to drain
+COMMIT_BYTES = 1 << 30
+#: staged batches older than this are committed (visible and durable) without waiting to drain
+COMMIT_AGE_S = 2.0
+
+Job = tuple[BlockKey, BlockKey | None, torch.Tensor, int]
+
+
+@dataclass(slots=True)
+class Staged:
+    """What the durable tier holds staged: its batches and the (pinned) blocks they carry."""
+
+    batches: list[object] = field(default_factory=list)
+    jobs: list[Job] = field(default_factory=list)
+    nbytes: int = 0
+    since: float = 0.0
 
 
 class WriteBack:
@@ -25,10 +53,12 @@ class WriteBack:
     def __init__(self, st: StoreState, res: Residency) -> None:
         self.st = st
         self.res = res
+        self.staged = Staged()  # touched only by the writer's thread
 
     def write_pass(self) -> bool:
         """One batch of the background writer: overflow of a put straight to the durable
-        tier, else dirty blocks into every lower tier (one disk segment, one remote pipeline)."""
+        tier, else dirty blocks into every lower tier (one disk segment, one remote pipeline).
+        Returns False, with everything staged committed, once there is nothing more."""
         per_batch = max(1, WRITE_BATCH_BYTES // self.st.layout.block_nbytes)
         with self.st.lock:
             if self.st.closed or not self.st.lower:
@@ -39,14 +69,69 @@ class WriteBack:
             return True
         jobs = self.take_dirty(per_batch)
         if not jobs:
+            self.commit()
             return False
         cpu = [(k, p, d if d.device.type == "cpu" else d.to("cpu"), c) for k, p, d, c in jobs]
-        ok = True
+        durable = self.st.durable
+        ok, staged = True, False
         for t, tier in enumerate(self.st.lower):
             items = [BlockWrite(k, p, d) for k, p, d, c in cpu if t < c]
+            if tier is durable and isinstance(tier, StagedWrites) and items:
+                staged = self.stage(tier, items, jobs)
+                ok = staged
+                continue
             wrote = self.write_tier(tier, items)
             if not tier.volatile:  # the durable copy decides whether memory may let them go
                 ok = ok and wrote
+        if not staged:  # written (or failed) already: settle now
+            self.settle(jobs, ok)
+        if self.commit_due():
+            self.commit()
+        return True
+
+    def stage(self, tier: StagedWrites, items: list[BlockWrite], jobs: list[Job]) -> bool:
+        """Stage ``items`` on the durable tier; their blocks settle at the commit."""
+        try:
+            batch = tier.stage(items)
+        except Exception as e:  # DiskError or worse: these blocks stay memory-only
+            log.warning("disk tier write failed, %d blocks stay memory-only: %s", len(items), e)
+            return False
+        s = self.staged
+        if not s.batches:
+            s.since = time.monotonic()
+        s.batches.append(batch)
+        s.jobs.extend(jobs)
+        s.nbytes += len(items) * self.st.layout.block_nbytes
+        return True
+
+    def commit_due(self) -> bool:
+        s = self.staged
+        if not s.batches:
+            return False
+        warm = self.st.warm
+        limit = COMMIT_BYTES if warm is None else min(COMMIT_BYTES, warm.slab.nbytes // 4)
+        return s.nbytes >= limit or time.monotonic() - s.since >= COMMIT_AGE_S
+
+    def commit(self) -> None:
+        """Commit everything staged on the durable tier, then settle its blocks."""
+        s, self.staged = self.staged, Staged()
+        if not s.batches:
+            return
+        tier = self.st.durable
+        ok = False
+        try:
+            assert isinstance(tier, StagedWrites)
+            tier.commit(s.batches)
+            ok = True
+        except DiskError as e:
+            log.warning("disk tier write failed, %d blocks stay memory-only: %s", len(s.jobs), e)
+        except Exception:
+            log.exception("disk tier write failed unexpectedly; %d blocks stay memory-only",
+                          len(s.jobs))
+        self.settle(s.jobs, ok)
+
+    def settle(self, jobs: list[Job], ok: bool) -> None:
+        """Unpin written blocks; with a durable copy made, memory may let them go."""
         with self.st.lock:
             cat = self.st.catalog
             for k, *_ in jobs:
@@ -61,9 +146,8 @@ class WriteBack:
                     tier.evict(protect=lambda key: key in cat)
                 except Exception:
                     log.exception("%s tier eviction failed", tier.name)
-        return True
 
-    def take_dirty(self, limit: int) -> list[tuple[BlockKey, BlockKey | None, torch.Tensor, int]]:
+    def take_dirty(self, limit: int) -> list[Job]:
         """Up to ``limit`` dirty blocks, pinned, with their parent, bytes and how many lower
         tiers (from the first) should get them."""
         with self.st.lock:

@@ -22,8 +22,8 @@ if TYPE_CHECKING:
 
 KEY_BYTES = 32
 
-__all__ = ["KEY_BYTES", "BlockWrite", "Located", "LowerTier", "ReadStatus", "as_byte_tensor",
-           "check_key"]
+__all__ = ["KEY_BYTES", "BlockWrite", "Located", "LowerTier", "ReadStatus", "StagedWrites",
+           "as_byte_tensor", "check_key"]
 
 
 class ReadStatus(enum.Enum):
@@ -110,6 +110,25 @@ class LowerTier(Protocol):
         ...
 
     def close(self) -> None:
+        ...
+
+
+@runtime_checkable
+class StagedWrites(Protocol):
+    """A lower tier whose ``write`` can be taken apart (the disk): ``stage`` writes the bytes
+    without making them durable or visible, ``commit`` makes any number of staged batches
+    durable and visible together (one commit), ``abort`` drops them. Each staged batch is
+    committed or aborted exactly once; both raise nothing for an empty list."""
+
+    def stage(self, items: Sequence[BlockWrite]) -> object:
+        """Raises :class:`kvstore.errors.KVStoreError` with nothing left behind."""
+        ...
+
+    def commit(self, staged: Sequence[object]) -> None:
+        """Raises :class:`kvstore.errors.KVStoreError` with nothing of ``staged`` visible."""
+        ...
+
+    def abort(self, staged: Sequence[object]) -> None:
         ...
 
 

@@ -35,12 +35,13 @@ class MemoryTier:
         *,
         pin_memory: bool = False,
         shared_path: str | None = None,
+        prefault: bool = False,
     ) -> None:
         self.name = name
         self.layout = layout
         self.device = device
         self.slab = Slab(layout, capacity_bytes, device, pin_memory=pin_memory,
-                         shared_path=shared_path)
+                         shared_path=shared_path, prefault=prefault)
         self.capacity_bytes = capacity_bytes
         self._slots: dict[BlockKey, int] = {}
         # oldest first; the store touches a chain leaf-to-root so roots stay newest

@@ -9,7 +9,8 @@ Guarantees:
 * ``write_blocks`` is durable on return: segment written under a temp name, fsynced, linked
   into place (never over an existing file), directory fsynced, then the LMDB transaction
   (synchronous) commits the records. On error it raises :class:`~kvstore.errors.DiskError` and nothing new
-  is visible.
+  is visible. ``stage_blocks`` + ``commit_staged`` is the same write in two steps, so that
+  several batches share one commit; staged blocks are neither durable nor visible.
 * Reads go straight into the caller's tensor (``preadv``) and are verified against the xxh3_64
   checksum of the raw block. A missing segment, short read, bad checksum or undecodable payload
   returns ``MISSING``/``DAMAGED``, drops the index entry, is counted and logged — never raised,

@@ -42,6 +42,16 @@ class BoundDisk:
         ns = self.namespace_id
         self.disk.write_blocks([DiskWrite(w.key, w.parent, ns, w.data) for w in items])
 
+    def stage(self, items: Sequence[BlockWrite]) -> object:
+        ns = self.namespace_id
+        return self.disk.stage_blocks([DiskWrite(w.key, w.parent, ns, w.data) for w in items])
+
+    def commit(self, staged: Sequence[object]) -> None:
+        self.disk.commit_staged(staged)  # type: ignore[arg-type]
+
+    def abort(self, staged: Sequence[object]) -> None:
+        self.disk.abort_staged(staged)  # type: ignore[arg-type]
+
     def delete(self, keys: Sequence[bytes] | None,
                keep: Callable[[bytes], bool] | None = None) -> list[bytes]:
         if keys is None:

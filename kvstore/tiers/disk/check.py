@@ -28,6 +28,7 @@ import numpy as np
 from kvstore.tiers import codec as _codec
 from kvstore.tiers.base import ReadStatus
 from kvstore.tiers.disk import segments as _seg
+from kvstore.tiers.disk import tombstones as _tomb
 from kvstore.tiers.disk.compaction import rewrite
 from kvstore.tiers.disk.index import (
     BE64,
@@ -314,7 +315,7 @@ def _repair_records(t: DiskTier, fix: bool, allowed: Callable[[bytes], bool],
     fixed_keys: set[bytes] = set()
     todo = [(k, r) for k, r, _, _ in bad_keys if allowed(k)]
     if fix and todo:
-        fixed_keys = set(drop_entries(t, todo))
+        fixed_keys = set(drop_entries(t, todo, reason=_tomb.Reason.PRUNED))
         # a record removed by someone else meanwhile is fixed too
         for k, _r in todo:
             if t._get_rec(k) is None:

@@ -21,6 +21,7 @@ import lmdb
 
 from kvstore.errors import DiskError, FormatVersionError
 from kvstore.tiers.disk import guard as _guard
+from kvstore.tiers.disk import tombstones as _tomb
 from kvstore.tiers.disk.index import (
     DB_BLOCKS,
     DB_META,
@@ -215,6 +216,8 @@ def init_dbs(env: lmdb.Environment, index_dir: str, *, create: bool) -> dict[byt
                     with env.begin(write=True) as txn:
                         for name in DB_NAMES:
                             dbs[name] = env.open_db(name, txn=txn, create=create)
+                        # optional (not in DB_NAMES: indexes from before it stay intact)
+                        dbs[_tomb.DB_TOMBSTONES] = _tomb.open_db(env, txn, create=True)
                         meta = dbs[DB_META]
                         if create and txn.get(META_FORMAT, db=meta) is None:
                             if (txn.stat(meta)["entries"]

@@ -11,6 +11,7 @@ import heapq
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from kvstore.tiers.disk import tombstones as _tomb
 from kvstore.tiers.disk.index import (
     DB_BLOCKS,
     DB_CHILDREN,
@@ -49,13 +50,18 @@ def evict_to_budget(t: DiskTier, protect: Callable[[bytes], bool] | None = None)
         children_db = sh.dbs[DB_CHILDREN]
 
         def fn(ops: WriteOps, victims=victims, children_db=children_db) -> list[bytes]:
-            done = []
+            done, traces = [], []
             for ck in victims:
                 rec = ops.get(ck)
                 if rec is None or ops.txn.get(ck, db=children_db) is not None:
                     continue  # gone, or gained a child meanwhile
                 ops.remove(ck, rec)
                 done.append(ck[_KEY_BYTES:])
+                traces.append((ck, rec.created_us))
+            tomb = sh.dbs.get(_tomb.DB_TOMBSTONES)
+            if tomb is not None and traces:  # so that explain can say "evicted", and when
+                _tomb.record(ops.txn, tomb, traces, _tomb.Reason.EVICTED, _tomb.TierCode.DISK,
+                             t._now_us())
             return done
 
         done, emptied = write_ops(t, fn)

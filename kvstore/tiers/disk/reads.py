@@ -22,6 +22,7 @@ from kvstore.errors import StoreClosedError, TensorMismatchError
 from kvstore.tiers import codec as _codec
 from kvstore.tiers.base import ReadStatus, check_key
 from kvstore.tiers.disk import segments as _seg
+from kvstore.tiers.disk import tombstones as _tomb
 from kvstore.tiers.disk.index import DB_BLOCKS, Rec, RecordError, decode_record
 from kvstore.tiers.disk.records import as_buffer
 from kvstore.tiers.disk.txn import drop_entries
@@ -326,7 +327,9 @@ def damaged(t: DiskTier, key: bytes, rec: Rec | None, status: ReadStatus, why: s
                 t.path, key[-_KEY_BYTES:].hex()[:16], status.value, why, where)
     if not t.readonly:
         try:
-            drop_entries(t, [(key, rec)])
+            drop_entries(t, [(key, rec)], reason=_tomb.Reason.DAMAGED,
+                         detail=_tomb.DETAIL_OF_KIND.get(why.split()[0] if why else "",
+                                                         _tomb.Detail.NONE))
         except Exception as e:  # a corrupt index must not turn a miss into a crash
             log.warning("disk tier %s: could not drop damaged entry %s: %s",
                         t.path, key[-_KEY_BYTES:].hex()[:16], e)

@@ -9,6 +9,7 @@ references it. Tensor name = key hex.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import json
 import os
@@ -51,7 +52,11 @@ DTYPE_SIZES: dict[str, int] = {
 _U64 = struct.Struct("<Q")
 _xxh3 = xxhash.xxh3_64_intdigest
 _IOV_MAX = 512
-_MAX_WRITE = 1 << 30
+#: bytes per writev; each is handed to the device right away (:func:`kick_writeback`)
+_WRITE_CHUNK = 32 << 20
+_SYNC_FILE_RANGE_WRITE = 2
+_sync_file_range = None
+_NO_SYNC_FILE_RANGE = (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ESPIPE)
 
 
 class SegmentFormatError(ValueError):
@@ -174,22 +179,44 @@ def header_tensors(obj: dict, data_start: int) -> dict[str, tuple[int, int]]:
     return out
 
 
+def kick_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Start writing ``nbytes`` at ``offset`` of ``fd`` to the device now, without waiting
+    (``sync_file_range(SYNC_FILE_RANGE_WRITE)``): the device writes a segment while its next
+    bytes are still being copied in, so the fsync at the end waits for the last chunk only,
+    not for the whole file. A hint: durability still comes from the fsync; where the call is
+    missing or refused, nothing happens."""
+    global _sync_file_range
+    if _sync_file_range is None:
+        fn = getattr(ctypes.CDLL(None, use_errno=True), "sync_file_range", None)
+        if fn is not None:
+            fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+            fn.restype = ctypes.c_int
+        _sync_file_range = fn or False
+    if (_sync_file_range and _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE) != 0
+            and ctypes.get_errno() in _NO_SYNC_FILE_RANGE):  # not here at all: stop asking
+        _sync_file_range = False
+
+
 def _write_all(fd: int, bufs: list) -> None:
-    """writev every buffer completely (handles short writes and the per-call limits)."""
+    """writev every buffer completely (handles short writes and the per-call limits), in
+    chunks of about ``_WRITE_CHUNK`` bytes, each handed to the device as it is written."""
     views = [memoryview(b).cast("B") for b in bufs]
     views = [v for v in views if len(v)]
     i = 0
+    written = 0
     while i < len(views):
         chunk = []
         total = 0
         j = i
-        while j < len(views) and len(chunk) < _IOV_MAX and total < _MAX_WRITE:
+        while j < len(views) and len(chunk) < _IOV_MAX and total < _WRITE_CHUNK:
             chunk.append(views[j])
             total += len(views[j])
             j += 1
         n = os.writev(fd, chunk)
         if n <= 0:
             raise OSError(5, "writev wrote nothing")  # EIO
+        kick_writeback(fd, written, n)
+        written += n
         # advance past n bytes
         while n and i < len(views):
             if n >= len(views[i]):
@@ -257,15 +284,23 @@ def _rename_noreplace(src: str, dst: str) -> None:
     os.rename(src, dst)
 
 
-def write_segment(segdir: str, segment_id: int, entries: Sequence[SegmentEntry],
-                  namespaces: Mapping[bytes, bytes] | None = None) -> tuple[str, int, list[int]]:
-    """Write a segment durably: temp file (``O_EXCL``), fsync, :func:`publish` under its final
-    name (never replacing an existing file). The caller fsyncs the directory.
+@dataclass(slots=True)
+class OpenSegment:
+    """A segment written under its temp name, not yet durable nor named (:func:`create_segment`
+    then :func:`finish_segment`, or :func:`discard_segment`)."""
 
-    Returns ``(final path, file size, absolute data offset of each entry)``. On any error the
-    temp file is removed and the OSError propagates; nothing is left under the final name
-    (FileExistsError when a file of that name exists already: it is left as it was).
-    """
+    fd: int
+    tmp: str
+    final: str
+    size: int
+    offsets: list[int]  # absolute data offset of each entry
+
+
+def create_segment(segdir: str, segment_id: int, entries: Sequence[SegmentEntry],
+                   namespaces: Mapping[bytes, bytes] | None = None) -> OpenSegment:
+    """Write a segment's bytes under its temp name (``O_EXCL``) in one sequential pass, each
+    chunk handed to the device as it goes; the file stays open for :func:`finish_segment`.
+    On error the temp file is removed and the OSError propagates."""
     header, offsets = encode_header(segment_id, entries, namespaces)
     tmp = os.path.join(segdir, temp_name(segment_id))
     final = os.path.join(segdir, segment_name(segment_id))
@@ -275,19 +310,55 @@ def write_segment(segdir: str, segment_id: int, entries: Sequence[SegmentEntry],
     except FileExistsError:  # a leftover of a crashed writer holding the same id: not ours
         os.unlink(tmp)
         fd = os.open(tmp, flags, 0o644)
+    seg = OpenSegment(fd, tmp, final, len(header) + sum(e.nbytes for e in entries), offsets)
+    try:
+        _write_all(fd, [header, *(e.payload for e in entries)])
+    except BaseException:
+        discard_segment(seg)
+        raise
+    return seg
+
+
+def finish_segment(seg: OpenSegment) -> None:
+    """Make a created segment durable (fsync) and :func:`publish` it under its final name
+    (never replacing an existing file). The caller fsyncs the directory. On error the temp
+    file is removed and nothing is left under the final name (FileExistsError when a file of
+    that name exists already: it is left as it was)."""
     try:
         try:
-            _write_all(fd, [header, *(e.payload for e in entries)])
-            os.fsync(fd)
+            os.fsync(seg.fd)
         finally:
-            os.close(fd)
-        publish(tmp, final)
+            os.close(seg.fd)
+            seg.fd = -1
+        publish(seg.tmp, seg.final)
     except BaseException:
         with contextlib.suppress(OSError):
-            os.unlink(tmp)
+            os.unlink(seg.tmp)
         raise
-    size = len(header) + sum(e.nbytes for e in entries)
-    return final, size, offsets
+
+
+def discard_segment(seg: OpenSegment) -> None:
+    """Close and remove a created segment that will not be finished (or its file, if it was)."""
+    if seg.fd >= 0:
+        with contextlib.suppress(OSError):
+            os.close(seg.fd)
+        seg.fd = -1
+    with contextlib.suppress(OSError):
+        os.unlink(seg.tmp)
+
+
+def write_segment(segdir: str, segment_id: int, entries: Sequence[SegmentEntry],
+                  namespaces: Mapping[bytes, bytes] | None = None) -> tuple[str, int, list[int]]:
+    """Write a segment durably: :func:`create_segment`, then :func:`finish_segment`. The caller
+    fsyncs the directory.
+
+    Returns ``(final path, file size, absolute data offset of each entry)``. On any error the
+    temp file is removed and the OSError propagates; nothing is left under the final name
+    (FileExistsError when a file of that name exists already: it is left as it was).
+    """
+    seg = create_segment(segdir, segment_id, entries, namespaces)
+    finish_segment(seg)
+    return seg.final, seg.size, seg.offsets
 
 
 def fsync_dir(path: str) -> None:

@@ -26,6 +26,7 @@ from kvstore.tiers.disk import compaction as _compaction
 from kvstore.tiers.disk import eviction as _eviction
 from kvstore.tiers.disk import reads as _reads
 from kvstore.tiers.disk import segments as _seg
+from kvstore.tiers.disk import tombstones as _tomb
 from kvstore.tiers.disk import txn as _txn
 from kvstore.tiers.disk import writes as _writes
 from kvstore.tiers.disk.check import run_check
@@ -352,18 +353,37 @@ class DiskTier:
         Raises DiskError (disk full, read-only directory, I/O error) with nothing visible."""
         return _writes.write_blocks(self, items)
 
-    def delete(self, keys: Sequence[bytes], namespace_id: bytes | None = None) -> int:
+    def stage_blocks(self, items: Sequence[DiskWrite]) -> _writes.StagedWrite:
+        """Write blocks into new segments without making them durable or visible yet; hand
+        the result to :meth:`commit_staged` (several at once: one fsync per file, one index
+        commit) or :meth:`abort_staged`. Raises DiskError with nothing left behind."""
+        return _writes.stage_blocks(self, items)
+
+    def commit_staged(self, staged: Sequence[_writes.StagedWrite]) -> list[bytes]:
+        """Make staged batches durable and visible together; returns the keys newly written.
+        Raises DiskError with nothing visible (the staged segments are then removed)."""
+        return _writes.commit_staged(self, staged)
+
+    def abort_staged(self, staged: Sequence[_writes.StagedWrite]) -> None:
+        """Remove staged batches that will not be committed."""
+        _writes.abort_staged(self, staged)
+
+    def delete(self, keys: Sequence[bytes], namespace_id: bytes | None = None, *,
+               reason: _tomb.Reason = _tomb.Reason.REMOVED,
+               detail: _tomb.Detail = _tomb.Detail.NONE) -> int:
         """Remove blocks from the index (their bytes become dead space). Returns how many.
 
         With ``namespace_id`` only blocks of that namespace go: keys of another namespace are
-        left alone (a tenant can never delete another tenant's blocks)."""
+        left alone (a tenant can never delete another tenant's blocks). Each leaves a
+        tombstone saying ``reason`` (``kvstore explain``)."""
         self._ensure_writable()
         keys = [check_key(k) for k in keys]
         if not keys:
             return 0
         with self._sh.read() as txn:
             cks = self._dbkeys(txn, keys, namespace_id)
-        return len(_txn.drop_entries(self, [(k, None) for k in cks], namespace_id))
+        return len(_txn.drop_entries(self, [(k, None) for k in cks], namespace_id,
+                                     reason=reason, detail=detail))
 
     def delete_owned(self, keys: Sequence[bytes], namespace_id: bytes) -> list[bytes]:
         """Remove the blocks of ``keys`` that belong to ``namespace_id``; returns those keys."""

@@ -17,6 +17,7 @@ import lmdb
 
 from kvstore.errors import DiskError
 from kvstore.tiers.disk import segments as _seg
+from kvstore.tiers.disk import tombstones as _tomb
 from kvstore.tiers.disk.index import (
     DB_BLOCKS,
     DB_META,
@@ -102,13 +103,16 @@ def alloc_segment_ids(t: DiskTier, n: int) -> list[int]:
 
 
 def drop_entries(t: DiskTier, items: Sequence[tuple[bytes, Rec | None]],
-                 namespace_id: bytes | None = None) -> list[bytes]:
+                 namespace_id: bytes | None = None, *,
+                 reason: _tomb.Reason = _tomb.Reason.REMOVED,
+                 detail: _tomb.Detail = _tomb.Detail.NONE) -> list[bytes]:
     """Remove records if they are still the ones seen (same segment and offset) and, with
-    ``namespace_id``, only records of that namespace."""
+    ``namespace_id``, only records of that namespace; each leaves a tombstone saying
+    ``reason`` (``kvstore explain``)."""
     blocks = t._sh.dbs[DB_BLOCKS]
 
     def fn(ops: WriteOps) -> list[bytes]:
-        gone = []
+        gone, traces = [], []
         for key, rec in items:
             raw = ops.txn.get(key, db=blocks)
             if raw is None:
@@ -120,12 +124,18 @@ def drop_entries(t: DiskTier, items: Sequence[tuple[bytes, Rec | None]],
                     continue  # another namespace's key space
                 ops.txn.delete(key, db=blocks)  # undecodable: just drop it
                 gone.append(key)
+                traces.append((key, 0))
                 continue
             if namespace_id is not None and cur.namespace_id != namespace_id:
                 continue  # a record that lies about its namespace: not the caller's
             if rec is None or (cur.segment, cur.offset) == (rec.segment, rec.offset):
                 ops.remove(key, cur)
                 gone.append(key)
+                traces.append((key, cur.created_us))
+        tomb = t._sh.dbs.get(_tomb.DB_TOMBSTONES)
+        if tomb is not None and traces:
+            _tomb.record(ops.txn, tomb, traces, reason, _tomb.TierCode.DISK, t._now_us(),
+                         detail)
         return gone
 
     gone, emptied = write_ops(t, fn)

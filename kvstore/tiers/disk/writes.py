@@ -6,6 +6,13 @@ Durable on return: each segment is written under a temp name, fsynced and linked
 (never over an existing file), the directory fsynced, then one LMDB transaction
 (synchronous) commits the records. On error :class:`~kvstore.errors.DiskError` is raised,
 the new segment files are removed and nothing new is visible.
+
+A write is two steps that a caller may also take apart: :func:`stage_blocks` writes each
+segment's bytes in one sequential pass (``writev`` of the header and the blocks straight from
+the caller's memory, in 32 MiB chunks each handed to the device as it is written), and
+:func:`commit_staged` makes any number of staged batches durable and visible with one fsync
+per file, one directory fsync and one index transaction. The store's write-behind stages
+what it has and commits once it has drained (before ``flush`` returns) or has staged enough.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvstore.errors import DiskError, NamespaceMismatchError, TensorMismatchError
@@ -40,9 +48,50 @@ Prepared = tuple[bytes, bytes | None, bytes, NsCache, memoryview]
 Encoded = tuple[bytes, bytes | None, bytes, int, int, int, _seg.SegmentEntry]
 
 
+@dataclass(slots=True)
+class StagedWrite:
+    """Segments written under temp names and not yet committed (:func:`stage_blocks`): their
+    blocks are neither durable nor visible until :func:`commit_staged`."""
+
+    segments: list[tuple[int, _seg.OpenSegment, list[Encoded]]] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(seg.size for _sid, seg, _group in self.segments)
+
+
 def write_blocks(t: DiskTier, items: Sequence[DiskWrite]) -> list[bytes]:
     """Write blocks durably; returns the keys newly written (present keys are skipped).
     Raises DiskError (disk full, read-only directory, I/O error) with nothing visible."""
+    return commit_staged(t, [stage_blocks(t, items)])
+
+
+def stage_blocks(t: DiskTier, items: Sequence[DiskWrite]) -> StagedWrite:
+    """Check, encode and write blocks into new segments (one sequential pass each, handed to
+    the device as it goes) without making them durable or visible: :func:`commit_staged`
+    does, for any number of staged batches at once (one fsync per file, one directory fsync,
+    one index commit), or :func:`abort_staged` removes them. Present keys are skipped.
+    Raises DiskError with nothing left behind."""
+    todo = _prepare(t, items)
+    if not todo:
+        return StagedWrite()
+    try:
+        return _stage_new(t, todo)
+    except DiskError:
+        t._counters.add("write_errors")
+        raise
+    except OSError as e:
+        t._counters.add("write_errors")
+        raise _disk_error(t, e) from e
+
+
+def _disk_error(t: DiskTier, e: OSError) -> DiskError:
+    return DiskError(e.errno, f"cannot write to the disk tier at {t.path}: "
+                     f"{e.strerror or e}" + hint(e))
+
+
+def _prepare(t: DiskTier, items: Sequence[DiskWrite]) -> list[Prepared]:
+    """The items checked, less those already present in their namespace."""
     sh = t._ensure_writable()
     prepared: list[Prepared] = []
     for i, it in enumerate(items):
@@ -75,17 +124,7 @@ def write_blocks(t: DiskTier, items: Sequence[DiskWrite]) -> list[bytes]:
                 continue
             seen.add(ck)
             todo.append(p)
-    if not todo:
-        return []
-    try:
-        return _write_new(t, todo)
-    except DiskError:
-        t._counters.add("write_errors")
-        raise
-    except OSError as e:
-        t._counters.add("write_errors")
-        raise DiskError(e.errno, f"cannot write to the disk tier at {t.path}: "
-                        f"{e.strerror or e}" + hint(e)) from e
+    return todo
 
 
 def _encode(t: DiskTier, todo: list[Prepared]) -> list[Encoded]:
@@ -125,30 +164,75 @@ def _group(t: DiskTier, encoded: list[Encoded]) -> list[list[Encoded]]:
     return groups
 
 
-def _write_new(t: DiskTier, todo: list[Prepared]) -> list[bytes]:
+def _stage_new(t: DiskTier, todo: list[Prepared]) -> StagedWrite:
     encoded = _encode(t, todo)
     groups = _group(t, encoded)
     sids = alloc_segment_ids(t, len(groups))
-    written: list[tuple[int, str, int, int, list[int], list[Encoded]]] = []
-    committed = False
+    staged = StagedWrite()
     try:
         for sid, group in zip(sids, groups, strict=True):
-            path, fsize, offsets = _seg.write_segment(
-                t._segdir, sid, [g[6] for g in group],
-                t._ns_records(g[2] for g in group))
-            written.append((sid, path, fsize, sum(g[6].nbytes for g in group), offsets, group))
+            seg = _seg.create_segment(t._segdir, sid, [g[6] for g in group],
+                                      t._ns_records(g[2] for g in group))
+            staged.segments.append((sid, seg, group))
+    except BaseException:
+        abort_staged(t, [staged])
+        raise
+    return staged
+
+
+def abort_staged(t: DiskTier, staged: Sequence[StagedWrite]) -> None:
+    """Remove staged segments that will not be committed."""
+    for s in staged:
+        for _sid, seg, _group in s.segments:
+            _seg.discard_segment(seg)
+        s.segments.clear()
+
+
+def commit_staged(t: DiskTier, staged: Sequence[StagedWrite]) -> list[bytes]:
+    """Make staged batches durable and visible together: fsync and name every segment,
+    fsync the directory once, commit every record in one index transaction. Returns the keys
+    newly written. On error (DiskError) every staged segment is removed, nothing is visible,
+    and the batches are empty (commit or abort each batch once)."""
+    segs = [(sid, seg, group) for s in staged for sid, seg, group in s.segments]
+    if not segs:
+        return []
+    try:
+        new, emptied = _commit(t, segs)
+    except DiskError:
+        t._counters.add("write_errors")
+        raise
+    except OSError as e:
+        t._counters.add("write_errors")
+        raise _disk_error(t, e) from e
+    finally:
+        for s in staged:
+            s.segments.clear()
+    unlink_segments(t, emptied)
+    t._counters.add("blocks_written", len(new))
+    return new
+
+
+def _commit(t: DiskTier, segs: list) -> tuple[list[bytes], list[int]]:
+    t._ensure_writable()
+    committed = False
+    published: list[str] = []
+    try:
+        for _sid, seg, _group in segs:
+            _seg.finish_segment(seg)  # the device has most of it already: kicked as written
+            published.append(seg.final)
         _seg.fsync_dir(t._segdir)
         now = t._now_us()
         touches = t._take_touches()
 
         def fn(ops: WriteOps) -> list[bytes]:
             new = []
-            for sid, _path, fsize, dbytes, offsets, group in written:
-                ops.add_segment(sid, fsize, dbytes, now)
-                for (key, parent, ns_id, cid, csum, raw_n, entry), off in zip(group, offsets, strict=True):
+            for sid, seg, group in segs:
+                ops.add_segment(sid, seg.size, sum(g[6].nbytes for g in group), now)
+                for (key, parent, ns_id, cid, csum, raw_n, entry), off in zip(
+                        group, seg.offsets, strict=True):
                     ck = dbkey(ns_id, key)
                     if ops.txn.get(ck, db=ops.blocks) is not None:
-                        continue  # written meanwhile by another process: ours is dead bytes
+                        continue  # written meanwhile (another process, an earlier batch)
                     ops.insert(ck, Rec(cid, 0, sid, off, entry.nbytes, raw_n, csum, now, now,
                                        ns_id, parent))
                     new.append(key)
@@ -163,9 +247,9 @@ def _write_new(t: DiskTier, todo: list[Prepared]) -> list[bytes]:
         committed = True
     finally:
         if not committed:
-            for _sid, path, *_ in written:
+            for _sid, seg, _group in segs:
+                _seg.discard_segment(seg)
+            for path in published:  # ours, named, but no record points at them
                 with contextlib.suppress(OSError):
                     os.unlink(path)
-    unlink_segments(t, emptied)
-    t._counters.add("blocks_written", len(new))
-    return new
+    return new, emptied  # type: ignore[return-value]
