@@ -253,3 +253,109 @@ def test_runner_rejects_mismatched_plan():
             runner.run(plan, [[1] * 20])
         with pytest.raises(ValueError, match="order"):
             runner.run(plan, [[1] * 20, [1] * 21], order="random")
+
+
+# -- token-level tree, schedule and packing ---------------------------------------------------
+@settings(max_examples=200, deadline=None)
+@given(prompts=batches())
+def test_unique_tokens_is_the_token_trie_size(prompts):
+    from kvstore.integrations.batch.tree import common_prefix_len, unique_tokens
+
+    trie = {tuple(p[:k]) for p in prompts for k in range(1, len(p) + 1)}
+    assert unique_tokens(prompts) == len(trie)
+    for a in prompts[:3]:
+        for b in prompts[:3]:
+            n = common_prefix_len(a, b)
+            assert a[:n] == b[:n] and (n == min(len(a), len(b)) or a[n] != b[n])
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(prompts=batches(), max_tokens=st.integers(1, 40), max_rows=st.integers(1, 6),
+       max_prefix=st.integers(1, 60))
+def test_schedule_and_pack_cover_every_prompt_once(prompts, max_tokens, max_rows, max_prefix):
+    from kvstore.integrations.batch.engines.schedule import pack, schedule
+
+    plan = plan_batch(prompts, block_tokens=T, budget_blocks=None)
+    lengths = [len(p) for p in prompts]
+    sched = schedule(plan, lengths)
+    for node in sched.nodes:
+        members = [r.prompt for r in sched.rows if r.node == node.node]
+        assert node.rows == len(members)
+        src = prompts[node.source][: node.prefix_len]
+        assert all(prompts[i][: node.prefix_len] == src for i in members)
+        if node.parent >= 0:
+            assert sched.nodes[node.parent].prefix_len < node.prefix_len
+            assert node.parent < node.node  # parents first
+    seen = []
+    for b in pack(sched, lengths, max_tokens=max_tokens, max_rows=max_rows,
+                  max_prefix_tokens=max_prefix):
+        assert 1 <= len(b.rows) <= max_rows
+        suffix = sum(lengths[r.prompt] - r.prefix_len for r in b.rows)
+        assert len(b.rows) == 1 or suffix <= max_tokens
+        held = sum(sched.nodes[n].prefix_len for n in b.nodes)
+        assert len(b.nodes) <= 1 or held <= max_prefix
+        nodes = [r.node for r in b.rows]
+        assert nodes == sorted(nodes, key=lambda n: -1 if n < 0 else b.nodes.index(n))  # grouped
+        for r in b.rows:
+            assert 0 <= r.prefix_len < lengths[r.prompt]
+            seen.append(r.prompt)
+    assert sorted(seen) == list(range(len(prompts)))
+
+
+def test_shared_tokens_extend_past_the_block_boundary():
+    base = list(range(10))  # 2 full blocks + 2 tokens shared
+    plan = plan_batch([base + [50, 51], base + [60]], block_tokens=T, budget_blocks=None)
+    (g,) = plan.groups
+    assert g.blocks == 2 and g.shared_tokens == 10
+    # capped one short of the shortest prompt (its last token must be computed)
+    plan = plan_batch([base, base + [7, 8]], block_tokens=T, budget_blocks=None)
+    assert plan.groups[0].shared_tokens == 9 and plan.lower_bound_tokens == 12
+
+
+# -- fixes found while trying the runner (issue 17) ---------------------------------------------
+def test_runner_pins_with_the_models_salt():
+    """Regression: with PrefixCachedModel(salt=...) every pin asked for blocks under no salt
+    and pinned none."""
+    from kvstore.batch import BatchRunner
+    from kvstore.integrations.transformers import PrefixCachedModel, open_store_for
+
+    model = _model()
+    prompts = [[3] * 40 + [i] for i in range(4)]
+    with open_store_for(model, None, block_tokens=8, device="cpu", gpu_capacity=0,
+                        cpu_capacity="1MiB") as store:
+        plan = plan_batch(prompts, store=store, salt="tenant-a")
+        pinned = []
+        runner = BatchRunner(PrefixCachedModel(model, store, salt="tenant-a"))
+        runner.run(plan, prompts, progress=lambda: pinned.append(store.stats().pinned_blocks))
+        assert pinned[0] == plan.groups[0].blocks == 5  # pinned after the first prompt
+        assert pinned[-1] == 0
+
+
+def test_simulation_counts_the_answer_blocks_generation_puts():
+    """Regression: with max_new_tokens the prompt + answer blocks store_generated puts were
+    not simulated (a tight budget computed more than the plan said). The planned order, whose
+    prefixes are pinned, is now exact; arrival order is far closer than without them (the
+    store may evict answer blocks in another order among themselves)."""
+    from kvstore.batch import BatchRunner
+    from kvstore.integrations.transformers import PrefixCachedModel, layout_for, open_store_for
+
+    model = _model()
+    model.generation_config.eos_token_id = None  # every prompt generates max_new_tokens
+    model.config.eos_token_id = None
+    rng = random.Random(2)
+    docs = [[rng.randrange(256) for _ in range(30)] for _ in range(3)]
+    prompts = [d + [rng.randrange(256) for _ in range(rng.randrange(1, 6))]
+               for _ in range(3) for d in docs]
+    lay = layout_for(model, block_tokens=8)
+    # a budget where arrival order keeps more documents when answers are not stored
+    budget = max(-(-len(p) // 8) for p in prompts) + 5
+    real = {}
+    for order in ("planned", "arrival"):
+        with open_store_for(model, None, block_tokens=8, device="cpu", gpu_capacity=0,
+                            cpu_capacity=budget * lay.block_nbytes) as store:
+            plan = plan_batch(prompts, store=store, max_new_tokens=20)
+            real[order] = BatchRunner(PrefixCachedModel(model, store)).run(
+                plan, prompts, order=order, max_new_tokens=20).computed_tokens
+    without = plan_batch(prompts, block_tokens=8, budget_blocks=budget)
+    assert real["planned"] == plan.planned_tokens
+    assert abs(real["arrival"] - plan.arrival_tokens) < abs(real["arrival"] - without.arrival_tokens)

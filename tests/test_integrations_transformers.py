@@ -379,3 +379,73 @@ def test_cached_prefix_is_read_in_place_and_unpinned_after():
         with pytest.raises(RuntimeError, match="boom"):
             pm.prefill(p)
         assert store.stats().pinned_blocks == 0
+
+
+# -- fixes of issue 17 --------------------------------------------------------------------------
+def hf_greedy(model, prompt, n, **kw):
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                             do_sample=False, pad_token_id=0, **kw)
+    return out[0, len(prompt):].tolist()
+
+
+def test_generate_eos_list_and_the_generation_config_default():
+    model = make_model()
+    prompt = tokens(30, seed=8)
+    plain = hf_greedy(model, prompt, 10, eos_token_id=None)
+    with memory_store(model) as store:
+        pm = PrefixCachedModel.from_model(model, store)
+        assert list(pm.generate(prompt, 10, eos_token_id=()).tokens) == plain  # none
+        eos = [plain[6], plain[3]]  # a list: the first one hit ends it
+        got = pm.generate(prompt, 10, eos_token_id=eos).tokens
+        assert list(got) == hf_greedy(model, prompt, 10, eos_token_id=eos)
+        assert len(got) == min(plain.index(t) for t in eos) + 1
+        model.generation_config.eos_token_id = [plain[2]]  # the default: the model's own
+        assert list(pm.generate(prompt, 10).tokens) == plain[: plain.index(plain[2]) + 1]
+
+
+def test_prefill_cache_and_transformers_generate():
+    """Regression: PrefillResult.cache (the whole prompt) handed to model.generate silently
+    gave other tokens. It is refused with a message; cache_for_generate() is the way."""
+    model = make_model()
+    prompt = tokens(40, seed=9)
+    want = hf_greedy(model, prompt, 6, eos_token_id=None)
+    with memory_store(model) as store:
+        pm = PrefixCachedModel.from_model(model, store)
+        pm.prefill(prompt)
+        res = pm.prefill(prompt)  # from the store this time
+        assert res.cached_tokens == 32
+        assert hf_greedy(model, prompt, 6, eos_token_id=None,
+                         past_key_values=res.cache_for_generate()) == want
+        assert hf_greedy(model, prompt, 6, eos_token_id=None,
+                         past_key_values=res.cache_for_generate()) == want  # again: fresh copy
+        with pytest.raises(ValueError, match="cache_for_generate"):
+            hf_greedy(model, prompt, 6, eos_token_id=None, past_key_values=res.cache)
+        # res.cache itself still continues with the next token, as documented
+        nxt = pm._forward([res.next_token], res.cache, len(prompt))
+        assert int(nxt.argmax()) == want[1]
+
+
+def test_falcon_multi_query_layout_is_what_the_model_caches():
+    """Regression: layout_for read config.num_kv_heads (4) while multi-query Falcon caches one
+    head; every cached call then raised after the forward."""
+    cfg = transformers.FalconConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, num_kv_heads=4, multi_query=True,
+                                    new_decoder_architecture=False, alibi=False)
+    assert layout_for(cfg).num_kv_heads == 1
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    assert layout_for(model).num_kv_heads == 1
+    prompt = tokens(30, seed=2)
+    with memory_store(model) as store:
+        pm = PrefixCachedModel.from_model(model, store)
+        pm.prefill(prompt)
+        res = pm.prefill(prompt)
+        assert res.cached_tokens == 24
+        assert_exact_fp32(res, plain_logits(model, prompt))
+    wrong = KVLayout(num_layers=2, num_kv_heads=4, head_dim=16, dtype=torch.float32, block_tokens=T)
+    with open_store(None, layout=wrong, model_id="falcon", device="cpu", gpu_capacity=0,
+                    cpu_capacity="1MiB") as store, \
+            pytest.raises(ConfigError, match="caches 1 K/V heads"):
+        PrefixCachedModel(model, store)

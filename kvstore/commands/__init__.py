@@ -12,5 +12,6 @@ COMMANDS = (
     "kvstore.commands.explain",
     "kvstore.commands.packs",
     "kvstore.commands.batch",
+    "kvstore.commands.replay",
     "kvstore.commands.bench",
 )

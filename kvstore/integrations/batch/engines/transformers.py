@@ -1,0 +1,273 @@
+"""Token-batched execution of a batch on a transformers model.
+
+For each shared prefix of the plan (:mod:`.schedule`), the prefix is computed once as one
+sequence (or loaded from a kvstore :class:`~kvstore.store.Store`, and the new full blocks put
+there), extending its parent's. Then batches of rows (each a prompt's suffix after its
+prefix), several groups per forward up to a token budget, run as *one* packed forward against
+their prefixes (:mod:`.attention`: the prefix K/V is never copied per sequence), and decode
+together, one token per row per forward, each row stopping on its own (:mod:`.sampling`).
+
+Greedy outputs equal ``model.generate`` run on each prompt alone (float32: the same tokens;
+the attention sums in another order). Works for decoder-only models whose attention layers
+take transformers' ``AttentionInterface`` (Llama, Mistral, Qwen2, Gemma, Phi-3, ...).
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvstore.errors import ConfigError
+from kvstore.integrations.batch.engines import EngineReport, OnDone
+from kvstore.integrations.batch.engines.attention import GroupSlice, SuffixKV, make_plan, running
+from kvstore.integrations.batch.engines.sampling import RowState, Tokenizer, choose_tokens
+from kvstore.integrations.batch.engines.schedule import Batch, PrefixNode, Row, pack, schedule
+from kvstore.integrations.batch.plan import BatchPlan, plan_batch
+from kvstore.integrations.batch.requests import BatchRequest
+from kvstore.integrations.transformers import cache_kwarg, eos_token_ids, layout_for
+from kvstore.layout import KVLayout
+from kvstore.transfer import Transfer
+
+__all__ = ["TransformersEngine"]
+
+LayerKV = tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per layer (K, V), each [H, P, D]
+
+
+@dataclass(frozen=True, slots=True)
+class _Counts:
+    computed: int = 0
+    stored: int = 0
+    forwards: int = 0
+
+    def __add__(self, o: _Counts) -> _Counts:
+        return _Counts(self.computed + o.computed, self.stored + o.stored, self.forwards + o.forwards)
+
+
+class TransformersEngine:
+    """Runs :class:`BatchRequest` s on ``model`` with token batching over shared prefixes.
+
+    ``store`` (optional, its layout must match the model: ``open_store_for``) serves shared
+    prefixes computed by earlier jobs and receives the new ones (their full blocks, salted
+    with ``salt``). ``max_batch_tokens`` bounds the suffix tokens of one packed forward,
+    ``max_batch_rows`` the rows decoding together, ``max_prefix_tokens`` the shared-prefix
+    tokens a batch holds at once (default: 32 x ``max_batch_tokens``). ``eos_token_id``: an
+    int or a list; by default the model's ``generation_config.eos_token_id``.
+    """
+
+    name = "transformers"
+
+    def __init__(self, model: torch.nn.Module, *, tokenizer: Tokenizer | None = None,
+                 store: Any = None, salt: str | bytes | None = None,
+                 eos_token_id: int | Sequence[int] | None = None, block_tokens: int = 16,
+                 max_batch_tokens: int = 8192, max_batch_rows: int = 256,
+                 max_prefix_tokens: int | None = None) -> None:
+        p = next(model.parameters())
+        self.model, self.tokenizer, self.store, self.salt = model, tokenizer, store, salt
+        self.device, self.dtype = p.device, p.dtype
+        if store is not None:
+            block_tokens = store.layout.block_tokens
+        self.layout: KVLayout = layout_for(model, dtype=p.dtype, block_tokens=block_tokens)
+        if store is not None and store.layout != self.layout:
+            raise ConfigError(f"the store's layout {store.layout} does not match the model's KV "
+                              f"cache {self.layout}; open it with open_store_for(model, path)")
+        self.eos = eos_token_ids(model, eos_token_id)
+        self.context: int | None = getattr(model.config, "max_position_embeddings", None)
+        if max_batch_tokens < 1 or max_batch_rows < 1:
+            raise ValueError("max_batch_tokens and max_batch_rows must be >= 1")
+        self.max_batch_tokens, self.max_batch_rows = max_batch_tokens, max_batch_rows
+        self.max_prefix_tokens = max_prefix_tokens or 32 * max_batch_tokens
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = cache_kwarg(model)
+        self._keep_rows = "logits_to_keep" in params  # takes a tensor of positions
+
+    def plan(self, requests: Sequence[BatchRequest]) -> BatchPlan:
+        """The batch's plan (prefix tree, groups); the store is not simulated."""
+        return plan_batch([r.token_ids for r in requests], block_tokens=self.layout.block_tokens,
+                          budget_blocks=None)
+
+    # -- one packed forward -------------------------------------------------------------------
+    def _forward(self, kv: SuffixKV, rows: Sequence[Row], slots: Sequence[int],
+                 starts: Sequence[int], new: Sequence[Sequence[int]],
+                 prefixes: dict[int, LayerKV]) -> torch.Tensor:
+        """Tokens ``new[i]`` of ``rows[i]`` (suffix-buffer row ``slots[i]``, from column
+        ``starts[i]``) through the model; the logits of each row's last token ``[R, V]``."""
+        groups: list[GroupSlice] = []
+        t = 0
+        for i, r in enumerate(rows):
+            n = len(new[i])
+            if groups and i and rows[i - 1].node == r.node:
+                g = groups[-1]
+                groups[-1] = GroupSlice(g.start, t + n, g.prefix, g.prefix_len)
+            else:
+                groups.append(GroupSlice(t, t + n, prefixes.get(r.node, ()),
+                                         r.prefix_len))
+            t += n
+        counts = [len(x) for x in new]
+        plan = make_plan(kv, groups, slots, starts, counts, [r.prefix_len for r in rows],
+                         device=self.device)
+        ids = torch.tensor([[tok for x in new for tok in x]], dtype=torch.long, device=self.device)
+        ends = torch.cumsum(torch.tensor(counts), 0) - 1
+        kw: dict[str, Any] = {"input_ids": ids, "position_ids": plan.positions.unsqueeze(0),
+                              "use_cache": True}
+        if self._keep_rows:
+            kw["logits_to_keep"] = ends.to(self.device)
+        with running(self.model, plan) as cache, torch.no_grad():
+            logits = self.model(**kw, **{self._cache_kw: cache}).logits[0]
+        return logits if self._keep_rows else logits[ends.to(self.device)]
+
+    # -- shared prefixes ----------------------------------------------------------------------
+    def _compute_prefix(self, node: PrefixNode, tokens: Sequence[int],
+                        prefixes: dict[int, LayerKV], puts: list[Transfer[int]]) -> _Counts:
+        """The K/V of ``node``'s prefix: from the store as far as it has it, else from the
+        parent's, the rest computed as one sequence; new full blocks put in the store."""
+        base: LayerKV = prefixes[node.parent] if node.parent >= 0 else ()
+        base_len = self._prefix_len_of(base)
+        stored, loaded = self._load_prefix(tokens[: node.prefix_len], base_len)
+        if loaded is not None:
+            base, base_len = loaded, stored
+        n = node.prefix_len - base_len
+        lay = self.layout
+        kv = SuffixKV(lay.num_layers, 1, lay.num_kv_heads, n, lay.head_dim, dtype=self.dtype,
+                      device=self.device)
+        row = Row(prompt=node.source, node=-2, prefix_len=base_len)  # -2: the base, below
+        self._forward(kv, [row], [0], [0], [tokens[base_len: node.prefix_len]], {-2: base})
+        own = [kv.row(i, 0, n) for i in range(lay.num_layers)]
+        if base:  # one copy per prefix (not per sequence): the node's own [H, P, D]
+            own = [(torch.cat((bk, k), 1), torch.cat((bv, v), 1))
+                   for (bk, bv), (k, v) in zip(base, own, strict=True)]
+        prefixes[node.node] = tuple(own)
+        self._put_prefix(tokens[: node.prefix_len], prefixes[node.node],
+                         stored // lay.block_tokens, puts)
+        return _Counts(computed=n, stored=stored if loaded is not None else 0, forwards=1)
+
+    @staticmethod
+    def _prefix_len_of(kv: LayerKV) -> int:
+        return int(kv[0][0].shape[1]) if kv else 0
+
+    def _load_prefix(self, tokens: Sequence[int], have: int) -> tuple[int, LayerKV | None]:
+        """Tokens of ``tokens``' full blocks the store holds (a leading run) and, when that is
+        more than ``have``, their K/V."""
+        store, T = self.store, self.layout.block_tokens
+        if store is None or len(tokens) < T:
+            return 0, None
+        keys = store.block_keys(list(tokens[: len(tokens) // T * T]), self.salt)
+        n = store.lookup(keys)
+        if n * T <= have:
+            return n * T, None
+        blocks = store.fetch(keys[:n]).wait()
+        n = int(blocks.shape[0])  # damage shortens the run: compute from there
+        if n * T <= have:
+            return n * T, None
+        H, D = self.layout.num_kv_heads, self.layout.head_dim
+        kv = tuple(
+            tuple(blocks[:, i, plane].permute(2, 0, 1, 3).reshape(H, n * T, D)
+                  .to(self.device, self.dtype) for plane in (0, 1))
+            for i in range(self.layout.num_layers))
+        return n * T, kv  # type: ignore[return-value]
+
+    def _put_prefix(self, tokens: Sequence[int], kv: LayerKV, first: int,
+                    puts: list[Transfer[int]]) -> None:
+        store, T = self.store, self.layout.block_tokens
+        last = len(tokens) // T
+        if store is None or last <= first:
+            return
+        keys = store.block_keys(list(tokens[: last * T]), self.salt)
+        H, D = self.layout.num_kv_heads, self.layout.head_dim
+        m = last - first
+        dev = store.device if store.device.type == self.device.type else torch.device("cpu")
+        out = torch.empty(self.layout.batch_shape(m), dtype=self.layout.dtype, device=dev)
+        for i, (k, v) in enumerate(kv):
+            for plane, t in ((0, k), (1, v)):
+                out[:, i, plane].copy_(t[:, first * T: last * T].view(H, m, T, D).permute(1, 2, 0, 3))
+        puts.append(store.put(keys[first:last], out))
+
+    # -- a batch: prefill together, decode together ---------------------------------------
+    def _run_batch(self, batch: Batch, requests: Sequence[BatchRequest],
+                   prefixes: dict[int, LayerKV], on_done: OnDone | None) -> tuple[_Counts, int]:
+        rows = batch.rows
+        states = [RowState(requests[r.prompt], r.prompt, r.prefix_len, context=self.context,
+                           device=self.device) for r in rows]
+        suffixes = [requests[r.prompt].token_ids[r.prefix_len:] for r in rows]
+        # the last new token never goes through the model
+        cap = max(len(s) + st.max_new - 1 for s, st in zip(suffixes, states, strict=True))
+        kv = SuffixKV(self.layout.num_layers, len(rows), self.layout.num_kv_heads, cap,
+                      self.layout.head_dim, dtype=self.dtype, device=self.device)
+        live = list(range(len(rows)))
+        lengths = [len(s) for s in suffixes]
+        logits = self._forward(kv, rows, live, [0] * len(rows), suffixes, prefixes)
+        forwards, generated = 1, 0
+        while True:
+            toks = choose_tokens(logits, [states[i] for i in live])
+            still = []
+            for i, tok in zip(live, toks, strict=True):
+                generated += 1
+                if states[i].add(tok, self.eos, self.tokenizer):
+                    if on_done is not None:
+                        on_done(states[i].index, states[i].completion(self.tokenizer))
+                else:
+                    still.append(i)
+            live = still
+            if not live:
+                break
+            logits = self._forward(kv, [rows[i] for i in live], live, [lengths[i] for i in live],
+                                   [[states[i].tokens[-1]] for i in live], prefixes)
+            for i in live:
+                lengths[i] += 1
+            forwards += 1
+        return _Counts(computed=sum(len(s) for s in suffixes), forwards=forwards), generated
+
+    def run(self, requests: Sequence[BatchRequest], *, on_done: OnDone | None = None,
+            plan: BatchPlan | None = None) -> EngineReport:
+        """Run ``requests`` (any order; ``plan``: theirs, default :meth:`plan`)."""
+        t0 = time.perf_counter()
+        lengths = [len(r.token_ids) for r in requests]
+        if not requests:
+            return EngineReport(0, 0, 0, 0, 0, 0, 0.0, "engine")
+        plan = plan or self.plan(requests)
+        sched = schedule(plan, lengths)
+        prefixes: dict[int, LayerKV] = {}
+        pending = [n.rows + n.children for n in sched.nodes]
+        puts: list[Transfer[int]] = []
+        counts, generated = _Counts(), 0
+        for batch in pack(sched, lengths, max_tokens=self.max_batch_tokens,
+                          max_rows=self.max_batch_rows, max_prefix_tokens=self.max_prefix_tokens):
+            for nid in batch.nodes:
+                counts += self._ensure(sched.nodes, nid, requests, prefixes, pending, puts)
+            c, g = self._run_batch(batch, requests, prefixes, on_done)
+            counts, generated = counts + c, generated + g
+            for r in batch.rows:
+                if r.node >= 0:
+                    self._release(sched.nodes, r.node, prefixes, pending)
+        for p in puts:
+            p.wait()
+        return EngineReport(
+            requests=len(requests), prompt_tokens=sum(lengths), computed_tokens=counts.computed,
+            stored_tokens=counts.stored, generated_tokens=generated, forwards=counts.forwards,
+            seconds=time.perf_counter() - t0, token_source="engine")
+
+    def _ensure(self, nodes: Sequence[PrefixNode], nid: int, requests: Sequence[BatchRequest],
+                prefixes: dict[int, LayerKV], pending: list[int], puts: list[Transfer[int]]) -> _Counts:
+        """Compute node ``nid``'s prefix (and its ancestors') unless held."""
+        if nid in prefixes:
+            return _Counts()
+        node = nodes[nid]
+        c = _Counts()
+        if node.parent >= 0:
+            c = self._ensure(nodes, node.parent, requests, prefixes, pending, puts)
+        c += self._compute_prefix(node, requests[node.source].token_ids, prefixes, puts)
+        if node.parent >= 0:
+            self._release(nodes, node.parent, prefixes, pending)
+        return c
+
+    @staticmethod
+    def _release(nodes: Sequence[PrefixNode], nid: int, prefixes: dict[int, LayerKV],
+                 pending: list[int]) -> None:
+        """One row or child of ``nid`` is done with its prefix; drop it after the last."""
+        pending[nid] -= 1
+        if pending[nid] == 0:
+            prefixes.pop(nid, None)

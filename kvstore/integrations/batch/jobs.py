@@ -1,0 +1,173 @@
+"""Batch job files: the JSONL input, the resumable partial results, the ordered output.
+
+- :func:`read_requests`: every non-blank input line becomes a :class:`BatchRequest` or a
+  :class:`LineError` (bad JSON, unknown field, empty prompt, a prompt too long for the model,
+  a repeated ``custom_id``), in input order;
+- :class:`PartialResults`: ``OUT.partial``, one line per finished request, appended and
+  flushed as each finishes, with a digest of the request (and the model/engine) it answers: a
+  job killed half way and run again keeps those whose request did not change;
+- :func:`write_output`: ``OUT`` in input order (one line per input line: the result, or the
+  error that kept the line from running), written to a temporary file and renamed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from kvstore.integrations.batch.requests import (
+    BatchRequest,
+    Completion,
+    LineError,
+    parse_request,
+    request_digest,
+)
+
+__all__ = ["JobInput", "PartialResults", "partial_path", "read_requests", "write_output"]
+
+Entry = BatchRequest | LineError
+
+
+@dataclass(frozen=True, slots=True)
+class JobInput:
+    """The input file, line by line (blank lines left out)."""
+
+    entries: tuple[Entry, ...]
+
+    @property
+    def requests(self) -> tuple[BatchRequest, ...]:
+        return tuple(e for e in self.entries if isinstance(e, BatchRequest))
+
+    @property
+    def errors(self) -> tuple[LineError, ...]:
+        return tuple(e for e in self.entries if isinstance(e, LineError))
+
+
+def read_requests(path: str | os.PathLike[str], *,
+                  tokenize: Callable[[str], Sequence[int]] | None = None,
+                  vocab: int | None = None, context: int | None = None) -> JobInput:
+    """Parse every line of ``path`` (see :func:`~.requests.parse_request`)."""
+    entries: list[Entry] = []
+    seen: dict[str, int] = {}
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for no, text in enumerate(f, 1):
+            if not text.strip():
+                continue
+            e = parse_request(text, no, tokenize=tokenize, vocab=vocab, context=context)
+            if isinstance(e, BatchRequest):
+                first = seen.setdefault(e.custom_id, no)
+                if first != no:
+                    e = LineError(no, e.custom_id, f"custom_id {e.custom_id!r} is already used "
+                                                    f"on line {first}: custom_ids must be unique")
+            entries.append(e)
+    return JobInput(tuple(entries))
+
+
+def completion_record(c: Completion) -> dict[str, Any]:
+    """The output line of a completed request."""
+    rec: dict[str, Any] = {"custom_id": c.custom_id, "token_ids": list(c.token_ids)}
+    if c.text is not None:
+        rec["text"] = c.text
+    rec.update(finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+               prompt_tokens=c.prompt_tokens, cached_tokens=c.cached_tokens,
+               completion_tokens=len(c.token_ids))
+    return rec
+
+
+def error_record(e: LineError) -> dict[str, Any]:
+    """The output line of a request that could not run."""
+    return {"custom_id": e.custom_id, "line": e.line,
+            "error": {"code": "invalid_request", "message": e.message}}
+
+
+def _completion(rec: Mapping[str, Any]) -> Completion:
+    stop = rec.get("stop_reason")
+    return Completion(
+        custom_id=str(rec["custom_id"]), token_ids=tuple(int(t) for t in rec["token_ids"]),
+        finish_reason=str(rec["finish_reason"]), prompt_tokens=int(rec["prompt_tokens"]),
+        cached_tokens=int(rec["cached_tokens"]),
+        text=rec["text"] if isinstance(rec.get("text"), str) else None,
+        stop_reason=stop if isinstance(stop, (str, int)) else None)
+
+
+def partial_path(output: str | os.PathLike[str]) -> Path:
+    return Path(f"{os.fspath(output)}.partial")
+
+
+class PartialResults:
+    """``OUT.partial``: finished requests of a job, kept across an interruption."""
+
+    def __init__(self, output: str | os.PathLike[str], job: str) -> None:
+        self.path = partial_path(output)
+        self.job = job
+        self._f: IO[str] | None = None
+
+    def load(self, requests: Iterable[BatchRequest]) -> dict[str, Completion]:
+        """Results already in the file for these ``requests`` (same request, same job); a
+        line torn by the interruption, or for a request that changed, is left out."""
+        want = {r.custom_id: request_digest(r, self.job) for r in requests}
+        got: dict[str, Completion] = {}
+        try:
+            lines = self.path.read_text(encoding="utf-8", errors="replace").splitlines()
+        except FileNotFoundError:
+            return got
+        for text in lines:
+            try:
+                rec = json.loads(text)
+                if want.get(rec.get("custom_id")) == rec.get("request_digest"):
+                    got[rec["custom_id"]] = _completion(rec)
+            except (ValueError, KeyError, TypeError, AttributeError):
+                continue  # torn or foreign line: that request runs again
+        return got
+
+    def start(self, keep: Mapping[str, Completion], requests: Sequence[BatchRequest]) -> None:
+        """Rewrite the file with ``keep`` only, then append to it."""
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        by_id = {r.custom_id: r for r in requests}
+        with open(tmp, "w", encoding="utf-8") as f:
+            for cid, c in keep.items():
+                f.write(self._line(by_id[cid], c))
+        os.replace(tmp, self.path)
+        self._f = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed by close()
+
+    def _line(self, r: BatchRequest, c: Completion) -> str:
+        rec = completion_record(c) | {"request_digest": request_digest(r, self.job)}
+        return json.dumps(rec) + "\n"
+
+    def add(self, r: BatchRequest, c: Completion) -> None:
+        assert self._f is not None, "start() first"
+        self._f.write(self._line(r, c))
+        self._f.flush()  # what a kill leaves behind is what the next run keeps
+
+    def close(self, *, remove: bool) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+        if remove:
+            self.path.unlink(missing_ok=True)
+
+
+def write_output(path: str | os.PathLike[str], entries: Sequence[Entry],
+                 results: Mapping[str, Completion]) -> int:
+    """``path`` in input order; returns the lines written. A request without a result (the
+    job failed part way) gets none: its line is missing, as the summary says."""
+    tmp = Path(f"{os.fspath(path)}.tmp")
+    n = 0
+    with open(tmp, "w", encoding="utf-8") as f:
+        for e in entries:
+            if isinstance(e, LineError):
+                rec = error_record(e)
+            elif e.custom_id in results:
+                rec = completion_record(results[e.custom_id])
+            else:
+                continue
+            f.write(json.dumps(rec) + "\n")
+            n += 1
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return n

@@ -1,0 +1,196 @@
+"""The model side of the bridge: the store layout of a model's KV cache, its identity (model
+id, weights revision), the store opened for it, and its end-of-sequence tokens."""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from kvstore.errors import ConfigError
+from kvstore.integrations.transformers.convert import cache_layers
+from kvstore.layout import KVLayout
+from kvstore.store import Store, open_store
+
+__all__ = ["cache_kwarg", "eos_token_ids", "layout_for", "model_id_for", "open_store_for",
+           "weights_digest"]
+
+#: config keys that do not change what the model computes (left out of the model id)
+_VOLATILE_CONFIG_KEYS = {
+    "transformers_version", "torch_dtype", "dtype", "use_cache", "output_attentions",
+    "output_hidden_states", "return_dict", "architectures",
+}
+#: layer types whose KV is one K and one V per token (anything else does not fit a block)
+_ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention", "attention"}
+
+
+def _config_of(obj: Any) -> Any:
+    cfg = getattr(obj, "config", obj)
+    get_text = getattr(cfg, "get_text_config", None)
+    if get_text is not None:
+        try:
+            cfg = get_text(decoder=True)
+        except TypeError:  # pragma: no cover - older signature
+            cfg = get_text()
+    return cfg
+
+
+def _config_dtype(cfg: Any) -> torch.dtype:
+    dt = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
+    if isinstance(dt, str):
+        dt = getattr(torch, dt.removeprefix("torch."), None)
+    return dt if isinstance(dt, torch.dtype) else torch.float32
+
+
+def _config_kv_heads(cfg: Any) -> int:
+    """K/V heads per layer as the config describes them (Falcon's variants included)."""
+    heads = int(cfg.num_attention_heads)
+    if getattr(cfg, "model_type", None) == "falcon":
+        # Falcon caches every head with the new (40B) decoder, one with multi-query, and
+        # num_kv_heads otherwise
+        if getattr(cfg, "new_decoder_architecture", False):
+            return heads
+        return 1 if getattr(cfg, "multi_query", True) else int(cfg.num_kv_heads or heads)
+    return int(getattr(cfg, "num_key_value_heads", None) or heads)
+
+
+def cache_kwarg(model: torch.nn.Module) -> str:
+    """The name of the forward's cache argument (``cache`` in transformers 5.x)."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _probe(model: torch.nn.Module) -> tuple[int, int, int]:
+    """(layers, K/V heads, head dim) of what ``model`` really caches: one token's forward."""
+    p = next(model.parameters())
+    cache = DynamicCache()
+    ids = torch.zeros((1, 1), dtype=torch.long, device=p.device)
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=True, **{cache_kwarg(model): cache})
+    layers = cache_layers(cache)
+    k = layers[0][0]
+    return len(layers), int(k.shape[1]), int(k.shape[-1])
+
+
+def layout_for(model_config: Any, dtype: torch.dtype | None = None, block_tokens: int = 16) -> KVLayout:
+    """The :class:`KVLayout` of a decoder-only model's KV cache.
+
+    ``model_config`` is a ``PretrainedConfig`` or a model. For a model, the layers, K/V heads
+    and head dim are those its cache really holds (one token's forward finds them: attention
+    variants such as Falcon's multi-query cache fewer heads than the config's
+    ``num_kv_heads``). For a config: ``num_hidden_layers``, ``num_key_value_heads`` (GQA;
+    ``num_attention_heads`` when absent; Falcon's rules for its variants), ``head_dim`` or
+    ``hidden_size // num_attention_heads``. ``dtype`` defaults to the model's dtype (a model
+    passed in wins over its config), else float32.
+    """
+    cfg = _config_of(model_config)
+    if getattr(cfg, "kv_lora_rank", None):
+        raise ConfigError(
+            f"{getattr(cfg, 'model_type', 'this model')} uses multi-head latent attention (MLA); "
+            "its latent cache does not fit the K/V block layout of this bridge"
+        )
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types:
+        odd = sorted(set(layer_types) - _ATTENTION_LAYER_TYPES)
+        if odd:
+            raise ConfigError(
+                f"layers of type {', '.join(odd)} keep no per-token K/V; only models whose every "
+                "layer is an attention layer can use the transformers bridge"
+            )
+    heads = int(cfg.num_attention_heads)
+    layers = int(cfg.num_hidden_layers)
+    kv_heads = _config_kv_heads(cfg)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    if isinstance(model_config, torch.nn.Module):
+        layers, kv_heads, head_dim = _probe(model_config)
+    if dtype is None:
+        params = getattr(model_config, "parameters", None)
+        p = next(iter(params()), None) if callable(params) else None
+        dtype = p.dtype if p is not None else _config_dtype(cfg)
+    return KVLayout(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim,
+                    dtype=dtype, block_tokens=block_tokens)
+
+
+def model_id_for(model_config: Any) -> str:
+    """A stable, namespace-friendly model id.
+
+    The checkpoint name (``meta-llama/Llama-3.1-8B``) when the model came from the hub; for a
+    local checkpoint directory its name plus a config digest; for a model built from a config,
+    ``<model_type>-<12 hex digits of the config>``. The id names the architecture, not the
+    weights: pass a ``model_revision`` (hub commit, or :func:`weights_digest`) to the store too.
+    """
+    cfg = _config_of(model_config)
+    name = str(getattr(cfg, "name_or_path", "") or getattr(cfg, "_name_or_path", "") or "")
+    d = {k: v for k, v in cfg.to_dict().items()
+         if not k.startswith("_") and k not in _VOLATILE_CONFIG_KEYS}
+    digest = hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    if name and not os.path.isabs(name) and not os.path.exists(name):
+        return name
+    if name:
+        return f"{Path(name).name}-{digest}"
+    return f"{getattr(cfg, 'model_type', 'model')}-{digest}"
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    """SHA-256 (hex) of every parameter and buffer: name, dtype, shape and bytes.
+
+    Reads all the weights once, so it is meant for small or locally built models; for a hub
+    checkpoint its commit hash is the cheaper revision.
+    """
+    h = hashlib.sha256(b"kvstore-weights/1")
+    for name, t in model.state_dict().items():
+        t = t.detach().to("cpu").contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def open_store_for(
+    model: torch.nn.Module,
+    path: str | os.PathLike[str] | None = None,
+    *,
+    block_tokens: int = 16,
+    model_revision: str | None = None,
+    dtype: torch.dtype | None = None,
+    **store_kwargs: Any,
+) -> Store:
+    """:func:`kvstore.open_store` with the layout, model id and revision derived from ``model``.
+
+    The revision is ``model_revision``, else the hub commit the config came from, else
+    :func:`weights_digest` (so two models with the same config but different weights never
+    share blocks).
+    """
+    layout = layout_for(model, dtype=dtype, block_tokens=block_tokens)
+    rev = model_revision or getattr(model.config, "_commit_hash", None) or weights_digest(model)
+    return open_store(path, layout=layout, model_id=model_id_for(model), model_revision=rev,
+                      **store_kwargs)
+
+
+
+
+def eos_token_ids(model: Any, eos_token_id: int | Sequence[int] | None = None) -> frozenset[int]:
+    """End-of-sequence token ids: ``eos_token_id`` (an int or a list) if given, else the
+    model's ``generation_config.eos_token_id``, else its config's (either may be a list)."""
+    def ids(v: Any) -> frozenset[int] | None:
+        if v is None:
+            return None
+        if isinstance(v, int):
+            return frozenset((v,))
+        return frozenset(int(t) for t in v)
+
+    got = ids(eos_token_id)
+    if got is not None:
+        return got
+    gen = getattr(model, "generation_config", None)
+    for src in (gen, getattr(model, "config", None)):
+        got = ids(getattr(src, "eos_token_id", None)) if src is not None else None
+        if got is not None:
+            return got
+    return frozenset()

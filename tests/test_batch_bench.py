@@ -1,0 +1,34 @@
+"""``kvstore bench --section batch`` on the quick sizes, without vLLM (its rows are skipped)."""
+
+import re
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from kvstore.bench import BenchOptions
+from kvstore.bench import batch as bench
+
+
+def test_workloads_have_the_issues_shapes():
+    ws = {w.name: w for w in bench.workloads()}
+    assert len(ws["doc"].prompts) == 32 and len(ws["instr"].prompts) == 64
+    assert len(ws["docs"].prompts) == 32 and len(ws["nested"].prompts) == 48
+    doc = ws["doc"].prompts
+    assert all(p[:2000] == doc[0][:2000] for p in doc)
+    assert bench.workloads() == bench.workloads()  # seeded
+
+
+def test_quick_section_without_vllm(monkeypatch, tmp_path):
+    monkeypatch.setattr(bench, "vllm_python", lambda: None)
+    rows = bench.run(BenchOptions(quick=True, workdir=str(tmp_path)))
+    names = [r.name for r in rows]
+    assert len(rows) == 4 * 2  # per workload: tokens vs the bound, wall vs HF padded batch
+    assert all("vLLM" not in r.ref_name for r in rows)
+    tok = [r for r in rows if "prefill tokens" in r.name]
+    assert all(r.ratio >= bench.TOKEN_GOAL and r.meets_goal for r in tok)
+    for r in tok:  # greedy outputs of HF's padded batch equal the engine's, every prompt
+        k, n = re.search(r"HF padded batch (\d+)/(\d+)", r.note).groups()
+        assert k == n
+    assert "doc: wall, transformers engine" in names
+    assert list(tmp_path.iterdir()) == []  # its temp dir is gone

@@ -1,0 +1,259 @@
+"""Batch jobs: request lines, the resumable partial file, ordered output, ``kvstore batch run``."""
+
+import json
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvstore.integrations.batch.jobs import PartialResults, partial_path, read_requests
+from kvstore.integrations.batch.requests import BatchRequest, LineError, parse_request
+
+VOCAB = 512
+
+
+def parse(obj, **kw):
+    return parse_request(obj if isinstance(obj, str) else json.dumps(obj), 3, vocab=VOCAB, **kw)
+
+
+@pytest.mark.parametrize("line, words", [
+    ("{bad json", "not valid JSON"),
+    ("[1, 2]", "JSON object"),
+    ({"token_ids": [1]}, "custom_id is missing"),
+    ({"custom_id": "a", "token_ids": [1], "temprature": 1}, "unknown field 'temprature'"),
+    ({"custom_id": "a", "token_ids": []}, "prompt is empty"),
+    ({"custom_id": "a", "prompt": ""}, "needs a tokenizer"),
+    ({"custom_id": "a"}, "exactly one of prompt"),
+    ({"custom_id": "a", "prompt": "x", "token_ids": [1]}, "exactly one of prompt"),
+    ({"custom_id": "a", "token_ids": [1, 600]}, "outside the vocabulary"),
+    ({"custom_id": "a", "token_ids": [1, "2"]}, "list of token ids"),
+    ({"custom_id": "a", "token_ids": [1], "max_tokens": 0}, "max_tokens must be >= 1"),
+    ({"custom_id": "a", "token_ids": [1], "max_tokens": 2.5}, "whole number"),
+    ({"custom_id": "a", "token_ids": [1], "temperature": -1}, "temperature must be in"),
+    ({"custom_id": "a", "token_ids": [1], "top_p": 0}, "top_p must be in (0"),
+    ({"custom_id": "a", "token_ids": [1], "stop": "x"}, "stop strings need a tokenizer"),
+    ({"custom_id": "a", "token_ids": [1], "ignore_eos": "yes"}, "true or false"),
+    ({"custom_id": "a", "token_ids": [1] * 64}, "the model's context is 64"),
+])
+def test_bad_lines_say_what_to_change(line, words):
+    e = parse(line, context=64)
+    assert isinstance(e, LineError) and e.line == 3
+    assert words in e.message
+
+
+def test_good_line_and_defaults():
+    r = parse({"custom_id": "q", "token_ids": [5, 6], "stop_token_ids": [7], "seed": 3,
+               "temperature": 0.7, "top_p": 0.9, "top_k": 4, "max_tokens": 9})
+    assert isinstance(r, BatchRequest) and r.token_ids == (5, 6) and r.line == 3
+    p = r.params
+    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed, p.stop_token_ids) == \
+        (9, 0.7, 0.9, 4, 3, (7,))
+    d = parse({"custom_id": "q", "token_ids": [5]}).params
+    assert d.greedy and d.max_tokens == 16 and d.top_p == 1.0
+    t = parse({"custom_id": "q", "prompt": "a b", "stop": ["x"]}, tokenize=lambda s: [1, 2])
+    assert t.token_ids == (1, 2) and t.prompt == "a b" and t.params.stop == ("x",)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.sampled_from(["custom_id", "prompt", "token_ids", "max_tokens",
+                                        "temperature", "top_p", "stop", "seed", "junk"]),
+                       st.one_of(st.none(), st.booleans(), st.integers(-5, 600), st.floats(),
+                                 st.text(max_size=3),
+                                 st.lists(st.integers(-2, 600), max_size=4))))
+def test_any_object_is_a_request_or_an_error(obj):
+    r = parse_request(json.dumps(obj), 1, vocab=VOCAB, context=100, tokenize=lambda s: [1] * len(s))
+    assert isinstance(r, (BatchRequest, LineError))
+
+
+def test_duplicate_custom_id_and_blank_lines(tmp_path):
+    f = tmp_path / "in.jsonl"
+    f.write_text('{"custom_id": "a", "token_ids": [1]}\n\n{"custom_id": "a", "token_ids": [2]}\n')
+    job = read_requests(f, vocab=VOCAB)
+    assert len(job.entries) == 2 and len(job.requests) == 1
+    assert "already used on line 1" in job.errors[0].message and job.errors[0].line == 3
+
+
+def test_partial_keeps_matching_results_and_drops_torn_lines(tmp_path):
+    from kvstore.integrations.batch.requests import Completion
+
+    reqs = [BatchRequest(c, (1, 2, i)) for i, c in enumerate("abc")]
+    p = PartialResults(tmp_path / "out.jsonl", job="j1")
+    p.start({}, reqs)
+    for r in reqs[:2]:
+        p.add(r, Completion(r.custom_id, (9,), "length", 3, 0))
+    p.close(remove=False)
+    with open(partial_path(tmp_path / "out.jsonl"), "a") as f:
+        f.write('{"custom_id": "c", "token_ids": [1')  # torn by a kill
+    assert sorted(PartialResults(tmp_path / "out.jsonl", "j1").load(reqs)) == ["a", "b"]
+    changed = [BatchRequest("a", (1, 2, 99))] + reqs[1:]
+    assert sorted(PartialResults(tmp_path / "out.jsonl", "j1").load(changed)) == ["b"]
+    assert PartialResults(tmp_path / "out.jsonl", "other model").load(reqs) == {}
+
+
+# -- end to end -------------------------------------------------------------------------------
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    import torch
+
+    d = tmp_path_factory.mktemp("model")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=256,
+                                   eos_token_id=None, bos_token_id=None)
+    m = transformers.LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if p.dim() == 2 and "embed" not in name:
+                p.normal_(0.0, 1.0 / p.shape[1] ** 0.5)
+    m.save_pretrained(d)
+    return d
+
+
+def add_tokenizer(d):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(VOCAB)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0")
+    fast.save_pretrained(d)
+    return fast
+
+
+def write_job(path, n=8, seed=0, bad=True):
+    rng = random.Random(seed)
+    doc = [rng.randrange(VOCAB) for _ in range(60)]
+    lines = [json.dumps({"custom_id": f"q{i}", "token_ids": doc + [rng.randrange(VOCAB)
+                                                                    for _ in range(4 + i)],
+                         "max_tokens": 5}) for i in range(n)]
+    if bad:
+        lines.insert(2, "{not json")
+        lines.insert(5, json.dumps({"custom_id": "long", "token_ids": [1] * 300}))
+        lines.insert(6, json.dumps({"custom_id": "q1", "token_ids": [3]}))
+    path.write_text("\n".join(lines) + "\n")
+    return lines
+
+
+def run_cli(*args):
+    from kvstore.cli import main
+
+    return main(["batch", "run", *map(str, args)])
+
+
+def test_cli_runs_good_lines_reports_bad_ones(model_dir, tmp_path, capsys):
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_job(src)
+    assert run_cli(src, out, "--model", model_dir, "--format", "json") == 2
+    cap = capsys.readouterr()
+    assert "line 3: not valid JSON" in cap.err
+    assert "line 6 (custom_id 'long')" in cap.err and "context is 256" in cap.err
+    assert "line 7 (custom_id 'q1'): custom_id 'q1' is already used on line 2" in cap.err
+    summary = json.loads(cap.out)["summary"]
+    assert summary["requests"] == 8 and len(summary["errors"]) == 3
+    assert summary["computed_tokens"] <= summary["naive_tokens"]
+    assert summary["computed_tokens"] == summary["lower_bound_tokens"]
+    recs = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(recs) == 11  # one per input line, in input order
+    assert [r.get("custom_id") for r in recs][:4] == ["q0", "q1", None, "q2"]
+    assert recs[2]["error"]["message"].startswith("not valid JSON") and recs[2]["line"] == 3
+    ok = [r for r in recs if "error" not in r]
+    assert all(len(r["token_ids"]) == 5 and r["finish_reason"] == "length" for r in ok)
+    assert all(r["cached_tokens"] >= 60 for r in ok)
+    assert not partial_path(out).exists()
+
+
+def test_cli_on_error_fail_runs_nothing(model_dir, tmp_path):
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_job(src)
+    assert run_cli(src, out, "--model", model_dir, "--on-error", "fail") == 2
+    assert not out.exists()
+
+
+def test_cli_plan_only(model_dir, tmp_path, capsys):
+    src = tmp_path / "in.jsonl"
+    write_job(src, bad=False)
+    assert run_cli(src, "--model", model_dir, "--plan-only", "--format", "json") == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["requests"] == 8 and len(doc["plan"]["groups"]) == 1
+    assert doc["plan"]["groups"][0]["shared_tokens"] >= 60
+
+
+def test_resume_after_interruption_recomputes_nothing_finished(model_dir, tmp_path, monkeypatch):
+    from kvstore.commands import batch as cmd
+
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_job(src, n=12, bad=False)
+    assert run_cli(src, tmp_path / "ref.jsonl", "--model", model_dir, "--max-batch-rows", "3") == 0
+
+    class Killed(BaseException):  # not an Exception: nothing on the way may swallow it
+        pass
+
+    real = cmd._open_engine
+    ran: list[str] = []
+
+    def wrapped(die_after):
+        def open_engine(args, tok):
+            engine = real(args, tok)
+            inner = engine.run
+
+            def run(reqs, on_done=None):
+                ran.extend(r.custom_id for r in reqs)
+                seen = []
+
+                def done(i, c):
+                    on_done(i, c)
+                    seen.append(i)
+                    if len(seen) == die_after:
+                        raise Killed
+
+                return inner(reqs, on_done=done)
+
+            engine.run = run
+            return engine
+        return open_engine
+
+    monkeypatch.setattr(cmd, "_open_engine", wrapped(5))  # dies after 5 results, as if killed
+    with pytest.raises(Killed):
+        run_cli(src, out, "--model", model_dir, "--max-batch-rows", "3")
+    assert not out.exists() and len(partial_path(out).read_text().splitlines()) == 5
+    ran.clear()
+    monkeypatch.setattr(cmd, "_open_engine", wrapped(-1))
+    assert run_cli(src, out, "--model", model_dir, "--max-batch-rows", "3") == 0
+    assert len(ran) == 7  # the 5 finished ones were kept, not recomputed
+    assert out.read_text() == (tmp_path / "ref.jsonl").read_text()
+    assert not partial_path(out).exists()
+
+
+def test_text_prompts_and_stop_strings_with_a_tokenizer(model_dir, tmp_path):
+    import torch
+
+    d = tmp_path / "with-tok"
+    d.mkdir()
+    for f in model_dir.iterdir():
+        (d / f.name).write_bytes(f.read_bytes())
+    tok = add_tokenizer(d)
+    model = transformers.AutoModelForCausalLM.from_pretrained(d).eval()
+    prompt = " ".join(f"w{i}" for i in range(7, 47))
+    ids = tok(prompt, return_tensors="pt").input_ids
+    plain = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8,
+                           do_sample=False, pad_token_id=0)[0, ids.shape[1]:].tolist()
+    stop = f"w{plain[3]}"
+    # where transformers' stop_strings stops: the first token whose text completes the string
+    # (its StopStringCriteria cannot index this word-level vocabulary, so computed here)
+    cut = next(j for j in range(8) if stop in tok.decode(plain[: j + 1]))
+    hf = plain[: cut + 1]
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(json.dumps({"custom_id": "t", "prompt": prompt, "max_tokens": 8,
+                               "stop": [stop]}) + "\n"
+                   + json.dumps({"custom_id": "u", "prompt": prompt, "max_tokens": 8}) + "\n")
+    assert run_cli(src, out, "--model", d) == 0
+    t, u = (json.loads(x) for x in out.read_text().splitlines())
+    assert t["token_ids"] == hf and t["finish_reason"] == "stop" and t["stop_reason"] == stop
+    full = tok.decode(t["token_ids"], skip_special_tokens=True)
+    assert t["text"] == full[: full.find(stop)] and stop not in t["text"]
+    assert u["token_ids"] == plain and u["text"] == tok.decode(plain)
