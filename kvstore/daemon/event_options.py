@@ -4,9 +4,12 @@ parser on every call, and the publisher (pyzmq) is only imported when the daemon
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from kvstore.errors import ConfigError
-from kvstore.events.config import EventsConfig
+
+if TYPE_CHECKING:  # the events package is imported when a daemon starts, not for --help
+    from kvstore.events.config import EventsConfig
 
 
 def _endpoint(text: str) -> str:
@@ -41,5 +44,7 @@ def config_from_args(args: argparse.Namespace) -> EventsConfig | None:
         if getattr(args, "kv_events_replay", None):
             raise ConfigError("--kv-events-replay needs --kv-events")
         return None
+    from kvstore.events.config import EventsConfig
+
     return EventsConfig(args.kv_events, replay_endpoint=args.kv_events_replay or None,
                         topic=args.kv_events_topic, layout=args.kv_events_layout)
