@@ -164,9 +164,14 @@ def test_hello_reply_of_an_older_daemon_and_of_a_newer_one_parse():
     base = [1, b"n" * 32, "/dev/shm/x", 8, 1024, 1 << 20, 100, 10, "kvstore"]
     old = m.HelloReply.from_wire(base)
     assert old.instance == b"" and old.flushed_instances == ()
-    new = m.HelloReply.from_wire([*base, b"i" * 16, [b"p" * 16], "a later field"])
+    assert old.new_namespace == ""
+    new = m.HelloReply.from_wire([*base, b"i" * 16, [b"p" * 16], "new namespace ab12",
+                                  "a later field"])
     assert new.instance == b"i" * 16 and new.flushed_instances == (b"p" * 16,)
-    assert m.HelloReply.from_wire(new.to_wire()[:11]) == new
+    assert new.new_namespace == "new namespace ab12"
+    assert m.HelloReply.from_wire(new.to_wire()[:12]) == new
+    with pytest.raises(m.BadRequest):
+        m.HelloReply.from_wire([*base, b"i" * 16, [], 7])  # new_namespace must be a str
     with pytest.raises(m.BadRequest):
         m.HelloReply.from_wire(base[:8])
 
