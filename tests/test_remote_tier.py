@@ -30,13 +30,13 @@ from kvstore.errors import (  # noqa: E402
     TensorMismatchError,
 )
 from kvstore.tiers import codec as codec_mod  # noqa: E402
-from kvstore.tiers.remote import format as fmt  # noqa: E402
 from kvstore.tiers.remote import (  # noqa: E402
     ReadStatus,
     RemoteConfig,
     RemoteTier,
     RemoteWrite,
 )
+from kvstore.tiers.remote import format as fmt  # noqa: E402
 from kvstore.tiers.remote.conn import Breaker, parse_remote_url, redact  # noqa: E402
 
 needs_redis = pytest.mark.skipif(redis_server_path() is None,

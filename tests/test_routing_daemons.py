@@ -66,7 +66,7 @@ def test_route_follows_what_each_daemon_holds(daemons):
         assert wait_until(lambda: agrees()[0], timeout=30), (agrees(), sub.stats())
         r = router.route(TOKENS)
         assert (r.engine, r.cached_blocks, r.mode) == ("b", 5, "exploit")
-        assert sub.index.media_of("b", keys[0]) == (MEDIUM_CPU,)
+        assert MEDIUM_CPU in sub.index.media_of("b", keys[0])  # (and STORAGE once written)
 
         # b evicts most of it: c now holds the longest prefix
         with client(daemons["b"]) as c:

@@ -83,13 +83,6 @@ class DaemonEvents:
         self.publisher.close()
 
 
-def report_warm(sink: NamespaceSink | None, keys: Sequence[BlockKey],
-                parent: BlockKey | None) -> None:
-    """A leading run of one chain is now in the warm tier (leased, prefetched)."""
-    if sink is not None and keys:
-        sink.stored("warm", keys, [parent, *keys[:-1]])
-
-
 def report_evicted(sink: NamespaceSink | None, keys: Sequence[BlockKey] | None,
                    tier: str | None) -> None:
     """``evict(keys, tier)`` ran (``tier="hot"`` is nothing here: the daemon has no hot tier)."""

@@ -11,7 +11,6 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
-from kvstore.daemon.events import report_evicted, report_warm
 from kvstore.daemon.namespaces import free_warm_slots
 from kvstore.keys import KeyChain
 from kvstore.wire import messages as m
@@ -51,7 +50,6 @@ async def fetch(conn: Connection, req: m.Fetch) -> m.Lease:
     got, slots = await _call(conn, False, conn.store.lease_warm, keys)
     if not got:
         return m.Lease(0, [])
-    report_warm(conn.entry.events, got, keys.parent)
     lease_id = conn.holdings.add_lease(got)
     conn.metrics.leased_blocks.inc(len(got))
     conn.metrics.leased_bytes.inc(len(got) * conn.block_nbytes)
@@ -77,8 +75,6 @@ async def put(conn: Connection, req: m.Put) -> m.Grant:
 async def commit(conn: Connection, req: m.Commit) -> m.Count:
     grant = conn.holdings.pop_grant(req.id)
     n = await _call(conn, True, conn.store.commit_put, grant)
-    if n and conn.entry.events is not None:
-        conn.entry.events.stored("warm", grant.keys, grant.parents)
     conn.metrics.put_blocks.inc(n)
     conn.metrics.put_bytes.inc(n * conn.block_nbytes)
     return m.Count(n)
@@ -94,9 +90,7 @@ async def abort(conn: Connection, req: m.Abort) -> m.Empty:
 async def prefetch(conn: Connection, req: m.Prefetch) -> m.Count:
     keys = _chain(conn, req.keys, req.parent)
     store = conn.store
-    n = await conn.run(lambda: store.prefetch(keys).wait())
-    report_warm(conn.entry.events, keys[:n], keys.parent)
-    return m.Count(n)
+    return m.Count(await conn.run(lambda: store.prefetch(keys).wait()))
 
 
 async def pin(conn: Connection, req: m.Pin) -> m.Count:
@@ -117,9 +111,7 @@ async def unpin(conn: Connection, req: m.Unpin) -> m.Count:
 async def evict(conn: Connection, req: m.Evict) -> m.Count:
     keys = None if req.keys is None else _chain(conn, req.keys)
     store = conn.store
-    n = await conn.run(lambda: store.evict(keys, tier=req.tier))
-    report_evicted(conn.entry.events, keys, req.tier)
-    return m.Count(n)
+    return m.Count(await conn.run(lambda: store.evict(keys, tier=req.tier)))
 
 
 async def stats(conn: Connection, req: m.Stats) -> m.StatsReply:

@@ -228,6 +228,7 @@ class NamespaceRegistry:
         shm = self._shm_dir / f"ns-{ns.id.hex()[:32]}.slab"
 
         notes: list[str] = []
+        sink = self._events.sink(ns) if self._events is not None else None
 
         def _open_store() -> Store:
             note = self._new_namespace_note(ns)
@@ -240,7 +241,7 @@ class NamespaceRegistry:
                 cpu_capacity=cap - cap % bn, disk_capacity=cfg.disk_capacity,
                 tp_rank=ns.tp_rank, tp_size=ns.tp_size, namespace_extras=dict(ns.extras),
                 admission=cfg.admission, disk_codec=cfg.disk_codec,
-                warm_shared_memory=str(shm),
+                warm_shared_memory=str(shm), events=sink,  # the store reports its tiers
             )
             try:
                 _reserve(shm, cap - cap % bn)
@@ -265,7 +266,6 @@ class NamespaceRegistry:
         log.info("opened namespace %s (model %s): %d warm slots of %s (%s), shm %s",
                  ns.id.hex()[:16], ns.model_id, slab.shape[0], format_size(bn),
                  format_size(slab.shape[0] * bn), shm)
-        sink = self._events.sink(ns) if self._events is not None else None
         return NamespaceEntry(ns, store, shm, int(slab.shape[0]), memory_only, events=sink,
                               new_note=notes[0] if notes else "")
 

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from kvstore.errors import SizeError
+from kvstore.errors import ConfigError, SizeError
 from kvstore.namespace import Namespace
 from kvstore.sizes import parse_size
+from kvstore.tiers.policy import DEFAULT_EVICTION, EVICTIONS
 from kvstore.validate import resolve_device
 
 __all__ = ["StoreConfig", "capacity", "resolve_device"]
@@ -31,12 +33,33 @@ class StoreConfig:
     warm_shared_memory: str | None = None  # file (e.g. under /dev/shm) backing the warm slab
     # fault the warm slab's pages in at open, in the background (kvstore.tiers.slab.Prefault)
     prefault_warm: bool = True
-    # fault the warm slab's pages in at open, in the background (kvstore.tiers.slab.Prefault)
-    prefault_warm: bool = True
     remote: str | None = None  # redis://, rediss:// or redis+cluster:// URL of the remote tier
     remote_codec: str = "zstd"
     remote_budget_s: float = 0.05
     remote_ttl_s: float | None = None
+    hot_eviction: str = "lru"  # kvstore.tiers.policy.EVICTIONS
+    warm_eviction: str = "lru"
+
+
+def resolve_eviction(eviction: str | Mapping[str, str]) -> tuple[str, str]:
+    """``open_store(eviction=)``: one policy name for both memory tiers, or a mapping
+    ``{"hot": ..., "warm": ...}`` (a tier left out gets the default) -> (hot, warm)."""
+    if isinstance(eviction, str):
+        pair = (eviction, eviction)
+    elif isinstance(eviction, Mapping):
+        unknown = set(eviction) - {"hot", "warm"}
+        if unknown:
+            raise ConfigError(f"eviction= names tiers {sorted(unknown)}; only 'hot' and 'warm' "
+                              "have an eviction policy (disk evicts leaf-first LRU)")
+        pair = (eviction.get("hot", DEFAULT_EVICTION), eviction.get("warm", DEFAULT_EVICTION))
+    else:
+        raise ConfigError(f"eviction must be a policy name or a mapping of tier to name, got "
+                          f"{type(eviction).__name__}")
+    for name in pair:
+        if name not in EVICTIONS:
+            raise ConfigError(f"eviction must be one of {', '.join(map(repr, EVICTIONS))}, "
+                              f"got {name!r}")
+    return pair
 
 
 def capacity(value: int | str, what: str, block_nbytes: int) -> int:

@@ -6,14 +6,19 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvstore.errors import ConfigError
 from kvstore.layout import KVLayout
 from kvstore.namespace import Namespace
-from kvstore.store.config import StoreConfig, capacity, resolve_device
+from kvstore.store.config import StoreConfig, capacity, resolve_device, resolve_eviction
 from kvstore.store.facade import Store
+
+if TYPE_CHECKING:
+    from kvstore.events.sink import EventSink
+from kvstore.tiers.policy import DEFAULT_EVICTION
 
 
 def open_store(
@@ -30,12 +35,14 @@ def open_store(
     tp_size: int = 1,
     namespace_extras: Mapping[str, object] | None = None,
     admission: str = "always",
+    eviction: str | Mapping[str, str] = DEFAULT_EVICTION,
     disk_codec: str = "none",
     warm_shared_memory: str | None = None,
     remote: str | None = None,
     remote_budget_s: float = 0.05,
     remote_ttl_s: float | None = None,
     remote_codec: str = "zstd",
+    events: EventSink | None = None,
 ) -> Store:
     """Open (or create) a store. Sizes are ints or strings like ``"4GiB"``.
 
@@ -46,6 +53,10 @@ def open_store(
     disk on Redis (``redis://host:port``, ``rediss://`` for TLS, ``redis+cluster://host:port``);
     a lookup or read there never costs more than ``remote_budget_s`` (a slow or absent Redis
     is a miss), values expire after ``remote_ttl_s`` when set. See docs/scale-out.md.
+    ``eviction`` orders each memory tier's victims (``"lru"``, ``"reuse"``, or a mapping
+    ``{"hot": ..., "warm": ...}``), see :mod:`kvstore.tiers.policy`.
+    ``events`` (a :class:`kvstore.events.EventSink`, e.g. an ``EventPublisher``'s sink) is told
+    every block that joins or leaves the hot, warm and disk tiers, in order (KV events).
     """
     if not isinstance(layout, KVLayout):
         raise ConfigError(f"layout must be a KVLayout, got {type(layout).__name__}")
@@ -59,6 +70,7 @@ def open_store(
         raise ConfigError(f"disk_codec must be 'none' or 'zstd', got {disk_codec!r}")
     if admission not in ("always", "second-hit"):
         raise ConfigError(f"admission must be 'always' or 'second-hit', got {admission!r}")
+    hot_eviction, warm_eviction = resolve_eviction(eviction)
     dev = resolve_device(device)
     ns = Namespace.create(model_id, layout, model_revision=model_revision, tp_rank=tp_rank,
                           tp_size=tp_size, extras=namespace_extras)
@@ -80,5 +92,7 @@ def open_store(
         remote_codec=remote_codec,
         remote_budget_s=float(remote_budget_s),
         remote_ttl_s=remote_ttl_s,
+        hot_eviction=hot_eviction,
+        warm_eviction=warm_eviction,
     )
-    return Store(config)
+    return Store(config, events=events)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,6 +27,9 @@ from kvstore.store.zero_copy import ZeroCopyPlane
 from kvstore.transfer import Transfer
 from kvstore.writer import WriteBehind
 
+if TYPE_CHECKING:
+    from kvstore.events.sink import EventSink
+
 
 class Store:
     """A tiered KV prefix cache for one model namespace. Create with :func:`open_store`.
@@ -36,13 +40,14 @@ class Store:
 
     PutGrant = PutGrant
 
-    def __init__(self, config: StoreConfig) -> None:
+    def __init__(self, config: StoreConfig, *, events: EventSink | None = None) -> None:
         self.config = config
         self.namespace = config.namespace
         self.layout: KVLayout = config.namespace.layout
         self.namespace_id: bytes = config.namespace.id
         self.device = config.device
         self.state = st = open_state(config)
+        st.events = events
         self.residency = Residency(st)
         self.fetcher = Fetcher(st, self.residency)
         self.putter = Putter(st, self.residency)
@@ -78,6 +83,9 @@ class Store:
                 t.close()
             if st.warm is not None:
                 st.warm.slab.close()
+            if st.events is not None:  # the memory tiers are gone; the disk stays
+                for name in ("hot", "warm"):
+                    st.events.cleared(name)
             st.hot = st.warm = None
             st.lower = []
             st.catalog = Catalog()

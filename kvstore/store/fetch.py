@@ -327,6 +327,8 @@ class Fetcher:
         if self.st.closed:
             return
         n = plan.valid if ok else 0
+        joined_warm: list[BlockKey] = []
+        joined_hot: list[BlockKey] = []
         # blocks read from a lower tier join the warm tier (only the valid leading run: prefix-closed)
         for p, slot in plan.lower:
             if slot < 0:
@@ -346,6 +348,7 @@ class Fetcher:
                         cat.set_on_disk(k)
                 warm.insert(k, slot)
                 warm.counters.promotions_in += 1
+                joined_warm.append(k)
             else:
                 warm.release(slot)
         if hot is not None and plan.promote:
@@ -356,8 +359,11 @@ class Fetcher:
                         and k in cat and p not in plan.unfilled):
                     hot.insert(k, slot)
                     hot.counters.promotions_in += 1
+                    joined_hot.append(k)
                 else:
                     hot.release(slot)
+        self.st.announce_stored("warm", joined_warm)
+        self.st.announce_stored("hot", joined_hot)
         if n:
             if plan.lower or plan.promote:  # blocks joined a tier since the plan touched them
                 self.res.touch_chain(plan.keys[:n])

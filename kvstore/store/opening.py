@@ -17,12 +17,13 @@ def open_state(config: StoreConfig) -> StoreState:
     lay = config.namespace.layout
     check_memory(config.device, hot=config.gpu_capacity,  # numbers before any allocation
                  host=0 if config.warm_shared_memory else config.cpu_capacity)
-    hot = MemoryTier(HOT, lay, config.gpu_capacity, config.device) if config.gpu_capacity else None
+    hot = (MemoryTier(HOT, lay, config.gpu_capacity, config.device, eviction=config.hot_eviction)
+           if config.gpu_capacity else None)
     warm = None
     if config.cpu_capacity:
         warm = MemoryTier(WARM, lay, config.cpu_capacity, torch.device("cpu"),
                           pin_memory=config.pin_memory, shared_path=config.warm_shared_memory,
-                          prefault=config.prefault_warm)
+                          prefault=config.prefault_warm, eviction=config.warm_eviction)
     if hot is None and warm is None:
         raise ConfigError("gpu_capacity and cpu_capacity are both 0: give at least one memory "
                           "tier room")

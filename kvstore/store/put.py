@@ -100,6 +100,7 @@ class Putter:
                 tier.insert(k, s)
                 cat.pin(k)  # pending until the copy lands: not evicted, not read by the writer
                 written.append(k)
+            self.st.announce_stored(tier.name, [ks[p] for p in pos])
         if written:
             # the whole chain again, leaf first, now with its new blocks: inserted root-first,
             # a chain's root would be its oldest block and every eviction would walk past all
@@ -183,6 +184,7 @@ class Putter:
             for t in (self.st.hot, self.st.warm):
                 if t is not None and k in t:
                     t.remove(k)
+                    self.st.announce_removed(t.name, [k])
             cat.forget(k)
             dropped += 1
         self.st.counters.put_blocks -= dropped

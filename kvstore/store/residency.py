@@ -153,32 +153,41 @@ class Residency:
     def evict_one(self, tier: MemoryTier) -> bool:
         """Free one slot of ``tier``; False if no block can go.
 
-        A victim (oldest first, never pinned) with a copy in the other memory tier just
-        loses this copy; one that is on disk leaves memory; a hot block with no lower copy is
-        demoted to warm; a block leaving the store must be a leaf (prefix-closure) and must
-        not be waiting for the disk writer.
+        A victim (in the tier's eviction order, never pinned) with a copy in the other memory
+        tier just loses this copy; one that is on disk leaves memory; a hot block with no lower
+        copy is demoted to warm; a block leaving the store must be a leaf (prefix-closure) and
+        must not be waiting for the disk writer.
         """
-        cat = self.st.catalog
-        other_tier = self.st.warm if tier is self.st.hot else self.st.hot
-        # live iteration: every branch that changes ``tier`` returns right after
-        for key in tier.iter_lru():
-            if cat.is_pinned(key):
-                continue
-            if (other_tier is not None and key in other_tier) or cat.on_disk(key):
-                tier.remove(key)
-                tier.counters.evictions += 1
-                if not self.held(key):
-                    cat.forget(key)  # still on disk
-                return True
-            if tier is self.st.hot and self.st.warm is not None and self.demote(key):
-                return True
-            if cat.has_children(key) or cat.is_dirty(key):
-                continue
-            tier.remove(key)
-            tier.counters.evictions += 1
-            cat.forget(key)
+        first = tier.policy.peek()  # most evictions take the best victim: no iterator
+        if first is None:
+            return False
+        if self._free(tier, first):
             return True
-        return False
+        # live iteration in the tier's eviction order: the first change of ``tier`` ends it
+        return any(key is not first and self._free(tier, key) for key in tier.iter_victims())
+
+    def _free(self, tier: MemoryTier, key: BlockKey) -> bool:
+        """Free ``key``'s slot of ``tier`` if it may go (see :meth:`evict_one`)."""
+        cat = self.st.catalog
+        if cat.is_pinned(key):
+            return False
+        other_tier = self.st.warm if tier is self.st.hot else self.st.hot
+        if (other_tier is not None and key in other_tier) or cat.on_disk(key):
+            tier.remove(key, for_room=True)
+            tier.counters.evictions += 1
+            self.st.announce_removed(tier.name, [key])
+            if not self.held(key):
+                cat.forget(key)  # still on disk
+            return True
+        if tier is self.st.hot and self.st.warm is not None and self.demote(key):
+            return True
+        if cat.has_children(key) or cat.is_dirty(key):
+            return False
+        tier.remove(key, for_room=True)
+        tier.counters.evictions += 1
+        self.st.announce_removed(tier.name, [key])
+        cat.forget(key)
+        return True
 
     def demote(self, key: BlockKey) -> bool:
         hot, warm = self.st.hot, self.st.warm
@@ -193,8 +202,10 @@ class Residency:
         warm.slab.data[slots[0]].copy_(hot.slab.data[hot.slot(key)])
         warm.insert(key, slots[0])
         warm.counters.demotions_in += 1
-        hot.remove(key)
+        self.st.announce_stored(warm.name, [key])
+        hot.remove(key, for_room=True)
         hot.counters.evictions += 1
+        self.st.announce_removed(hot.name, [key])
         return True
 
     # -- evict ----------------------------------------------------------------------------
@@ -219,7 +230,9 @@ class Residency:
                 for low in self.st.lower:
                     if not low.volatile:
                         # what memory still holds stays (pinned, or an ancestor of a pin)
-                        removed.update(BlockKey(k) for k in low.delete(ks, keep=cat.__contains__))
+                        gone = [BlockKey(k) for k in low.delete(ks, keep=cat.__contains__)]
+                        self.st.announce_removed(low.name, gone)
+                        removed.update(gone)
                 return len(removed)
             if tier == DISK:
                 low = self.lower_named(DISK)
@@ -228,6 +241,7 @@ class Residency:
                 gone = [BlockKey(k) for k in low.delete(ks, keep=cat.is_pinned)]
                 for k in gone:
                     cat.clear_on_disk(k)
+                self.st.announce_removed(low.name, gone)
                 return len(gone)
             t = self.st.hot if tier == HOT else self.st.warm
             if t is None:
@@ -240,6 +254,7 @@ class Residency:
                 if (other is not None and k in other) or cat.on_disk(k):
                     t.remove(k)
                     t.counters.evictions += 1
+                    self.st.announce_removed(t.name, [k])
                     if not self.held(k):
                         cat.forget(k)
                     count += 1
@@ -269,6 +284,7 @@ class Residency:
                     if t is not None and k in t:
                         t.remove(k)
                         t.counters.evictions += 1
+                        self.st.announce_removed(t.name, [k])
                 if cat.is_dirty(k):
                     self.st.counters.dirty_dropped += 1
                 cat.forget(k)

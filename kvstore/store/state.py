@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     import torch
 
     from kvstore.copy_engine import CopyEngine
+    from kvstore.events.sink import EventSink
     from kvstore.layout import KVLayout
     from kvstore.namespace import Namespace
     from kvstore.store.config import StoreConfig
@@ -58,6 +59,21 @@ class StoreState:
     overflow_bytes: int = 0
     pending: dict[BlockKey, Transfer[int]] = field(default_factory=dict)  # put copies in flight
     granted: set[BlockKey] = field(default_factory=set)  # granted puts not yet committed
+    events: EventSink | None = None  # told what each tier now holds or let go (KV events)
+
+    def announce_stored(self, tier: str, keys: Sequence[BlockKey],
+                        parents: Sequence[BlockKey | None] | None = None) -> None:
+        """Tell the event sink ``keys`` joined ``tier`` (parents from the catalog unless
+        given); a no-op without one. Called under ``lock``, so events follow the tier's order."""
+        if self.events is not None and keys:
+            if parents is None:
+                parents = [self.catalog.parent(k) for k in keys]
+            self.events.stored(tier, list(keys), list(parents))
+
+    def announce_removed(self, tier: str | None, keys: Sequence[BlockKey]) -> None:
+        """Tell the event sink ``keys`` left ``tier`` (``None``: every tier)."""
+        if self.events is not None and keys:
+            self.events.removed(tier, list(keys))
 
     @property
     def durable(self) -> LowerTier | None:

@@ -140,10 +140,16 @@ class WriteBack:
                     cat.set_on_disk(k)  # a lower copy exists (disk, or remote alone)
             if not ok:
                 self.st.counters.disk_write_dropped += len(jobs)
+            elif self.st.durable is not None:
+                self.st.announce_stored(self.st.durable.name, [j[0] for j in jobs],
+                                        [j[1] for j in jobs])
         if ok:
             for tier in self.st.lower:
                 try:
-                    tier.evict(protect=lambda key: key in cat)
+                    gone = tier.evict(protect=lambda key: key in cat)
+                    if gone:
+                        with self.st.lock:
+                            self.st.announce_removed(tier.name, gone)
                 except Exception:
                     log.exception("%s tier eviction failed", tier.name)
 
@@ -202,4 +208,6 @@ class WriteBack:
             self.st.overflow_bytes -= len(job.keys) * self.st.layout.block_nbytes
             if not ok:
                 self.st.counters.disk_write_dropped += len(job.keys)
+            elif durable is not None:
+                self.st.announce_stored(durable.name, job.keys, job.parents)
         job.transfer.set_result(base + (len(job.keys) if ok else 0))

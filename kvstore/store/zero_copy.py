@@ -127,6 +127,7 @@ class ZeroCopyPlane:
                 if self.st.writer is not None and self.st.config.admission == "always":
                     cat.mark_dirty(k)
             self.st.counters.put_blocks += len(grant.keys)
+            self.st.announce_stored("warm", grant.keys)
             self.res.touch_chain(grant.keys)
         if grant.keys and self.st.writer is not None:
             self.st.writer.notify()

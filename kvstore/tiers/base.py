@@ -101,9 +101,9 @@ class LowerTier(Protocol):
         """Mark ``keys`` used now (the tier's eviction order)."""
         ...
 
-    def evict(self, protect: Callable[[bytes], bool] | None = None) -> int:
+    def evict(self, protect: Callable[[bytes], bool] | None = None) -> list[bytes]:
         """Bring the tier within its byte budget, never removing what ``protect`` names;
-        returns how many blocks went."""
+        returns the keys that went."""
         ...
 
     def stats(self) -> TierStats:

@@ -1,8 +1,8 @@
-"""Memory tiers: a slab, a key -> slot map and LRU order over the blocks it holds."""
+"""Memory tiers: a slab, a key -> slot map and an eviction order (:mod:`kvstore.tiers.policy`)
+over the blocks it holds."""
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -10,6 +10,7 @@ import torch
 
 from kvstore.keys import BlockKey
 from kvstore.layout import KVLayout
+from kvstore.tiers.policy import EvictionPolicy, make_policy
 from kvstore.tiers.slab import Slab
 
 
@@ -36,6 +37,7 @@ class MemoryTier:
         pin_memory: bool = False,
         shared_path: str | None = None,
         prefault: bool = False,
+        eviction: str = "lru",
     ) -> None:
         self.name = name
         self.layout = layout
@@ -44,8 +46,11 @@ class MemoryTier:
                          shared_path=shared_path, prefault=prefault)
         self.capacity_bytes = capacity_bytes
         self._slots: dict[BlockKey, int] = {}
-        # oldest first; the store touches a chain leaf-to-root so roots stay newest
-        self._lru: OrderedDict[BlockKey, None] = OrderedDict()
+        # the store touches a chain leaf-to-root, so in LRU order roots stay newest
+        self.policy: EvictionPolicy = make_policy(eviction, self.slab.slots)
+        # the per-block hot paths go straight to the policy: no call of ours in between
+        self.iter_victims = self.policy.victims  # type: ignore[method-assign]
+        self.touch = self.policy.touch  # type: ignore[method-assign]
         self.counters = TierCounters()
 
     def __contains__(self, key: object) -> bool:
@@ -65,23 +70,20 @@ class MemoryTier:
         return iter(self._slots)
 
     def lru_order(self) -> list[BlockKey]:
-        """Keys oldest first (a snapshot, safe to mutate the tier while iterating it)."""
-        return list(self._lru)
+        """Keys in eviction order, best victim first (a snapshot, safe to mutate the tier
+        while iterating it); oldest first under ``"lru"``."""
+        return self.policy.order()  # type: ignore[return-value]
 
-    def iter_lru(self) -> Iterator[BlockKey]:
-        """Keys oldest first, live: the tier must not change before the iteration ends (a
-        snapshot of a 100,000-block tier per eviction made a full tier's puts quadratic)."""
-        return iter(self._lru)
+    def iter_victims(self) -> Iterator[BlockKey]:
+        """Keys in eviction order, live: the tier must not change before the iteration ends
+        (a snapshot of a 100,000-block tier per eviction made a full tier's puts quadratic)."""
+        return self.policy.victims()  # type: ignore[return-value]
+
+    iter_lru = iter_victims
 
     def touch(self, keys: Iterable[BlockKey]) -> None:
-        """Mark ``keys`` used now, in order (the last one becomes the newest)."""
-        lru = self._lru
-        if not lru:
-            return
-        move = lru.move_to_end
-        for k in keys:
-            if k in lru:
-                move(k)
+        """Mark ``keys`` used now, leaf first (the last one, the chain's root, is newest)."""
+        self.policy.touch(keys)
 
     def allocate(self, n: int) -> list[int]:
         return self.slab.allocator.allocate(n)
@@ -95,14 +97,15 @@ class MemoryTier:
         if d is not None and key in self._slots:
             d.remove(key)  # republished under another slot: one entry per key
         self._slots[key] = slot
-        self._lru[key] = None
+        self.policy.insert(key)
         if d is not None:
             d.insert(key, slot)
 
-    def remove(self, key: BlockKey) -> None:
-        """Drop ``key`` and free its slot."""
+    def remove(self, key: BlockKey, *, for_room: bool = False) -> None:
+        """Drop ``key`` and free its slot; ``for_room``: evicted or demoted to make room (the
+        policy learns from those), not removed on request."""
         slot = self._slots.pop(key)
-        del self._lru[key]
+        self.policy.remove(key, for_room=for_room)
         d = self.slab.directory
         if d is not None:
             d.remove(key)

@@ -65,8 +65,8 @@ class BoundDisk:
     def touch(self, keys: Sequence[bytes]) -> None:
         self.disk.touch(keys, self.namespace_id)
 
-    def evict(self, protect: Callable[[bytes], bool] | None = None) -> int:
-        return len(self.disk.evict_to_budget(protect=protect))
+    def evict(self, protect: Callable[[bytes], bool] | None = None) -> list[bytes]:
+        return self.disk.evict_to_budget(protect=protect)
 
     def stats(self) -> TierStats:
         d = self.disk.stats()

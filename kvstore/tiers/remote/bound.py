@@ -63,9 +63,9 @@ class BoundRemote:
     def touch(self, keys: Sequence[bytes]) -> None:
         """Nothing to send: Redis's LRU counts the ``GET`` of a read as the access."""
 
-    def evict(self, protect: Callable[[bytes], bool] | None = None) -> int:
+    def evict(self, protect: Callable[[bytes], bool] | None = None) -> list[bytes]:
         """Nothing to do here: Redis evicts by its ``maxmemory`` policy and TTLs."""
-        return 0
+        return []
 
     def stats(self) -> TierStats:
         r = self.remote.stats()

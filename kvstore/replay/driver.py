@@ -1,0 +1,160 @@
+"""Replaying a trace through a real store: real tiers, real eviction, real disk writes.
+
+Each request is one ``fetch`` of its whole key chain (the leading held run comes back) and
+one ``put`` of the blocks after that run, in timestamp order (optionally paced in scaled
+real time). Tokens are synthesized per trace block id, so the store's chained keys follow
+the trace's prefix tree; every block's bytes are derived from its identity, and every block
+a fetch returns is checked against them (``wrong_blocks`` must stay 0).
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvstore.keys import BlockKey, KeyChain
+from kvstore.layout import KVLayout
+from kvstore.namespace import Namespace
+from kvstore.replay.trace import Trace, store_keys
+from kvstore.store import open_store
+
+#: the replay's block layout: one layer, one KV head of 4 fp16 values per token, so a
+#: 512-token block is 8 KiB and the whole conversation trace's blocks fit this machine
+REPLAY_LAYERS, REPLAY_HEADS, REPLAY_HEAD_DIM = 1, 1, 4
+REPLAY_MODEL = "kvstore-replay"
+_MARK = 2039  # block contents: a number below 2048 (float16 holds it exactly) from the key
+
+
+def replay_layout(block_tokens: int) -> KVLayout:
+    return KVLayout(num_layers=REPLAY_LAYERS, num_kv_heads=REPLAY_HEADS,
+                    head_dim=REPLAY_HEAD_DIM, dtype=torch.float16, block_tokens=block_tokens)
+
+
+def replay_namespace(block_tokens: int) -> Namespace:
+    """The namespace the replay's stores open (so keys can be computed before)."""
+    return Namespace.create(REPLAY_MODEL, replay_layout(block_tokens))
+
+
+@dataclass(frozen=True, slots=True)
+class StoreSpec:
+    """The store a replay runs through (capacities in bytes; 0 disables a tier)."""
+
+    eviction: str
+    warm_bytes: int
+    hot_bytes: int = 0
+    disk_bytes: int = 0
+    block_tokens: int = 512
+    path: str | None = None  # a directory for the disk tier's fresh temporary store
+    disk_codec: str = "none"
+
+
+@dataclass(frozen=True, slots=True)
+class TierFigures:
+    """One tier after a replay."""
+
+    name: str
+    capacity_bytes: int
+    hit_blocks: int  # blocks fetches were served from this tier
+    hit_ratio: float  # their share of all block (= prefix token) references
+    bytes_read: int
+    bytes_written: int  # blocks that entered the tier (it started empty), in bytes
+    evictions: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayResult:
+    """A trace replayed through one store."""
+
+    eviction: str
+    requests: int
+    references: int  # store blocks asked for
+    hits: int  # blocks found as a leading run
+    wrong_blocks: int  # blocks whose bytes were not the ones put (must be 0)
+    put_dropped: int
+    seconds: float
+    tiers: tuple[TierFigures, ...]
+
+    @property
+    def hit_ratio(self) -> float:
+        """Prefix-token hit ratio: tokens found as a leading run / tokens asked for."""
+        return self.hits / self.references if self.references else 0.0
+
+
+def _marks(keys: list[BlockKey]) -> torch.Tensor:
+    return torch.tensor([int.from_bytes(k[:4], "little") % _MARK for k in keys],
+                        dtype=torch.float16)
+
+
+def _contents(keys: list[BlockKey], layout: KVLayout) -> torch.Tensor:
+    return _marks(keys).view(-1, 1, 1, 1, 1, 1).expand(layout.batch_shape(len(keys))).contiguous()
+
+
+def _wrong(got: torch.Tensor, keys: list[BlockKey]) -> int:
+    if not keys:
+        return 0
+    want = _marks(keys)
+    flat = got.reshape(got.shape[0], -1)
+    ok = (flat == want[:, None]).all(dim=1)
+    return int((~ok).sum())
+
+
+def replay(trace: Trace, spec: StoreSpec, *, speed: float | None = None,
+           keys: Sequence[list[BlockKey]] | None = None,
+           progress: Callable[[int], None] | None = None) -> ReplayResult:
+    """Replay ``trace`` through a store built from ``spec``. ``speed``: pace requests at
+    their timestamps divided by ``speed`` (None: as fast as the store goes). ``keys``: the
+    requests' keys, when already computed (:func:`~kvstore.replay.trace.store_keys` of
+    :func:`replay_namespace`)."""
+    lay = replay_layout(spec.block_tokens)
+    if keys is None:
+        keys = store_keys(trace, replay_namespace(spec.block_tokens).id, spec.block_tokens)
+    # a fresh store every replay (under spec.path when given), removed afterwards
+    with tempfile.TemporaryDirectory(prefix="kvstore-replay-", dir=spec.path) as tmp:
+        path = tmp if spec.disk_bytes else None
+        store = open_store(path, layout=lay, model_id=REPLAY_MODEL, device="cpu",
+                           gpu_capacity=spec.hot_bytes, cpu_capacity=spec.warm_bytes,
+                           disk_capacity=spec.disk_bytes, eviction=spec.eviction,
+                           disk_codec=spec.disk_codec)
+        with store:
+            return _run(store, trace, keys, spec, lay, speed, progress)
+
+
+def _run(store, trace: Trace, chains: Sequence[list[BlockKey]], spec: StoreSpec, lay: KVLayout,
+         speed: float | None, progress: Callable[[int], None] | None) -> ReplayResult:
+    refs = hits = wrong = 0
+    t0 = time.perf_counter()
+    first_ms = trace.requests[0].timestamp_ms if trace.requests else 0
+    for req, chain in zip(trace.requests, chains, strict=True):
+        if speed:
+            due = t0 + (req.timestamp_ms - first_ms) / 1000.0 / speed
+            wait = due - time.perf_counter()
+            if wait > 0:
+                time.sleep(wait)
+        if not chain:
+            continue
+        keys = KeyChain(chain, store.namespace_id)
+        got = store.fetch(keys).wait()
+        n = int(got.shape[0])
+        refs += len(keys)
+        hits += n
+        wrong += _wrong(got, chain[:n])
+        if n < len(keys):
+            # waited for: a put still copying keeps its blocks pinned, and how many are in
+            # flight would depend on the machine's load; the replay must be deterministic
+            store.put(keys[n:], _contents(chain[n:], lay)).wait()
+        if progress is not None:
+            progress(1)
+    store.flush()
+    st = store.stats()
+    seconds = time.perf_counter() - t0
+    bn = st.block_nbytes
+    tiers = tuple(
+        TierFigures(t.name, t.capacity_bytes, t.hits, t.hits / refs if refs else 0.0,
+                    t.hit_bytes, (t.evictions + t.blocks) * bn, t.evictions)
+        for t in st.tiers)
+    return ReplayResult(spec.eviction, len(trace.requests), refs, hits, wrong, st.put_dropped,
+                        seconds, tiers)

@@ -1,0 +1,66 @@
+"""``kvstore replay --plot``: hit ratio against memory capacity, one line per policy.
+
+Needs matplotlib (``pip install 'kvstore[plot]'``), imported only when a plot is drawn.
+"""
+
+from __future__ import annotations
+
+import os
+
+from kvstore.errors import KVStoreError
+from kvstore.replay.report import ReplayReport
+
+_LABELS = {"lru": "LRU", "reuse": "reuse (default)", "belady": "Belady bound (offline)",
+           "unbounded": "unbounded cache"}
+
+
+class PlotUnavailableError(KVStoreError, RuntimeError):
+    """matplotlib is not installed."""
+
+
+def require_matplotlib():
+    """matplotlib's pyplot (file backend); :class:`PlotUnavailableError` without it."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only: no display needed
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise PlotUnavailableError(
+            "--plot needs matplotlib: pip install 'kvstore[plot]' (or pip install matplotlib)"
+        ) from e
+    return plt
+
+
+def plot_report(report: ReplayReport, path: str | os.PathLike[str]) -> None:
+    """Write the hit-ratio-vs-capacity plot of ``report`` to ``path`` (PNG, SVG, PDF by its
+    suffix)."""
+    plt = require_matplotlib()
+    rows = sorted(report.rows, key=lambda r: r.share)
+    xs = [100 * r.share for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    colour: dict[str, str] = {}
+    for name in [*report.policies, "belady", "unbounded"]:
+        ys = [(r.sim(name).hit_ratio if r.sim(name) else float("nan")) for r in rows]
+        style = {"belady": ":", "unbounded": "--"}.get(name, "-")
+        ours = name in report.policies
+        (line,) = ax.plot(xs, ys, style, marker="o" if ours else None,
+                          label=f"{_LABELS.get(name, name)} (simulated)" if ours
+                          else _LABELS.get(name, name))
+        colour[name] = line.get_color()
+    for name in report.policies:
+        pts = [(100 * r.share, r.store(name).hit_ratio) for r in rows if r.store(name)]
+        if pts:
+            ax.plot(*zip(*pts, strict=True), "x", color=colour[name], markersize=10,
+                    markeredgewidth=2, label=f"{_LABELS.get(name, name)} (through the store)")
+    ax.set_xlabel("memory capacity, % of the trace's unique blocks")
+    ax.set_ylabel("prefix hit ratio (blocks)")
+    ax.set_title(f"{os.path.basename(report.trace)}: {report.requests:,} requests, "
+                 f"{report.unique_blocks:,} unique {report.block_tokens}-token blocks",
+                 fontsize=9)
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.fspath(path))
+    plt.close(fig)

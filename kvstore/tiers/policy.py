@@ -1,0 +1,312 @@
+"""Eviction policies of the memory tiers: in which order a tier offers its blocks for eviction.
+
+A policy only orders; the store decides. It walks :meth:`EvictionPolicy.victims` and skips
+what may not go (pinned blocks, blocks with cached children, blocks the disk writer has not
+reached), so every policy keeps the store's guarantees: prefix-closed, pins, byte budgets
+(one slot per block), no dirty block lost.
+
+* ``"lru"``: least recently used first. The store touches a chain leaf first, so the oldest
+  entries are leaves and a victim is found in a step or two.
+* ``"reuse"`` (:class:`ReusePolicy`, the default): recency plus reuse. Each use of a block
+  buys it ``scale`` more tier-turnovers of retention (up to three uses count): the victim is
+  the block whose ``last use + min(uses, 3) x scale x slots`` (time counted in blocks
+  inserted) is smallest. Uses survive eviction in a ghost list of the keys last evicted (3-6x
+  the tier's slots, keys only), so a block asked for again soon after it left comes back
+  with its uses. In a prefix cache uses accumulate where chains meet: a block many chains
+  pass through (a shared system prompt, a document many questions hang off, the turns of a
+  long conversation) is used by each of them. ``scale`` is not a constant fitted to a trace:
+  :class:`~kvstore.tiers.tuning.ScaleTuner` picks it (0 = LRU ... 4) from shadow caches
+  over a sample of the keys, so where reuse does not predict the next use the tier behaves
+  as LRU. A block is ranked at least as high as any block below it in the chain (a hit on
+  the child needs the parent), which keeps leaves first in the order.
+
+Not thread-safe: the store serialises access under its lock.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable, Iterator
+from typing import Protocol
+
+from kvstore.errors import ConfigError
+from kvstore.tiers.tuning import MIN_SLOTS, SAMPLE_MASK, ScaleTuner
+
+#: eviction policy names accepted by ``open_store(eviction=...)``
+EVICTIONS = ("lru", "reuse")
+#: the default eviction policy of the memory tiers
+DEFAULT_EVICTION = "reuse"
+#: use classes of :class:`ReusePolicy` (0, 1, 2, 3+ uses)
+USE_CLASSES = 4
+#: ghost entries (evicted keys and their uses) per slot of the tier
+GHOSTS_PER_SLOT = 6
+#: rank resolution of :class:`ReusePolicy`: buckets per tier turnover
+BUCKETS_PER_TURNOVER = 64
+
+
+class EvictionPolicy(Protocol):
+    """The order in which a memory tier offers its blocks for eviction."""
+
+    name: str
+
+    def insert(self, key: Hashable) -> None:
+        """``key`` joined the tier (or was republished under another slot)."""
+
+    def remove(self, key: Hashable, *, for_room: bool) -> None:
+        """``key`` left the tier: evicted or demoted to make room (``for_room``), or removed
+        on request (``evict()``, a failed copy)."""
+
+    def touch(self, keys: Iterable[Hashable]) -> None:
+        """``keys`` were used now, leaf first (the last one is the chain's root)."""
+
+    def victims(self) -> Iterator[Hashable]:
+        """Every key of the tier, best victim first. Live: the tier must not change before
+        the iteration ends (the store stops iterating at the first change)."""
+
+    def peek(self) -> Hashable | None:
+        """The best victim (``next(victims())`` without an iterator), None when empty."""
+
+    def order(self) -> list[Hashable]:
+        """:meth:`victims` as a list (a snapshot)."""
+
+
+class LRUPolicy:
+    """Least recently used first."""
+
+    name = "lru"
+    __slots__ = ("_lru",)
+
+    def __init__(self) -> None:
+        self._lru: OrderedDict[Hashable, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def insert(self, key: Hashable) -> None:
+        self._lru[key] = None
+        self._lru.move_to_end(key)
+
+    def remove(self, key: Hashable, *, for_room: bool) -> None:
+        del self._lru[key]
+
+    def touch(self, keys: Iterable[Hashable]) -> None:
+        lru = self._lru
+        if not lru:
+            return
+        move = lru.move_to_end
+        for k in keys:
+            if k in lru:
+                move(k)
+
+    def victims(self) -> Iterator[Hashable]:
+        return iter(self._lru)
+
+    def peek(self) -> Hashable | None:
+        return next(iter(self._lru)) if self._lru else None
+
+    def order(self) -> list[Hashable]:
+        return list(self._lru)
+
+
+class ReusePolicy:
+    """Recency plus reuse with a ghost list (see the module docstring).
+
+    A use is a touch; touches of a block in consecutive touch calls (a fetch and then the
+    put of the same request) count as one use. The order is a timing wheel: a block's rank
+    ``last use + class x scale x slots`` falls in a bucket of ``slots / 64`` ticks, each
+    bucket an LRU list; the victim is the oldest block of the lowest bucket, so a touch, an
+    insert and an eviction each cost a few dict operations.
+    """
+
+    name = "reuse"
+    __slots__ = ("_buckets", "_low", "_info", "_ghost", "_ghost_old", "_ghost_cap", "_slots",
+                 "_width",
+                 "_clock", "_call", "_tuner", "_scale")
+
+    def __init__(self, slots: int, *, ghosts: int = GHOSTS_PER_SLOT, scale: float = 1.0,
+                 tune: bool = True) -> None:
+        self._buckets: dict[int, OrderedDict[Hashable, None]] = {}
+        self._low = 0  # no bucket below this one holds a key
+        # per key held: [bucket, uses, touch call that last saw it]
+        self._info: dict[Hashable, list[int]] = {}
+        # evicted key -> its uses, in two generations of ghosts/2 x slots keys each: when the
+        # new one is full the old one is dropped whole (a FIFO at O(1) and no OrderedDict)
+        self._ghost: dict[Hashable, int] = {}
+        self._ghost_old: dict[Hashable, int] = {}
+        self._slots = max(1, slots)
+        self._width = max(1, self._slots // BUCKETS_PER_TURNOVER)
+        self._ghost_cap = max(1, ghosts * self._slots // 2)  # per generation
+        self._clock = 0  # blocks inserted: the tier's turnover
+        self._call = 0  # touch calls
+        self._scale = scale  # retention per use, in tier turnovers (fixed when not tuned)
+        self._tuner = (ScaleTuner(slots, scale, lambda n, s: ReusePolicy(n, scale=s, tune=False))
+                       if tune and slots >= MIN_SLOTS else None)
+
+    def __len__(self) -> int:
+        return len(self._info)
+
+    @property
+    def scale(self) -> float:
+        """Retention a use buys, in tier turnovers (the tuner's current choice)."""
+        return self._tuner.scale if self._tuner is not None else self._scale
+
+    def _bucket(self, uses: int) -> int:
+        cls = uses if uses < USE_CLASSES - 1 else USE_CLASSES - 1
+        return int(self._clock + cls * self.scale * self._slots) // self._width
+
+    def _put(self, key: Hashable, b: int) -> None:
+        q = self._buckets.get(b)
+        if q is None:
+            q = self._buckets[b] = OrderedDict()
+            if b < self._low or len(self._buckets) == 1:
+                self._low = b
+        q[key] = None
+
+    def _drop_bucket(self, b: int) -> None:
+        buckets = self._buckets
+        del buckets[b]
+        if b == self._low and buckets:
+            low = b + 1
+            while low not in buckets:
+                low += 1
+            self._low = low
+
+    def insert(self, key: Hashable) -> None:
+        self._clock += 1
+        info = self._info
+        e = info.get(key)
+        if e is not None:  # republished under another slot
+            e[2] = self._call
+            self._buckets[e[0]].move_to_end(key)
+            return
+        back = self._ghost.pop(key, None)
+        if back is None and self._ghost_old:
+            back = self._ghost_old.pop(key, None)
+        if back is None:
+            uses, b = 0, self._clock // self._width
+        else:
+            uses = back + 1
+            b = self._bucket(uses)
+        # seen by this call: the touch right after an insert is not a use
+        info[key] = [b, uses, self._call]
+        q = self._buckets.get(b)
+        if q is None:
+            self._put(key, b)
+        else:
+            q[key] = None
+        # sampled by the key's last byte (a SHA-256 digest: uniform, and the same in every
+        # process, unlike hash() of bytes); other keys (tests, simulators) by hash()
+        if self._tuner is not None and not (
+                key[-1] if type(key) is bytes else hash(key)) & SAMPLE_MASK:  # type: ignore[index]
+            self._tuner.reference(key)  # a miss of the tier
+
+    def remove(self, key: Hashable, *, for_room: bool) -> None:
+        b, uses, _ = self._info.pop(key)
+        q = self._buckets[b]
+        del q[key]
+        if not q:
+            self._drop_bucket(b)
+        if for_room:
+            ghost = self._ghost
+            ghost[key] = uses
+            if len(ghost) >= self._ghost_cap:
+                self._ghost_old, self._ghost = ghost, {}
+
+    def touch(self, keys: Iterable[Hashable]) -> None:
+        info = self._info
+        if not info:
+            return
+        self._call += 1
+        call, tuner = self._call, self._tuner
+        step = self.scale * self._slots
+        base, width = self._clock, self._width
+        ranks = [(base + int(c * step)) // width for c in range(USE_CLASSES)]
+        buckets = self._buckets
+        floor = -1  # the bucket of the block below: a parent ranks at least as high
+        for k in keys:  # leaf first
+            e = info.get(k)
+            if e is None:
+                continue
+            if e[2] < call - 1:
+                e[1] += 1
+                if tuner is not None and not (
+                        k[-1] if type(k) is bytes else hash(k)) & SAMPLE_MASK:  # type: ignore[index]
+                    tuner.reference(k)  # a hit of the tier
+            e[2] = call
+            b = ranks[e[1]] if e[1] < USE_CLASSES else ranks[-1]
+            if b < floor:
+                b = floor
+            floor = b
+            old = e[0]
+            if b == old:
+                buckets[b].move_to_end(k)
+                continue
+            q = buckets[old]
+            del q[k]
+            if not q:
+                self._drop_bucket(old)
+            q = buckets.get(b)
+            if q is None:
+                q = buckets[b] = OrderedDict()
+                if b < self._low or len(buckets) == 1:
+                    self._low = b
+            q[k] = None
+            e[0] = b
+
+    def victims(self) -> Iterator[Hashable]:
+        buckets = self._buckets
+        if len(buckets) <= 1:
+            return iter(buckets[self._low]) if buckets else iter(())
+        return self._walk(self._low)
+
+    def peek(self) -> Hashable | None:
+        return next(iter(self._buckets[self._low])) if self._buckets else None
+
+    def refer(self, key: Hashable) -> bool:
+        """One reference of ``key`` in a cache of keys only (the tuner's shadows): a use if
+        held, else an insert that evicts the best victim when full; True for a hit."""
+        e = self._info.get(key)
+        if e is None:
+            if len(self._info) >= self._slots:
+                victim = self.peek()
+                assert victim is not None
+                self.remove(victim, for_room=True)
+            self.insert(key)
+            return False
+        e[1] += 1
+        b = self._bucket(e[1])
+        if b < e[0]:
+            b = e[0]
+        if b == e[0]:
+            self._buckets[b].move_to_end(key)
+        else:
+            q = self._buckets[e[0]]
+            del q[key]
+            if not q:
+                self._drop_bucket(e[0])
+            self._put(key, b)
+            e[0] = b
+        return True
+
+    def _walk(self, low: int) -> Iterator[Hashable]:
+        buckets = self._buckets
+        yield from buckets[low]  # most evictions stop here
+        for b in sorted(buckets):
+            if b > low:
+                yield from buckets[b]
+
+    def order(self) -> list[Hashable]:
+        return list(self.victims())
+
+    def uses(self, key: Hashable) -> int:
+        """Uses of a held key (ghost uses included)."""
+        return self._info[key][1]
+
+
+def make_policy(name: str, slots: int) -> EvictionPolicy:
+    """The eviction policy ``name`` for a tier of ``slots`` blocks."""
+    if name == "lru":
+        return LRUPolicy()
+    if name == "reuse":
+        return ReusePolicy(slots)
+    raise ConfigError(f"eviction must be one of {', '.join(map(repr, EVICTIONS))}, got {name!r}")

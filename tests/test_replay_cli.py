@@ -1,0 +1,80 @@
+"""``kvstore replay`` on the command line: tables, JSON, the plot, usage errors."""
+
+import builtins
+import json
+
+import pytest
+
+from kvstore.cli import main
+
+
+def test_json_report(capsys):
+    assert main(["replay", "--chat", "150", "--capacity", "5%,20%", "--format", "json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["schema"] == "kvstore.replay/1"
+    assert out["policies"] == ["lru", "reuse"]
+    row = out["rows"][1]
+    assert row["capacity"] == "20%"
+    sims = {s["policy"]: s for s in row["simulated"]}
+    stores = {r["eviction"]: r for r in row["replayed"]}
+    for p in ("lru", "reuse"):
+        assert stores[p]["hits"] == sims[p]["hits"] and stores[p]["wrong_blocks"] == 0
+    assert sims["belady"]["hits"] <= sims["unbounded"]["hits"]
+
+
+def test_table_and_plot(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "hit.png"
+    assert main(["replay", "--chat", "120", "--capacity", "5%,10%", "--eviction", "reuse",
+                 "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "REUSE SIM" in out and "BELADY" in out and "Per tier" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_simulate_only(capsys):
+    assert main(["replay", "--chat", "100", "--capacity", "10%", "--simulate-only",
+                 "--format", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)["rows"][0]["replayed"] == []
+
+
+def test_trace_file_with_disk_tier(tmp_path, capsys):
+    lines = [json.dumps({"timestamp": i, "input_length": 1024, "output_length": 1,
+                         "hash_ids": [0, 1 + i % 3]}) for i in range(30)]
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join(lines))
+    assert main(["replay", str(trace), "--capacity", "50%", "--disk", "100%", "--workdir",
+                 str(tmp_path), "--speed", "1000", "--format", "json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    tiers = [t["name"] for t in rep["rows"][0]["replayed"][0]["tiers"]]
+    assert tiers == ["warm", "disk"]
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["replay"], "give a trace file, or --chat N"),
+    (["replay", "/nonexistent.jsonl"], "cannot read trace"),
+    (["replay", "--chat", "10", "--capacity", "0%"], "a share must be"),
+    (["replay", "--chat", "10", "--eviction", "fifo"], "unknown eviction policy 'fifo'"),
+])
+def test_usage_errors_exit_2(argv, msg, capsys):
+    assert main(argv) == 2
+    assert msg in capsys.readouterr().err
+
+
+def test_bad_speed_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["replay", "--chat", "10", "--speed", "0"])
+    assert e.value.code == 2
+
+
+def test_plot_without_matplotlib_says_how_to_get_it(monkeypatch, capsys):
+    real = builtins.__import__
+
+    def no_mpl(name, *a, **kw):
+        if name.startswith("matplotlib"):
+            raise ImportError("No module named 'matplotlib'")
+        return real(name, *a, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", no_mpl)
+    assert main(["replay", "--chat", "10", "--plot", "x.png"]) == 2
+    assert "pip install 'kvstore[plot]'" in capsys.readouterr().err
