@@ -320,10 +320,4 @@ def _flush(fd: int, run: list[tuple[int, memoryview | bytes]], start: int, nb: i
     while written < total:
         n = os.pwritev(fd, views, offset + written)
         written += n
-        while n and views:
-            if n >= len(views[0]):
-                n -= len(views[0])
-                views.pop(0)
-            else:
-                views[0] = views[0][n:]
-                n = 0
+        _seg.advance(views, n)

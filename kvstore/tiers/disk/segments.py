@@ -392,14 +392,20 @@ def preadv_all(fd: int, bufs: list[memoryview], offset: int) -> int:
         if n == 0:
             break
         total += n
-        while n and views:
-            if n >= len(views[0]):
-                n -= len(views[0])
-                views.pop(0)
-            else:
-                views[0] = views[0][n:]
-                n = 0
+        advance(views, n)
     return total
+
+
+def advance(views: list, n: int) -> None:
+    """Drop the first ``n`` bytes from ``views`` (buffers of a vectored read or write that
+    moved only ``n`` bytes), so the next call carries on where this one stopped."""
+    while n and views:
+        if n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        else:
+            views[0] = views[0][n:]
+            n = 0
 
 
 class _FdEntry:
