@@ -177,8 +177,13 @@ def _run_job(args: argparse.Namespace, job: Any, tok: Any) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     b = sub.add_parser("batch", help="batch jobs with shared prefixes computed once",
-                       formatter_class=Formatter)
-    bsub = b.add_subparsers(dest="batch_command", required=True, metavar="ACTION")
+                       formatter_class=Formatter,
+                       description="Offline batch jobs whose requests share prefixes: each "
+                       "shared prefix is computed once and the rest runs token-batched "
+                       "(docs/integrations.md, \"Batched prefix sharing\").",
+                       epilog="examples:\n  kvstore batch run in.jsonl out.jsonl --model DIR")
+    bsub = b.add_subparsers(dest="batch_command", required=True, metavar="ACTION",
+                            help="run: run a JSONL job")
     r = bsub.add_parser(
         "run", help="run a JSONL batch job", formatter_class=Formatter,
         description="Run the requests of IN (one JSON object per line: custom_id, prompt or "
