@@ -24,6 +24,18 @@ def _serve(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
 
 
+def _serve_all(*argvs: list[str]) -> list[subprocess.CompletedProcess]:
+    """Several refused starts at once (each pays the interpreter's start-up alone)."""
+    procs = [subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", *a],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              stdin=subprocess.DEVNULL) for a in argvs]
+    out = []
+    for a, p in zip(argvs, procs, strict=True):
+        so, se = p.communicate(timeout=120)
+        out.append(subprocess.CompletedProcess(a, p.returncode, so, se))
+    return out
+
+
 def _refused(p: subprocess.CompletedProcess) -> str:
     assert p.returncode == 2, p.stderr
     lines = p.stderr.strip().splitlines()
@@ -45,18 +57,20 @@ def test_paths_are_named_in_errors(tmp_path):
     f = tmp_path / "file"
     f.write_text("x")
     sock = tmp_path / "run" / "kvstore.sock"
-    line = _refused(_serve("--store", str(f / "sub"), "--socket", str(sock)))
-    assert f"--store {f / 'sub'} cannot be created: {f} is not a directory" in line
-    line = _refused(_serve("--store", str(tmp_path / "s"), "--socket", str(f / "s.sock")))
-    assert f"--socket {f}" in line and "not a directory" in line
     long = tmp_path / ("d" * (MAX_SOCKET_PATH + 1)) / "s.sock"
-    line = _refused(_serve("--store", str(tmp_path / "s"), "--socket", str(long)))
-    assert "is at most 107" in line
-    line = _refused(_serve("--store", str(tmp_path / "s"), "--socket", str(sock),
-                           "--shm-dir", str(f)))
-    assert f"--shm-dir {f} is not a directory" in line
-    line = _refused(_serve("--store", str(tmp_path / "s"), "--socket", str(f)))
-    assert f"--socket {f} exists and is not a socket" in line
+    store = str(tmp_path / "s")
+    lines = [_refused(p) for p in _serve_all(
+        ["--store", str(f / "sub"), "--socket", str(sock)],
+        ["--store", store, "--socket", str(f / "s.sock")],
+        ["--store", store, "--socket", str(long)],
+        ["--store", store, "--socket", str(sock), "--shm-dir", str(f)],
+        ["--store", store, "--socket", str(f)],
+    )]
+    assert f"--store {f / 'sub'} cannot be created: {f} is not a directory" in lines[0]
+    assert f"--socket {f}" in lines[1] and "not a directory" in lines[1]
+    assert "is at most 107" in lines[2]
+    assert f"--shm-dir {f} is not a directory" in lines[3]
+    assert f"--socket {f} exists and is not a socket" in lines[4]
 
 
 def test_segments_without_index_refused_at_start(tmp_path):
