@@ -90,6 +90,32 @@ def add_store(p: argparse.ArgumentParser, help: str = STORE_HELP) -> None:
     p.add_argument("--store", metavar="PATH", help=help)
 
 
+def add_namespace_fields(g: argparse._ArgumentGroup, *, model_help: str) -> None:
+    """The fields a namespace id hashes (``--model``, ``--layout``, ``--revision``,
+    ``--tp-rank``, ``--tp-size``, ``--extra``), as ``explain`` and ``import`` take them."""
+    g.add_argument("--model", metavar="MODEL_ID", help=model_help)
+    g.add_argument("--layout", metavar="LAYOUT",
+                   help="block layout as 'kvstore ls' prints it, e.g. "
+                   "'bfloat16 L32 P2 T16 H8 D128' (optionally ' tp0/2')")
+    g.add_argument("--revision", metavar="REV", help="model_revision (default: none)")
+    g.add_argument("--tp-rank", type=integer(minimum=0), metavar="N",
+                   help="tensor-parallel rank (default 0)")
+    g.add_argument("--tp-size", type=integer(minimum=1), metavar="N",
+                   help="tensor-parallel size (default 1)")
+    g.add_argument("--extra", action="append", metavar="KEY=VALUE",
+                   help="a namespace extra (repeatable), as namespace_extras")
+
+
+def namespace_fields_of(args: argparse.Namespace):
+    """The ``NamespaceFields`` that :func:`add_namespace_fields`' options give (``--model``
+    and ``--layout`` set)."""
+    from kvstore.admin.nsmatch import parse_extras, parse_layout
+
+    return parse_layout(args.layout, model_id=args.model, revision=args.revision or "",
+                        tp_rank=args.tp_rank, tp_size=args.tp_size,
+                        extras=parse_extras(args.extra or ()))
+
+
 def add_format(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", choices=["table", "json"], default="table",
                    help="human table (default) or JSON for scripts (docs/cli.md has the schema)")

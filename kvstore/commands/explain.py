@@ -22,7 +22,7 @@ statuses: hit, unreachable, damaged, evicted, removed, dropped, pruned, other_na
 
 def _namespace(args: argparse.Namespace):
     from kvstore.admin.common import AdminError
-    from kvstore.admin.nsmatch import parse_extras, parse_layout
+    from kvstore.commands.args import namespace_fields_of
 
     if args.namespace is not None:
         if args.model or args.layout or args.extra:
@@ -31,9 +31,7 @@ def _namespace(args: argparse.Namespace):
     if not args.model or not args.layout:
         raise AdminError("name the namespace: --namespace ID (or model id), or --model M "
                          "--layout 'bfloat16 L32 P2 T16 H8 D128' as the engine opens the store")
-    return parse_layout(args.layout, model_id=args.model, revision=args.revision or "",
-                        tp_rank=args.tp_rank, tp_size=args.tp_size,
-                        extras=parse_extras(args.extra or ()))
+    return namespace_fields_of(args)
 
 
 def prompt_of(args: argparse.Namespace) -> list[int]:
@@ -118,7 +116,12 @@ def _print(res, a, *, per_block: bool) -> None:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from kvstore.commands.args import Formatter, add_format, add_store, integer
+    from kvstore.commands.args import (
+        Formatter,
+        add_format,
+        add_namespace_fields,
+        add_store,
+    )
 
     p = sub.add_parser(
         "explain", help="per block of a prompt: where it is, or why it misses",
@@ -135,15 +138,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     ns.add_argument("--namespace", metavar="ID|MODEL",
                     help="a registered namespace: id or unique prefix (>= 4 hex digits), or "
                     "an exact model id")
-    ns.add_argument("--model", metavar="MODEL_ID", help="the model_id the engine passes")
-    ns.add_argument("--layout", metavar="LAYOUT",
-                    help="block layout as 'kvstore ls' prints it, e.g. "
-                    "'bfloat16 L32 P2 T16 H8 D128' (optionally ' tp0/2')")
-    ns.add_argument("--revision", metavar="REV", help="model_revision (default: none)")
-    ns.add_argument("--tp-rank", type=integer(minimum=0), metavar="N", help="tensor-parallel rank (default 0)")
-    ns.add_argument("--tp-size", type=integer(minimum=1), metavar="N", help="tensor-parallel size (default 1)")
-    ns.add_argument("--extra", action="append", metavar="KEY=VALUE",
-                    help="a namespace extra (repeatable), as namespace_extras")
+    add_namespace_fields(ns, model_help="the model_id the engine passes")
     pr = p.add_argument_group("prompt (one of)").add_mutually_exclusive_group(required=True)
     pr.add_argument("--tokens", metavar="JSON", help="token ids, e.g. '[1, 2, 3]'")
     pr.add_argument("--tokens-file", metavar="FILE",

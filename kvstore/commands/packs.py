@@ -74,7 +74,7 @@ def _run_export(args: argparse.Namespace) -> int:
 
 def _expected(args: argparse.Namespace):
     from kvstore.admin.common import AdminError
-    from kvstore.admin.nsmatch import parse_extras, parse_layout
+    from kvstore.commands.args import namespace_fields_of
 
     if args.expect_namespace is not None:
         if args.model or args.layout:
@@ -84,9 +84,7 @@ def _expected(args: argparse.Namespace):
         if not (args.model and args.layout):
             raise AdminError("--model and --layout go together (the namespace the engines "
                              "open the store with)")
-        return parse_layout(args.layout, model_id=args.model, revision=args.revision or "",
-                            tp_rank=args.tp_rank, tp_size=args.tp_size,
-                            extras=parse_extras(args.extra or ()))
+        return namespace_fields_of(args)
     return None
 
 
@@ -128,20 +126,12 @@ def _run_import(args: argparse.Namespace) -> int:
 
 
 def _namespace_args(p: argparse.ArgumentParser) -> None:
-    from kvstore.commands.args import integer
+    from kvstore.commands.args import add_namespace_fields
 
     g = p.add_argument_group("expected namespace (refuse a pack of any other)")
     g.add_argument("--expect-namespace", metavar="ID|MODEL",
                    help="namespace id (prefix, >= 4 hex digits) or model id the pack must hold")
-    g.add_argument("--model", metavar="MODEL_ID", help="the model_id the engines pass")
-    g.add_argument("--layout", metavar="LAYOUT",
-                   help="block layout as 'kvstore ls' prints it, e.g. "
-                   "'bfloat16 L32 P2 T16 H8 D128'")
-    g.add_argument("--revision", metavar="REV", help="model_revision (default: none)")
-    g.add_argument("--tp-rank", type=integer(minimum=0), metavar="N", help="tensor-parallel rank (default 0)")
-    g.add_argument("--tp-size", type=integer(minimum=1), metavar="N", help="tensor-parallel size (default 1)")
-    g.add_argument("--extra", action="append", metavar="KEY=VALUE",
-                   help="a namespace extra (repeatable), as namespace_extras")
+    add_namespace_fields(g, model_help="the model_id the engines pass")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
