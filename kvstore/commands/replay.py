@@ -17,8 +17,10 @@ examples:
   kvstore replay trace.jsonl --capacity 1%,2%,5% --limit 2000 --format json
   kvstore replay trace.jsonl --capacity 5% --disk 20% --hot 1% --eviction reuse
   kvstore replay --chat 12000 --capacity 2%,5%,10%   # the synthetic multi-turn chat workload
+  kvstore replay trace.jsonl --engines 4 --capacity 2%,5% --router prefix,round-robin,hash
 capacities: a share of the trace's unique blocks (5%) or a size (64MiB) of the warm tier;
-the simulators model one memory tier of that size.
+the simulators model one memory tier of that size. With --engines N the trace runs through
+N stores in this process behind a router fed by their KV events; capacities are per store.
 """
 
 
@@ -41,7 +43,7 @@ def _plan(args: argparse.Namespace):
 
     caps = tuple(parse_capacity(c) for c in args.capacity.split(",") if c.strip())
     return ReplayPlan(
-        capacities=caps, policies=tuple(args.eviction.split(",")),
+        capacities=caps, policies=tuple((args.eviction or "lru,reuse").split(",")),
         block_tokens=args.block_tokens,
         hot=parse_capacity(args.hot) if args.hot else None,
         disk=parse_capacity(args.disk) if args.disk else None,
@@ -53,6 +55,10 @@ def _run(args: argparse.Namespace) -> int:
     from kvstore.replay.report import run_report
 
     trace = _trace(args)
+    if args.engines is not None:
+        from kvstore.commands import replay_fleet
+
+        return replay_fleet.run(args, trace)
     plan = _plan(args)
     if args.plot:
         from kvstore.replay.plot import require_matplotlib
@@ -133,8 +139,9 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--capacity", default="2%,5%,10%", metavar="LIST",
                    help="warm-tier capacities, comma-separated: shares of the trace's unique "
                    "blocks (5%%) or sizes (64MiB) (default 2%%,5%%,10%%)")
-    p.add_argument("--eviction", default="lru,reuse", metavar="LIST",
-                   help="eviction policies to replay and simulate (default lru,reuse)")
+    p.add_argument("--eviction", metavar="LIST",
+                   help="eviction policies to replay and simulate (default lru,reuse; with "
+                   "--engines: reuse, the store's default)")
     p.add_argument("--hot", metavar="CAP", help="also a hot tier (on the CPU) of this capacity")
     p.add_argument("--disk", metavar="CAP",
                    help="also a disk tier of this capacity (real disk writes, under --workdir)")
@@ -156,6 +163,9 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", metavar="FILE.png",
                    help="also draw hit ratio against capacity per policy (needs matplotlib)")
     add_format(p)
+    from kvstore.commands import replay_fleet
+
+    replay_fleet.add_args(p)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -176,6 +186,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
         if args.speed is not None and not args.speed > 0:
             p.error("--speed must be a number > 0")
+        if args.engines is not None and args.simulate_only:
+            p.error("--simulate-only does not apply to --engines (the fleet is real stores); "
+                    "for the routing simulator run python -m kvstore.routing.simulate TRACE")
+        if not args.imbalance >= 0:
+            p.error("--imbalance must be a number >= 0")
         return guard("replay", _run)(args)
 
     p.set_defaults(func=run)

@@ -16,11 +16,12 @@ from dataclasses import dataclass
 
 import torch
 
+from kvstore.events.sink import EventSink
 from kvstore.keys import BlockKey, KeyChain
 from kvstore.layout import KVLayout
 from kvstore.namespace import Namespace
 from kvstore.replay.trace import Trace, store_keys
-from kvstore.store import open_store
+from kvstore.store import Store, open_store
 
 #: the replay's block layout: one layer, one KV head of 4 fp16 values per token, so a
 #: 512-token block is 8 KiB and the whole conversation trace's blocks fit this machine
@@ -109,52 +110,77 @@ def replay(trace: Trace, spec: StoreSpec, *, speed: float | None = None,
     their timestamps divided by ``speed`` (None: as fast as the store goes). ``keys``: the
     requests' keys, when already computed (:func:`~kvstore.replay.trace.store_keys` of
     :func:`replay_namespace`)."""
-    lay = replay_layout(spec.block_tokens)
     if keys is None:
         keys = store_keys(trace, replay_namespace(spec.block_tokens).id, spec.block_tokens)
     # a fresh store every replay (under spec.path when given), removed afterwards
-    with tempfile.TemporaryDirectory(prefix="kvstore-replay-", dir=spec.path) as tmp:
-        path = tmp if spec.disk_bytes else None
-        store = open_store(path, layout=lay, model_id=REPLAY_MODEL, device="cpu",
-                           gpu_capacity=spec.hot_bytes, cpu_capacity=spec.warm_bytes,
-                           disk_capacity=spec.disk_bytes, eviction=spec.eviction,
-                           disk_codec=spec.disk_codec)
-        with store:
-            return _run(store, trace, keys, spec, lay, speed, progress)
+    with (tempfile.TemporaryDirectory(prefix="kvstore-replay-", dir=spec.path) as tmp,
+          open_replay_store(spec, tmp) as store):
+        return _run(store, trace, keys, spec, speed, progress)
 
 
-def _run(store, trace: Trace, chains: Sequence[list[BlockKey]], spec: StoreSpec, lay: KVLayout,
+def open_replay_store(spec: StoreSpec, tmp: str, *, events: EventSink | None = None) -> Store:
+    """A fresh store for ``spec`` (its disk tier, if any, under the empty directory ``tmp``)."""
+    return open_store(tmp if spec.disk_bytes else None, layout=replay_layout(spec.block_tokens),
+                      model_id=REPLAY_MODEL, device="cpu", gpu_capacity=spec.hot_bytes,
+                      cpu_capacity=spec.warm_bytes, disk_capacity=spec.disk_bytes,
+                      eviction=spec.eviction, disk_codec=spec.disk_codec, events=events)
+
+
+@dataclass(frozen=True, slots=True)
+class Served:
+    """One request through one store."""
+
+    hit_blocks: int  # the leading run the fetch returned
+    wrong_blocks: int  # of them, blocks without the bytes put under their key (must be 0)
+
+
+def serve(store: Store, chain: list[BlockKey]) -> Served:
+    """One request: ``fetch`` its whole chain, check what came back, ``put`` the rest."""
+    if not chain:
+        return Served(0, 0)
+    keys = KeyChain(chain, store.namespace_id)
+    got = store.fetch(keys).wait()
+    n = int(got.shape[0])
+    wrong = _wrong(got, chain[:n])
+    if n < len(keys):
+        # waited for: a put still copying keeps its blocks pinned, and how many are in
+        # flight would depend on the machine's load; the replay must be deterministic
+        store.put(keys[n:], _contents(chain[n:], store.layout)).wait()
+    return Served(n, wrong)
+
+
+def pace(t0: float, first_ms: int, timestamp_ms: int, speed: float | None) -> None:
+    """Sleep until the request at ``timestamp_ms`` is due (``speed`` x real time)."""
+    if speed:
+        wait = t0 + (timestamp_ms - first_ms) / 1000.0 / speed - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
+
+
+def tier_figures(store: Store, references: int) -> tuple[TierFigures, ...]:
+    """Each tier of ``store`` after a replay of ``references`` block references."""
+    st = store.stats()
+    bn = st.block_nbytes
+    return tuple(
+        TierFigures(t.name, t.capacity_bytes, t.hits, t.hits / references if references else 0.0,
+                    t.hit_bytes, (t.evictions + t.blocks) * bn, t.evictions)
+        for t in st.tiers)
+
+
+def _run(store: Store, trace: Trace, chains: Sequence[list[BlockKey]], spec: StoreSpec,
          speed: float | None, progress: Callable[[int], None] | None) -> ReplayResult:
     refs = hits = wrong = 0
     t0 = time.perf_counter()
     first_ms = trace.requests[0].timestamp_ms if trace.requests else 0
     for req, chain in zip(trace.requests, chains, strict=True):
-        if speed:
-            due = t0 + (req.timestamp_ms - first_ms) / 1000.0 / speed
-            wait = due - time.perf_counter()
-            if wait > 0:
-                time.sleep(wait)
-        if not chain:
-            continue
-        keys = KeyChain(chain, store.namespace_id)
-        got = store.fetch(keys).wait()
-        n = int(got.shape[0])
-        refs += len(keys)
-        hits += n
-        wrong += _wrong(got, chain[:n])
-        if n < len(keys):
-            # waited for: a put still copying keeps its blocks pinned, and how many are in
-            # flight would depend on the machine's load; the replay must be deterministic
-            store.put(keys[n:], _contents(chain[n:], lay)).wait()
+        pace(t0, first_ms, req.timestamp_ms, speed)
+        got = serve(store, chain)
+        refs += len(chain)
+        hits += got.hit_blocks
+        wrong += got.wrong_blocks
         if progress is not None:
             progress(1)
     store.flush()
-    st = store.stats()
     seconds = time.perf_counter() - t0
-    bn = st.block_nbytes
-    tiers = tuple(
-        TierFigures(t.name, t.capacity_bytes, t.hits, t.hits / refs if refs else 0.0,
-                    t.hit_bytes, (t.evictions + t.blocks) * bn, t.evictions)
-        for t in st.tiers)
-    return ReplayResult(spec.eviction, len(trace.requests), refs, hits, wrong, st.put_dropped,
-                        seconds, tiers)
+    return ReplayResult(spec.eviction, len(trace.requests), refs, hits, wrong,
+                        store.stats().put_dropped, seconds, tier_figures(store, refs))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 
 from kvstore.errors import KVStoreError
+from kvstore.replay.fleet_report import FleetReport
 from kvstore.replay.report import ReplayReport
 
 _LABELS = {"lru": "LRU", "reuse": "reuse (default)", "belady": "Belady bound (offline)",
@@ -61,6 +62,31 @@ def plot_report(report: ReplayReport, path: str | os.PathLike[str]) -> None:
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.fspath(path))
+    plt.close(fig)
+
+
+def plot_fleet(report: FleetReport, path: str | os.PathLike[str]) -> None:
+    """Write the fleet plot of ``report`` to ``path``: hit ratio per router (bars, one group
+    per capacity and eviction policy) and, beside it, each router's max/mean engine load."""
+    plt = require_matplotlib()
+    groups = [f"{r.capacity} {r.eviction}" for r in report.rows]
+    width = 0.8 / max(1, len(report.routers))
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 4.5), dpi=120)
+    for i, router in enumerate(report.routers):
+        xs = [g + (i - (len(report.routers) - 1) / 2) * width for g in range(len(groups))]
+        res = [row.of(router) for row in report.rows]
+        ax.bar(xs, [r.hit_ratio if r else 0.0 for r in res], width, label=router)
+        ax2.bar(xs, [r.max_over_mean if r else 0.0 for r in res], width, label=router)
+    for a, label in ((ax, "prefix hit ratio (blocks)"), (ax2, "max / mean engine load")):
+        a.set_xticks(range(len(groups)), groups, fontsize=8)
+        a.set_ylabel(label)
+        a.grid(alpha=0.3, axis="y")
+    ax2.axhline(1.0, color="grey", linewidth=0.8)
+    ax.legend(fontsize=8)
+    fig.suptitle(f"{os.path.basename(report.trace)}: {report.requests:,} requests through "
+                 f"{report.engines} stores, per-engine capacity", fontsize=9)
     fig.tight_layout()
     fig.savefig(os.fspath(path))
     plt.close(fig)

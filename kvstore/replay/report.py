@@ -124,7 +124,7 @@ def run_report(trace: Trace, plan: ReplayPlan, *,
                         plan.block_tokens, bn, plan.policies, tuple(rows))
 
 
-def _ticker(progress: Callable[[str, int, int], None] | None, what: str, total: int,
+def ticker(progress: Callable[[str, int, int], None] | None, what: str, total: int,
             ) -> Callable[[int], None] | None:
     if progress is None:
         return None
@@ -141,9 +141,9 @@ def _ticker(progress: Callable[[str, int, int], None] | None, what: str, total: 
 def _simulate(blocks: Sequence[Sequence[BlockKey]], n: int, policies: Sequence[str],
               progress: Callable[[str, int, int], None] | None, label: str) -> list[SimResult]:
     total = len(blocks)
-    out = [simulate_policy(blocks, n, p, progress=_ticker(progress, f"{label} simulate {p}",
+    out = [simulate_policy(blocks, n, p, progress=ticker(progress, f"{label} simulate {p}",
                                                             total)) for p in policies]
-    out.append(simulate_belady(blocks, n, progress=_ticker(progress, f"{label} simulate belady",
+    out.append(simulate_belady(blocks, n, progress=ticker(progress, f"{label} simulate belady",
                                                            total)))
     return out
 
@@ -158,6 +158,6 @@ def _replays(trace: Trace, blocks: Sequence[list[BlockKey]], plan: ReplayPlan, f
     for p in plan.policies:
         spec = StoreSpec(p, warm_bytes, hot_bytes=hot, disk_bytes=disk,
                          block_tokens=plan.block_tokens, path=plan.path)
-        out.append(replay(trace, spec, speed=plan.speed, keys=blocks, progress=_ticker(
+        out.append(replay(trace, spec, speed=plan.speed, keys=blocks, progress=ticker(
             progress, f"{label} store {p}", len(trace.requests))))
     return out

@@ -246,20 +246,21 @@ class PrefixIndex:
             return out
         last = get(at(n - 1), 0) & first
         _assign(out, last, n)
-        # each interval (lo, hi): engines holding keys[lo] (mlo) but not keys[hi] (mhi), at
-        # least one, have their last held block in [lo, hi)
-        stack = [(0, n - 1, first, last)] if first & ~last else []
-        while stack:
-            lo, hi, mlo, mhi = stack.pop()
-            if hi - lo == 1:
-                _assign(out, mlo & ~mhi, lo + 1)
-                continue
-            mid = (lo + hi) >> 1
-            mm = get(at(mid), 0) & mlo
-            if mm & ~mhi:
-                stack.append((mid, hi, mm, mhi))
-            if mlo & ~mm:
-                stack.append((lo, mid, mlo, mm))
+        # each engine holding keys[0] but not keys[n-1] ends somewhere in between: a plain
+        # bisection per engine, a tight loop of ~log2(n) probes (sharing the first probes
+        # between engines through a work stack cost more in bookkeeping than it saved)
+        rest = first & ~last
+        while rest:
+            bit = rest & -rest
+            rest ^= bit
+            lo, hi = 0, n - 1  # keys[lo] is held by the engine, keys[hi] is not
+            while hi - lo > 1:
+                mid = (lo + hi) >> 1
+                if get(at(mid), 0) & bit:
+                    lo = mid
+                else:
+                    hi = mid
+            out[bit] = lo + 1
         return out
 
     def holds(self, name: str, key: BlockHash) -> bool:

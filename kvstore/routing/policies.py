@@ -103,9 +103,14 @@ class PrefixAware:
         n = len(keys)
         bound = (1 + self.imbalance) * sum(loads) / len(loads)
         bt = self.block_tokens
-        band = [j for j, w in enumerate(loads) if w <= bound + (n - cached[j]) * bt]
-        band = band or list(range(len(engines)))
-        i = min(band, key=lambda j: (-cached[j], loads[j], j))
+        i = best = -1
+        for j, w in enumerate(loads):  # the longest prefix in the band, least loaded on ties
+            if w <= bound + (n - cached[j]) * bt:
+                c = cached[j]
+                if c > best or (c == best and w < loads[i]):
+                    i, best = j, c
+        if i < 0:  # nobody in the band (cannot happen with loads >= 0): all are candidates
+            i = min(range(len(engines)), key=lambda j: (-cached[j], loads[j], j))
         return Choice(i, EXPLOIT if cached[i] and cached[i] > n - cached[i] else EXPLORE)
 
 

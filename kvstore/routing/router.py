@@ -29,7 +29,9 @@ def _as_keys(request: object) -> list[BlockHash] | None:
     """``request`` as block hashes, or ``None`` if it is token ids."""
     if isinstance(request, KeyChain):
         return request
-    if isinstance(request, (list, tuple)) and (not request or isinstance(request[0], bytes)):
+    if isinstance(request, list) and (not request or isinstance(request[0], bytes)):
+        return request  # read only, never kept: no copy (a 128k-token prompt is 8k keys)
+    if isinstance(request, tuple) and (not request or isinstance(request[0], bytes)):
         return list(request)  # empty: no full block, whatever it was meant to be
     return None
 
