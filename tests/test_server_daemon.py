@@ -187,6 +187,21 @@ def test_idle_namespaces_are_closed_to_make_room(serve):
     c.close()
 
 
+@pytest.mark.parametrize("eviction, kept", [("lru", 0), ("reuse", 1)])
+def test_eviction_policy_of_the_warm_tiers(serve, eviction, kept):
+    slots = (16 << 10) // LAYOUT.block_nbytes  # the smallest warm tier serve takes
+    d = serve("--cpu-capacity", "16KiB", "--disk-capacity", "0", "--eviction", eviction)
+    with connect(d.socket_path, layout=LAYOUT, model_id="m", device="cpu") as c:
+        used = c.block_keys(list(range(1000, 1004)))
+        assert c.put(used, _kv(1)).wait() == 1
+        assert c.put(c.block_keys(list(range(2000, 2004))), _kv(1)).wait() == 1
+        assert c.fetch(used).wait().shape[0] == 1  # a second use of the block
+        for i in range(slots):  # a warm tier's worth of blocks used once
+            assert c.put(c.block_keys(list(range(4 * i, 4 * i + 4))), _kv(1, i)).wait() == 1
+        # LRU evicts the oldest block; reuse keeps the block that was used twice
+        assert c.lookup(used) == kept
+
+
 def test_per_uid_policy_isolates_tenants(serve):
     d = serve(*MEMORY, "--salt-policy", "per-uid")
     with connect(d.socket_path, layout=LAYOUT, model_id="m", device="cpu") as c:

@@ -8,6 +8,7 @@ from pathlib import Path
 from kvstore.daemon.security import Limits
 from kvstore.errors import ConfigError
 from kvstore.events.config import EventsConfig
+from kvstore.tiers.policy import EVICTIONS
 
 #: "client": honour each hello's salt policy; "per-uid": every namespace is per uid
 DAEMON_SALT_POLICIES = ("client", "per-uid")
@@ -28,6 +29,7 @@ class DaemonConfig:
     workers: int = 8  # threads doing store work off the event loop
     shm_base: Path = Path("/dev/shm")
     admission: str = "always"
+    eviction: str = "reuse"  # the warm tiers' eviction policy (kvstore.tiers.policy)
     disk_codec: str = "none"
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish on SIGTERM
     kv_events: EventsConfig | None = None  # publish KV events (kvstore.daemon.events)
@@ -42,3 +44,6 @@ class DaemonConfig:
                               "shared memory clients read and write")
         if self.workers < 1:
             raise ConfigError("workers must be >= 1")
+        if self.eviction not in EVICTIONS:
+            raise ConfigError(f"eviction must be one of {', '.join(EVICTIONS)}, "
+                              f"got {self.eviction!r}")

@@ -256,6 +256,7 @@ def test_config_and_identity(models, tmp_path):
 
     assert ConnectorConfig.from_extra({"store_path": "/x"}).mode == "embedded"
     assert ConnectorConfig.from_extra({"socket": "/s"}).mode == "daemon"
+    assert ConnectorConfig.from_extra({"store_path": "/x", "eviction": "lru"}).eviction == "lru"
     with pytest.raises(ConfigError, match="unknown keys"):
         ConnectorConfig.from_extra({"store_pth": "/x"})
     with pytest.raises(ConfigError, match="not both"):

@@ -58,7 +58,7 @@ PAGE_LAYOUT_FLASH = "vllm-flash/v1 [2, num_blocks, block_size, num_kv_heads, hea
 
 _EXTRA_KEYS = {
     "store_path", "cpu_capacity", "disk_capacity", "gpu_capacity", "admission", "disk_codec",
-    "socket", "warm_capacity", "salt_policy", "model_id", "model_revision", "stats_path",
+    "eviction", "socket", "warm_capacity", "salt_policy", "model_id", "model_revision", "stats_path",
     "timeout", "prefault", "layerwise",
 }
 
@@ -69,7 +69,8 @@ class ConnectorConfig:
     """``kv_connector_extra_config``, validated.
 
     Embedded mode: ``store_path`` (None = memory only), ``cpu_capacity``, ``disk_capacity``,
-    ``gpu_capacity``, ``admission``, ``disk_codec`` (as :func:`kvstore.open_store`).
+    ``gpu_capacity``, ``admission``, ``eviction``, ``disk_codec`` (as
+    :func:`kvstore.open_store`).
     Daemon mode: ``socket`` (and optionally ``warm_capacity``, ``salt_policy``, ``timeout``).
     ``prefault`` (embedded, default ``"1GiB"``, ``0`` = off): how much of the warm tier to
     fault in at start, so the first loads after a restart do not pay page faults.
@@ -87,6 +88,7 @@ class ConnectorConfig:
     disk_capacity: int | str | None = None
     gpu_capacity: int | str | None = None
     admission: str | None = None
+    eviction: str | None = None
     disk_codec: str | None = None
     warm_capacity: int | str | None = None
     salt_policy: str | None = None

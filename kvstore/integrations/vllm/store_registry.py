@@ -110,7 +110,7 @@ def _open_embedded(c: ConnectorConfig, kw: dict[str, Any], ident: tuple, *, page
     from kvstore.store import open_store
 
     okw: dict[str, Any] = {}
-    for name in ("cpu_capacity", "disk_capacity", "admission", "disk_codec"):
+    for name in ("cpu_capacity", "disk_capacity", "admission", "eviction", "disk_codec"):
         if getattr(c, name) is not None:
             okw[name] = getattr(c, name)
     if page_kind == "cpu" or is_scheduler:
