@@ -86,14 +86,16 @@ def test_bench_section_rows(tmp_path, monkeypatch):
 
     p = tmp_path / "t.jsonl"
     p.write_text("\n".join(json.dumps({"timestamp": int(r.timestamp_s * 1000),
-                                       "input_length": r.input_length,
+                                       "input_length": r.input_length, "output_length": 1,
                                        "hash_ids": list(r.hash_ids)}) for r in TRACE[:300]))
     monkeypatch.setenv("KVSTORE_TRACE", str(p))
     monkeypatch.setattr(section, "PROMPT_TOKENS", 4096)
     rows = section.run(BenchOptions(quick=True))
     names = [r.name for r in rows]
     assert sum("decision" in n for n in names) == 3
-    assert sum("hit ratio" in n for n in names) == 4 and sum("load" in n for n in names) == 2
+    # simulated: 2 sizes x (rr, hash, load); through real stores: also per eviction policy
+    assert sum("hit ratio" in n for n in names) == 4 + 8 and sum("load" in n for n in names) == 6
+    assert sum("real stores" in n for n in names) == 12
     assert all(r.goal is None for r in rows if "hit ratio" in r.name)  # quick: no verdicts
     monkeypatch.setenv("KVSTORE_TRACE", str(tmp_path / "absent.jsonl"))
     assert len(section.run(BenchOptions(quick=True))) == 3

@@ -1,6 +1,8 @@
 """Routing across engines: prefix-aware routing against round-robin and first-blocks hashing
-on the Mooncake conversation trace (4 LRU engines at 2% and 5% of its unique blocks, all three
-in the same run), and the router's decision time for a 128k-token prompt.
+on the Mooncake conversation trace (4 engines at 2% and 5% of its unique blocks, all three
+routers in the same run), simulated over LRU engines and replayed through 4 real stores
+(``kvstore replay --engines 4``: LRU stores, the issue's setup, and the store's default
+policy), and the router's decision time for a 128k-token prompt.
 
 The trace is ``$KVSTORE_TRACE``, else ``../shared/traces/mooncake_conversation.jsonl`` beside
 the checkout; without it only the decision-time rows are measured.
@@ -65,6 +67,41 @@ def _trace_rows(opts: BenchOptions) -> list[BenchRow]:
     return rows
 
 
+def _fleet_rows(opts: BenchOptions) -> list[BenchRow]:
+    path = _trace_path()
+    if path is None:
+        return []
+    from kvstore.replay.fleet_report import FleetPlan, run_fleet_report
+    from kvstore.replay.report import parse_capacity
+    from kvstore.replay.trace import load_trace as load_replay_trace
+    from kvstore.tiers.policy import DEFAULT_EVICTION
+
+    trace = load_replay_trace(path, limit=3000 if opts.quick else None)
+    caps = (parse_capacity("2%"), parse_capacity("5%"))
+    rows = []
+    for eviction in dict.fromkeys(("lru", DEFAULT_EVICTION)):
+        rep = run_fleet_report(trace, FleetPlan(ENGINES, caps, policies=(eviction,)))
+        for row in rep.rows:
+            r = {x.router: x for x in row.results}
+            pre = r["prefix"]
+            what = (f"{ENGINES} real stores, eviction={eviction}, {row.capacity} of the unique "
+                    f"blocks each")
+            note = (f"{rep.requests} requests; max/mean load: prefix {pre.max_over_mean:.3f}, "
+                    f"round-robin {r['round-robin'].max_over_mean:.3f}; mispredicted "
+                    f"{pre.mispredicted}; {pre.seconds:.0f} s")
+            goal = None if opts.quick or eviction != "lru" else 2.2
+            for peer, g in (("round-robin", goal), ("hash", 1.0 if goal else None)):
+                rows.append(BenchRow(SECTION, f"prefix routing hit ratio ({what})",
+                                     pre.hit_ratio, "ratio", f"{peer} hit ratio",
+                                     r[peer].hit_ratio, pre.hit_ratio / r[peer].hit_ratio,
+                                     g, note))
+            rows.append(BenchRow(SECTION, f"prefix routing max/mean load ({what})",
+                                 pre.max_over_mean, "x", "perfect balance", 1.0,
+                                 1.0 / pre.max_over_mean, 1 / 1.1 if goal else None,
+                                 "goal: max/mean <= 1.1"))
+    return rows
+
+
 def _decision_rows(opts: BenchOptions) -> list[BenchRow]:
     rng = random.Random(0)
     ns = hashlib.sha256(b"kvstore-bench/routing").digest()
@@ -107,4 +144,4 @@ def _timed(fn) -> float:
 
 
 def run(opts: BenchOptions) -> list[BenchRow]:
-    return _decision_rows(opts) + _trace_rows(opts)
+    return _decision_rows(opts) + _trace_rows(opts) + _fleet_rows(opts)
