@@ -379,3 +379,46 @@ def test_readonly_and_writable_tiers_in_one_process(tmp_path):
     finally:
         ro.close()
         rw.close()
+
+
+@pytest.mark.parametrize("chunk_blocks", [0.3, 2.0])
+def test_reads_verify_piece_by_piece(tmp_path, monkeypatch, chunk_blocks):
+    """Runs are read and hashed in VERIFY_CHUNK pieces: a block larger than a piece piece by
+    piece, smaller ones several per preadv. A flipped byte deep inside a block, or a segment
+    cut short in the middle of one, damages that block alone (and what the cut removed)."""
+    monkeypatch.setattr(seg, "VERIFY_CHUNK", max(1, int(LAY.block_nbytes * chunk_blocks)))
+    with open_tier(tmp_path) as t:
+        keys = chain(f"piece{chunk_blocks}", 5)
+        t.write_blocks(writes(keys, NS))
+        path, off = seg_path(t, keys[1])
+        flip(path, off + LAY.block_nbytes - 3)  # in the last piece of block 1
+        dsts = [torch.empty(LAY.block_nbytes, dtype=torch.uint8) for _ in keys]
+        assert t.read_many(keys, dsts) == [ReadStatus.OK, ReadStatus.DAMAGED] + [ReadStatus.OK] * 3
+        for i in (0, 2, 3, 4):
+            assert torch.equal(dsts[i], block_data(keys[i], LAY))
+        path, off = seg_path(t, keys[3])
+        os.truncate(path, off + LAY.block_nbytes // 2)
+        dsts = [torch.empty(LAY.block_nbytes, dtype=torch.uint8) for _ in keys]
+        got = t.read_many([keys[0], keys[2], keys[3], keys[4]], dsts[:4])
+        assert got == [ReadStatus.OK, ReadStatus.OK, ReadStatus.DAMAGED, ReadStatus.DAMAGED]
+        assert torch.equal(dsts[1], block_data(keys[2], LAY))
+        assert t.stats().read_damaged == 3
+
+
+@pytest.mark.parametrize("nbytes", [1, 4096, seg.VERIFY_CHUNK, 3 * seg.VERIFY_CHUNK + 17])
+def test_pread_checksum_is_the_block_checksum(tmp_path, nbytes):
+    data = os.urandom(nbytes + 9)
+    p = tmp_path / "f"
+    p.write_bytes(data)
+    key, ns = bytes(range(32)), bytes(32)
+    buf = memoryview(bytearray(nbytes))
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        n, csum = seg.pread_checksum(fd, buf, 9, key, ns)
+        assert (n, bytes(buf)) == (nbytes, data[9:])
+        assert csum == seg.block_checksum(key, ns, data[9:])
+        short = memoryview(bytearray(nbytes + 10))  # past the end: what was there
+        n, csum = seg.pread_checksum(fd, short, 9, key, ns)
+        assert n == nbytes and csum == seg.block_checksum(key, ns, data[9:])
+    finally:
+        os.close(fd)

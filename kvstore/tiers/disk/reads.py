@@ -214,38 +214,67 @@ def _read_run(t: DiskTier, run, keys, raws, bufs, out, fd: int = -1) -> None:
         for i, _rec in run:
             out[i] = read_one(t, keys[i], raws[i], bufs[i])
         return
-    first: Rec = run[0][1]
-    views = [bufs[i] for i, _ in run]
-    total = sum(len(v) for v in views)
-    n = -1
     fe = None
-    if fd >= 0:
+    if fd < 0:
         try:
-            n = _seg.preadv_all(fd, views, first.offset)
+            fe = t._fds.acquire(run[0][1].segment)
         except OSError:
-            n = -1
-    else:
-        with contextlib.suppress(OSError):
-            fe = t._fds.acquire(first.segment)
-    if fe is not None:
-        try:
-            n = _seg.preadv_all(fe.fd, views, first.offset)
-        except OSError:
-            n = -1
-        finally:
+            fe = None
+    done = 0  # blocks of the run read and verified (or found damaged)
+    try:
+        if fe is not None or fd >= 0:
+            done = _read_verified(t, run, keys, bufs, out, fd if fd >= 0 else fe.fd)
+    finally:
+        if fe is not None:
             t._fds.release(fe)
-    if n != total:  # missing file, short read, I/O error: per block, with retry/damage logic
-        for i, _rec in run:
-            out[i] = read_one(t, keys[i], raws[i], bufs[i])
-        return
-    ok = 0
-    for i, rec in run:
-        if _csum(keys[i][_KEY_BYTES:], rec.namespace_id, bufs[i]) == rec.checksum:
-            out[i] = ReadStatus.OK
-            ok += 1
-        else:
-            out[i] = damaged(t, keys[i], rec, ReadStatus.DAMAGED, "checksum_mismatch")
-    t._counters.add("reads_ok", ok)
+    # missing file, short read, I/O error: the rest per block, with retry/damage logic
+    for i, _rec in run[done:]:
+        out[i] = read_one(t, keys[i], raws[i], bufs[i])
+
+
+def _read_verified(t: DiskTier, run, keys, bufs, out, fd: int) -> int:
+    """Read the adjacent raw blocks of ``run`` and verify each, in pieces of about
+    ``VERIFY_CHUNK`` (blocks that small in one ``preadv``, a larger block piece by piece)
+    so each block is hashed while it is in cache. Returns how many blocks were settled; it
+    stops at the first read that fails or comes back short."""
+    chunk = _seg.VERIFY_CHUNK
+    ok = done = 0
+    n_run = len(run)
+    try:
+        while done < n_run:
+            i, rec = run[done]
+            if len(bufs[i]) > chunk:  # a large block: read and hash piece by piece
+                n, csum = _seg.pread_checksum(fd, bufs[i], rec.offset, keys[i][_KEY_BYTES:],
+                                              rec.namespace_id)
+                if n != len(bufs[i]):
+                    return done
+                ok += _settle(t, keys[i], rec, csum, out, i)
+                done += 1
+                continue
+            end, size = done, 0  # small blocks: as many as fit one piece, one preadv
+            while end < n_run and (end == done or size + len(bufs[run[end][0]]) <= chunk):
+                size += len(bufs[run[end][0]])
+                end += 1
+            views = [bufs[j] for j, _ in run[done:end]]
+            if _seg.preadv_all(fd, views, rec.offset) != size:
+                return done
+            for j, rj in run[done:end]:
+                ok += _settle(t, keys[j], rj, _csum(keys[j][_KEY_BYTES:], rj.namespace_id,
+                                                    bufs[j]), out, j)
+            done = end
+        return done
+    except OSError:
+        return done
+    finally:
+        t._counters.add("reads_ok", ok)
+
+
+def _settle(t: DiskTier, key: bytes, rec: Rec, csum: int, out, i: int) -> int:
+    if csum == rec.checksum:
+        out[i] = ReadStatus.OK
+        return 1
+    out[i] = damaged(t, key, rec, ReadStatus.DAMAGED, "checksum_mismatch")
+    return 0
 
 
 def read_one(t: DiskTier, key: bytes, raw: bytes | None, buf: memoryview) -> ReadStatus:
@@ -299,9 +328,12 @@ def read_rec(t: DiskTier, key: bytes, rec: Rec, buf: memoryview) -> tuple[ReadSt
         if rec.codec == _codec.CODEC_NONE:
             if rec.stored_nbytes != len(buf):
                 return ReadStatus.DAMAGED, "bad_record"
-            n = _seg.pread_into(fe.fd, buf, rec.offset)
+            n, csum = _seg.pread_checksum(fe.fd, buf, rec.offset, key, rec.namespace_id)
             if n != len(buf):
                 return ReadStatus.DAMAGED, f"short_segment (read {n} of {len(buf)} bytes)"
+            if csum != rec.checksum:
+                return ReadStatus.DAMAGED, "checksum_mismatch"
+            return ReadStatus.OK, ""
         else:
             payload = bytearray(rec.stored_nbytes)
             n = _seg.pread_into(fe.fd, memoryview(payload), rec.offset)

@@ -382,6 +382,29 @@ def pread_into(fd: int, buf: memoryview, offset: int) -> int:
     return total
 
 
+#: reads that verify a block as they go move this many bytes per call: a piece is hashed
+#: while it is still in the core's cache (L2), so a block costs one pass over memory instead
+#: of a read pass and a hash pass (page-cache reads of 32 MiB blocks: 0.66x -> 0.79x raw)
+VERIFY_CHUNK = 256 << 10
+
+
+def pread_checksum(fd: int, buf: memoryview, offset: int, key: bytes,
+                   namespace_id: bytes) -> tuple[int, int]:
+    """Read ``len(buf)`` bytes at ``offset`` into ``buf`` in :data:`VERIFY_CHUNK` pieces,
+    hashing each as it lands; returns (bytes read, :func:`block_checksum` of them). Fewer
+    bytes than ``len(buf)`` only at end of file (the checksum then covers what was read)."""
+    h = xxhash.xxh3_64(seed=_xxh3(namespace_id + key))
+    total, n_all = 0, len(buf)
+    while total < n_all:
+        end = min(total + VERIFY_CHUNK, n_all)
+        n = os.preadv(fd, [buf[total:end]], offset + total)
+        if n == 0:
+            break
+        h.update(buf[total:total + n])
+        total += n
+    return total, h.intdigest()
+
+
 def preadv_all(fd: int, bufs: list[memoryview], offset: int) -> int:
     """Read consecutive file bytes at ``offset`` into ``bufs`` in order (scatter read); returns
     the bytes read (less than the total only at end of file)."""
