@@ -161,6 +161,18 @@ def progress(err, what: str):
                     disable=not err.is_terminal)
 
 
+def with_progress(what: str, total: int, work: Callable[[Callable[[str, int, int], None]], Any]):
+    """``work(tick)`` under a progress bar on stderr; ``tick(label, done, total)`` moves it."""
+    err = err_console()
+    with progress(err, what) as bar:
+        task = bar.add_task(what, total=total, extra="")
+
+        def tick(label: str, done: int, of: int) -> None:
+            bar.update(task, completed=done, total=of, extra=label)
+
+        return work(tick)
+
+
 def refuse_if_served(cmd: str, store: str | None, what: str) -> int | None:
     """Exit status 2 with a one-line message when a daemon serves the store, else None."""
     from kvstore.admin.common import StoreServedError

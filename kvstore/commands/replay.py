@@ -64,14 +64,8 @@ def _run(args: argparse.Namespace) -> int:
         from kvstore.replay.plot import require_matplotlib
 
         require_matplotlib()  # none: say so before minutes of replay
-    err = a.err_console()
-    with a.progress(err, "replay") as bar:
-        task = bar.add_task("replay", total=len(trace.requests), extra="")
-
-        def tick(what: str, done: int, total: int) -> None:
-            bar.update(task, completed=done, total=total, extra=what)
-
-        report = run_report(trace, plan, progress=tick)
+    report = a.with_progress("replay", len(trace.requests),
+                             lambda tick: run_report(trace, plan, progress=tick))
     if args.plot:
         from kvstore.replay.plot import plot_report
 

@@ -31,14 +31,8 @@ def run(args: argparse.Namespace, trace) -> int:
         from kvstore.replay.plot import require_matplotlib
 
         require_matplotlib()
-    err = a.err_console()
-    with a.progress(err, "replay") as bar:
-        task = bar.add_task("replay", total=len(trace.requests), extra="")
-
-        def tick(what: str, done: int, total: int) -> None:
-            bar.update(task, completed=done, total=total, extra=what)
-
-        report = run_fleet_report(trace, fleet, progress=tick)
+    report = a.with_progress("replay", len(trace.requests),
+                             lambda tick: run_fleet_report(trace, fleet, progress=tick))
     if args.plot:
         from kvstore.replay.plot import plot_fleet
 

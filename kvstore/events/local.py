@@ -16,7 +16,8 @@ from collections.abc import Callable, Sequence
 
 from kvstore.events.codec import encode_batch
 from kvstore.events.mirror import Mirror
-from kvstore.events.types import TIER_MEDIUM, BlockHash, BlockRemoved, Event, EventBatch
+from kvstore.events.sink import check_stored, check_tier
+from kvstore.events.types import BlockHash, BlockRemoved, Event, EventBatch
 from kvstore.keys import BlockKey
 
 #: receives one encoded ``KVEventBatch`` (msgpack bytes)
@@ -74,11 +75,6 @@ class LocalSink:
         self._lock = threading.RLock()
         self.batches = 0  # delivered
 
-    @staticmethod
-    def _check(tier: str | None, optional: bool) -> None:
-        if tier not in TIER_MEDIUM and not (optional and tier is None):
-            raise ValueError(f"tier must be one of {', '.join(TIER_MEDIUM)}, got {tier!r}")
-
     def _send(self, events: list[Event]) -> None:
         if self._batched:
             self._pending += events
@@ -97,21 +93,19 @@ class LocalSink:
 
     def stored(self, tier: str, keys: Sequence[BlockKey],
                parents: Sequence[BlockKey | None]) -> None:
-        self._check(tier, False)
-        if len(keys) != len(parents):
-            raise ValueError(f"{len(keys)} keys but {len(parents)} parents")
+        check_stored(tier, keys, parents)
         if keys:
             with self._lock:
                 self._send(self._mirror.stored(tier, keys, parents))
 
     def removed(self, tier: str | None, keys: Sequence[BlockKey]) -> None:
-        self._check(tier, True)
+        check_tier(tier, optional=True)
         if keys:
             with self._lock:
                 self._send(self._mirror.removed(tier, keys))
 
     def cleared(self, tier: str | None = None) -> None:
-        self._check(tier, True)
+        check_tier(tier, optional=True)
         with self._lock:
             self._send(self._mirror.cleared(tier))
 

@@ -30,7 +30,8 @@ from kvstore.events import frames
 from kvstore.events.codec import encode_batch
 from kvstore.events.config import EventsConfig
 from kvstore.events.mirror import Mirror
-from kvstore.events.types import TIER_MEDIUM, AllBlocksCleared, Event, EventBatch
+from kvstore.events.sink import check_stored, check_tier
+from kvstore.events.types import AllBlocksCleared, Event, EventBatch
 from kvstore.keys import BlockKey
 
 log = logging.getLogger("kvstore.events")
@@ -69,26 +70,19 @@ class NamespaceSink:
         self._put = publisher._queue.put
         self._mirror = mirror
 
-    @staticmethod
-    def _check(tier: str | None, optional: bool) -> None:
-        if tier not in TIER_MEDIUM and not (optional and tier is None):
-            raise ValueError(f"tier must be one of {', '.join(TIER_MEDIUM)}, got {tier!r}")
-
     def stored(self, tier: str, keys: Sequence[BlockKey],
                parents: Sequence[BlockKey | None]) -> None:
-        self._check(tier, False)
-        if len(keys) != len(parents):
-            raise ValueError(f"{len(keys)} keys but {len(parents)} parents")
+        check_stored(tier, keys, parents)
         if keys:
             self._put(_Change(self._mirror, "stored", tier, tuple(keys), tuple(parents)))
 
     def removed(self, tier: str | None, keys: Sequence[BlockKey]) -> None:
-        self._check(tier, True)
+        check_tier(tier, optional=True)
         if keys:
             self._put(_Change(self._mirror, "removed", tier, tuple(keys), ()))
 
     def cleared(self, tier: str | None = None) -> None:
-        self._check(tier, True)
+        check_tier(tier, optional=True)
         self._put(_Change(self._mirror, "cleared", tier, (), ()))
 
 

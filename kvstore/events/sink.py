@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+from kvstore.events.types import TIER_MEDIUM
 from kvstore.keys import BlockKey
 
 
@@ -26,3 +27,16 @@ class EventSink(Protocol):
 
     def cleared(self, tier: str | None = None) -> None:
         """Everything left ``tier`` (``None``: every tier of this namespace)."""
+
+
+def check_tier(tier: str | None, *, optional: bool) -> None:
+    """``tier`` is one a sink reports (``None`` too where ``optional``); ValueError if not."""
+    if tier not in TIER_MEDIUM and not (optional and tier is None):
+        raise ValueError(f"tier must be one of {', '.join(TIER_MEDIUM)}, got {tier!r}")
+
+
+def check_stored(tier: str, keys: Sequence[BlockKey], parents: Sequence[BlockKey | None]) -> None:
+    """The arguments of :meth:`EventSink.stored`: a known tier, one parent per key."""
+    check_tier(tier, optional=False)
+    if len(keys) != len(parents):
+        raise ValueError(f"{len(keys)} keys but {len(parents)} parents")

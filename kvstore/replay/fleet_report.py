@@ -6,11 +6,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvstore.errors import ConfigError
-from kvstore.replay.driver import StoreSpec, replay_layout, replay_namespace
+from kvstore.replay.driver import StoreSpec
 from kvstore.replay.fleet import ROUTERS, FleetResult, FleetSpec, replay_fleet
-from kvstore.replay.report import Capacity, ticker
-from kvstore.replay.trace import Trace, facts, store_keys
-from kvstore.tiers.policy import EVICTIONS
+from kvstore.replay.report import Capacity, prepare, ticker
+from kvstore.replay.trace import Trace
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,20 +59,12 @@ class FleetReport:
 def run_fleet_report(trace: Trace, plan: FleetPlan, *,
                      progress: Callable[[str, int, int], None] | None = None) -> FleetReport:
     """Every capacity x policy x router of ``plan`` through fresh fleets of real stores."""
-    for p in plan.policies:
-        if p not in EVICTIONS:
-            raise ConfigError(f"unknown eviction policy {p!r}; choose from {', '.join(EVICTIONS)}")
     for r in plan.routers:
         if r not in ROUTERS:
             raise ConfigError(f"unknown router {r!r}; choose from {', '.join(ROUTERS)}")
     if not plan.routers:
         raise ConfigError("give at least one router (--router prefix,round-robin,hash)")
-    keys = store_keys(trace, replay_namespace(plan.block_tokens).id, plan.block_tokens)
-    fx = facts(keys, plan.block_tokens)
-    if not fx.references:
-        raise ConfigError(f"the trace has no full {plan.block_tokens}-token block; lower "
-                          "--block-tokens")
-    bn = replay_layout(plan.block_tokens).block_nbytes
+    keys, fx, bn = prepare(trace, plan.policies, plan.block_tokens)
     hot = plan.hot.blocks(fx, bn) * bn if plan.hot is not None else 0
     disk = plan.disk.blocks(fx, bn) * bn if plan.disk is not None else 0
     rows = []

@@ -96,20 +96,26 @@ class ReplayPlan:
     path: str | None = None
 
 
+def prepare(trace: Trace, policies: Sequence[str], block_tokens: int,
+            ) -> tuple[list[list[BlockKey]], TraceFacts, int]:
+    """Check the policies; the trace's store keys, its facts and the replay's block size."""
+    for p in policies:
+        if p not in EVICTIONS:
+            raise ConfigError(f"unknown eviction policy {p!r}; choose from {', '.join(EVICTIONS)}")
+    keys = store_keys(trace, replay_namespace(block_tokens).id, block_tokens)
+    fx = facts(keys, block_tokens)
+    if not fx.references:
+        raise ConfigError(f"the trace has no full {block_tokens}-token block; lower "
+                          "--block-tokens")
+    return keys, fx, replay_layout(block_tokens).block_nbytes
+
+
 def run_report(trace: Trace, plan: ReplayPlan, *,
                progress: Callable[[str, int, int], None] | None = None) -> ReplayReport:
     """Every capacity of ``plan``: simulators, then (``plan.store``) replays through a store.
     ``progress(what, done, total)`` is called as requests go by."""
-    for p in plan.policies:
-        if p not in EVICTIONS:
-            raise ConfigError(f"unknown eviction policy {p!r}; choose from {', '.join(EVICTIONS)}")
     # the simulators run on the store's own keys: what they count is what the store sees
-    blocks = store_keys(trace, replay_namespace(plan.block_tokens).id, plan.block_tokens)
-    fx = facts(blocks, plan.block_tokens)
-    if not fx.references:
-        raise ConfigError(f"the trace has no full {plan.block_tokens}-token block; lower "
-                          "--block-tokens")
-    bn = replay_layout(plan.block_tokens).block_nbytes
+    blocks, fx, bn = prepare(trace, plan.policies, plan.block_tokens)
     top = unbounded(blocks)
     rows = []
     for cap in plan.capacities:
