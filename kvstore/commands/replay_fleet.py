@@ -57,7 +57,7 @@ def _print(report, a, *, plot: str | None) -> None:
     cols = [("CAPACITY", "right"), ("EVICTION", "left"), ("ROUTER", "left"),
             ("HIT RATIO", "right"), ("VS ROUND-ROBIN", "right"), ("MAX/MEAN LOAD", "right"),
             ("EXPLOIT", "right"), ("MISPREDICTED", "right"), ("REQUESTS PER ENGINE", "left"),
-            ("SECONDS", "right")]
+            ("TOKENS COMPUTED PER ENGINE", "left"), ("SECONDS", "right")]
     rows = []
     for row in report.rows:
         rr = row.of("round-robin")
@@ -65,12 +65,18 @@ def _print(report, a, *, plot: str | None) -> None:
             vs = f"{r.hit_ratio / rr.hit_ratio:.2f}x" if rr and rr.hit_ratio else "-"
             rows.append((row.capacity, row.eviction, r.router, f"{r.hit_ratio:.3f}", vs,
                          f"{r.max_over_mean:.3f}", f"{r.exploit:,}", f"{r.mispredicted:,}",
-                         " ".join(f"{e.requests:,}" for e in r.per_engine), f"{r.seconds:.1f}"))
+                         " ".join(f"{e.requests:,}" for e in r.per_engine),
+                         " ".join(_tokens(e.tokens_computed) for e in r.per_engine),
+                         f"{r.seconds:.1f}"))
     con.print(a.table(cols, rows))
     con.print("Load = input tokens an engine computed (its misses); MISPREDICTED = requests "
               "whose hit differed from the leading run the router's index told.")
     if plot:
         con.print(f"Plot written to {plot}")
+
+
+def _tokens(n: int) -> str:
+    return f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.1f}k" if n >= 1e3 else str(n)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
