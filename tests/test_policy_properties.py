@@ -161,6 +161,7 @@ def drive(policy, ops, slots=6):
 @settings(max_examples=80, deadline=None)
 @given(ops=ops_st)
 @pytest.mark.parametrize("make", [LRUPolicy, lambda: ReusePolicy(6, tune=False),
+                                  lambda: ReusePolicy(6, scale=4.0, tune=False),
                                   lambda: ReusePolicy(600)])
 def test_policy_lists_exactly_the_held_blocks_and_is_deterministic(make, ops):
     assert drive(make(), ops) == drive(make(), ops)
@@ -173,7 +174,7 @@ def test_touched_chain_keeps_children_before_parents(ops):
     drive(p, ops)
     keys = [(0,), (0, 1), (0, 1, 2)]
     for k in keys:
-        if k not in p._info:
+        if k not in p:
             p.insert(k)
     p.touch(keys[::-1])
     order = p.order()

@@ -16,9 +16,12 @@ reached), so every policy keeps the store's guarantees: prefix-closed, pins, byt
   pass through (a shared system prompt, a document many questions hang off, the turns of a
   long conversation) is used by each of them. ``scale`` is not a constant fitted to a trace:
   :class:`~kvstore.tiers.tuning.ScaleTuner` picks it (0 = LRU ... 4) from shadow caches
-  over a sample of the keys, so where reuse does not predict the next use the tier behaves
-  as LRU. A block is ranked at least as high as any block below it in the chain (a hit on
-  the child needs the parent), which keeps leaves first in the order.
+  over a sample of the keys. A tuned tier starts as LRU and leaves it only once its shadows
+  show reuse paying, so where uses do not predict the next use (the next turn of a chat
+  wants the blocks just written) the tier stays LRU; tiers too small to tune rank at scale
+  1 (the smaller the cache, the more a use is worth keeping). A block is ranked at least as
+  high as any block below it in the chain (a hit on the child needs the parent), which
+  keeps leaves first in the order.
 
 Not thread-safe: the store serialises access under its lock.
 """
@@ -27,10 +30,11 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Iterator
+from functools import partial
 from typing import Protocol
 
 from kvstore.errors import ConfigError
-from kvstore.tiers.tuning import MIN_SLOTS, SAMPLE_MASK, ScaleTuner
+from kvstore.tiers.tuning import MIN_SLOTS, ScaleTuner, make_shadow
 
 #: eviction policy names accepted by ``open_store(eviction=...)``
 EVICTIONS = ("lru", "reuse")
@@ -38,6 +42,11 @@ EVICTIONS = ("lru", "reuse")
 DEFAULT_EVICTION = "reuse"
 #: use classes of :class:`ReusePolicy` (0, 1, 2, 3+ uses)
 USE_CLASSES = 4
+MAX_CLASS = USE_CLASSES - 1
+#: retention per use of a tuned tier before its shadows have shown reuse pays: LRU
+TUNED_START = 0.0
+#: retention per use of a tier too small to tune (small caches gain most from reuse)
+UNTUNED_SCALE = 1.0
 #: ghost entries (evicted keys and their uses) per slot of the tier
 GHOSTS_PER_SLOT = 6
 #: rank resolution of :class:`ReusePolicy`: buckets per tier turnover
@@ -120,14 +129,13 @@ class ReusePolicy:
 
     name = "reuse"
     __slots__ = ("_buckets", "_low", "_info", "_ghost", "_ghost_old", "_ghost_cap", "_slots",
-                 "_width",
-                 "_clock", "_call", "_tuner", "_scale")
+                 "_width", "_clock", "_call", "_tuner", "_scale", "_step", "_mask")
 
-    def __init__(self, slots: int, *, ghosts: int = GHOSTS_PER_SLOT, scale: float = 1.0,
+    def __init__(self, slots: int, *, ghosts: int = GHOSTS_PER_SLOT, scale: float | None = None,
                  tune: bool = True) -> None:
         self._buckets: dict[int, OrderedDict[Hashable, None]] = {}
         self._low = 0  # no bucket below this one holds a key
-        # per key held: [bucket, uses, touch call that last saw it]
+        # per key held: [bucket, use class (uses, at most USE_CLASSES - 1), last touch call]
         self._info: dict[Hashable, list[int]] = {}
         # evicted key -> its uses, in two generations of ghosts/2 x slots keys each: when the
         # new one is full the old one is dropped whole (a FIFO at O(1) and no OrderedDict)
@@ -138,21 +146,34 @@ class ReusePolicy:
         self._ghost_cap = max(1, ghosts * self._slots // 2)  # per generation
         self._clock = 0  # blocks inserted: the tier's turnover
         self._call = 0  # touch calls
-        self._scale = scale  # retention per use, in tier turnovers (fixed when not tuned)
-        self._tuner = (ScaleTuner(slots, scale, lambda n, s: ReusePolicy(n, scale=s, tune=False))
-                       if tune and slots >= MIN_SLOTS else None)
+        tuned = tune and slots >= MIN_SLOTS
+        start = scale if scale is not None else (TUNED_START if tuned else UNTUNED_SCALE)
+        self._scale = start  # retention per use, in tier turnovers (the tuner's, when tuned)
+        self._step = start * self._slots  # ticks of retention per use
+        self._tuner = (ScaleTuner(slots, start, partial(make_shadow, classes=USE_CLASSES,
+                                                        ghosts=ghosts))
+                       if tuned else None)
+        self._mask = self._tuner.mask if self._tuner is not None else 0
 
     def __len__(self) -> int:
         return len(self._info)
 
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._info
+
     @property
     def scale(self) -> float:
         """Retention a use buys, in tier turnovers (the tuner's current choice)."""
-        return self._tuner.scale if self._tuner is not None else self._scale
+        return self._scale
 
-    def _bucket(self, uses: int) -> int:
-        cls = uses if uses < USE_CLASSES - 1 else USE_CLASSES - 1
-        return int(self._clock + cls * self.scale * self._slots) // self._width
+    def _sample(self, key: Hashable) -> None:
+        """A use or a miss of a sampled key: the tuner's shadows see it."""
+        tuner = self._tuner
+        assert tuner is not None
+        tuner.reference(key)
+        if tuner.scale != self._scale:
+            self._scale = tuner.scale
+            self._step = tuner.scale * self._slots
 
     def _put(self, key: Hashable, b: int) -> None:
         q = self._buckets.get(b)
@@ -172,7 +193,7 @@ class ReusePolicy:
             self._low = low
 
     def insert(self, key: Hashable) -> None:
-        self._clock += 1
+        self._clock = clock = self._clock + 1
         info = self._info
         e = info.get(key)
         if e is not None:  # republished under another slot
@@ -183,10 +204,10 @@ class ReusePolicy:
         if back is None and self._ghost_old:
             back = self._ghost_old.pop(key, None)
         if back is None:
-            uses, b = 0, self._clock // self._width
+            uses, b = 0, clock // self._width
         else:
-            uses = back + 1
-            b = self._bucket(uses)
+            uses = back + 1 if back < MAX_CLASS else MAX_CLASS
+            b = int(clock + uses * self._step) // self._width
         # seen by this call: the touch right after an insert is not a use
         info[key] = [b, uses, self._call]
         q = self._buckets.get(b)
@@ -197,18 +218,19 @@ class ReusePolicy:
         # sampled by the key's last byte (a SHA-256 digest: uniform, and the same in every
         # process, unlike hash() of bytes); other keys (tests, simulators) by hash()
         if self._tuner is not None and not (
-                key[-1] if type(key) is bytes else hash(key)) & SAMPLE_MASK:  # type: ignore[index]
-            self._tuner.reference(key)  # a miss of the tier
+                key[-1] if type(key) is bytes else hash(key)) & self._mask:  # type: ignore[index]
+            self._sample(key)  # a miss of the tier
 
     def remove(self, key: Hashable, *, for_room: bool) -> None:
-        b, uses, _ = self._info.pop(key)
+        e = self._info.pop(key)
+        b = e[0]
         q = self._buckets[b]
         del q[key]
         if not q:
             self._drop_bucket(b)
         if for_room:
             ghost = self._ghost
-            ghost[key] = uses
+            ghost[key] = e[1]
             if len(ghost) >= self._ghost_cap:
                 self._ghost_old, self._ghost = ghost, {}
 
@@ -216,41 +238,51 @@ class ReusePolicy:
         info = self._info
         if not info:
             return
-        self._call += 1
-        call, tuner = self._call, self._tuner
-        step = self.scale * self._slots
-        base, width = self._clock, self._width
+        self._call = call = self._call + 1
+        last = call - 1
+        tuner, mask = self._tuner, self._mask
+        step, base, width = self._step, self._clock, self._width
         ranks = [(base + int(c * step)) // width for c in range(USE_CLASSES)]
         buckets = self._buckets
         floor = -1  # the bucket of the block below: a parent ranks at least as high
+        qb, q = -1, None  # the bucket last moved into (a chain mostly shares one)
         for k in keys:  # leaf first
             e = info.get(k)
             if e is None:
                 continue
-            if e[2] < call - 1:
-                e[1] += 1
+            if e[2] < last:
+                if e[1] < MAX_CLASS:
+                    e[1] += 1
                 if tuner is not None and not (
-                        k[-1] if type(k) is bytes else hash(k)) & SAMPLE_MASK:  # type: ignore[index]
-                    tuner.reference(k)  # a hit of the tier
+                        k[-1] if type(k) is bytes else hash(k)) & mask:  # type: ignore[index]
+                    self._sample(k)  # a hit of the tier
+                    step = self._step
+                    ranks = [(base + int(c * step)) // width for c in range(USE_CLASSES)]
             e[2] = call
-            b = ranks[e[1]] if e[1] < USE_CLASSES else ranks[-1]
+            b = ranks[e[1]]
             if b < floor:
                 b = floor
             floor = b
             old = e[0]
             if b == old:
-                buckets[b].move_to_end(k)
+                if b != qb:
+                    q, qb = buckets[b], b
+                q.move_to_end(k)  # type: ignore[union-attr]
                 continue
-            q = buckets[old]
-            del q[k]
-            if not q:
+            src = buckets[old]
+            del src[k]
+            if not src:
+                if old == qb:
+                    qb = -1
                 self._drop_bucket(old)
-            q = buckets.get(b)
-            if q is None:
-                q = buckets[b] = OrderedDict()
-                if b < self._low or len(buckets) == 1:
-                    self._low = b
-            q[k] = None
+            if b != qb:
+                q = buckets.get(b)
+                if q is None:
+                    q = buckets[b] = OrderedDict()
+                    if b < self._low or len(buckets) == 1:
+                        self._low = b
+                qb = b
+            q[k] = None  # type: ignore[index]
             e[0] = b
 
     def victims(self) -> Iterator[Hashable]:
@@ -261,32 +293,6 @@ class ReusePolicy:
 
     def peek(self) -> Hashable | None:
         return next(iter(self._buckets[self._low])) if self._buckets else None
-
-    def refer(self, key: Hashable) -> bool:
-        """One reference of ``key`` in a cache of keys only (the tuner's shadows): a use if
-        held, else an insert that evicts the best victim when full; True for a hit."""
-        e = self._info.get(key)
-        if e is None:
-            if len(self._info) >= self._slots:
-                victim = self.peek()
-                assert victim is not None
-                self.remove(victim, for_room=True)
-            self.insert(key)
-            return False
-        e[1] += 1
-        b = self._bucket(e[1])
-        if b < e[0]:
-            b = e[0]
-        if b == e[0]:
-            self._buckets[b].move_to_end(key)
-        else:
-            q = self._buckets[e[0]]
-            del q[key]
-            if not q:
-                self._drop_bucket(e[0])
-            self._put(key, b)
-            e[0] = b
-        return True
 
     def _walk(self, low: int) -> Iterator[Hashable]:
         buckets = self._buckets
@@ -299,7 +305,7 @@ class ReusePolicy:
         return list(self.victims())
 
     def uses(self, key: Hashable) -> int:
-        """Uses of a held key (ghost uses included)."""
+        """Uses of a held key (ghost uses included), counted up to ``USE_CLASSES - 1``."""
         return self._info[key][1]
 
 
