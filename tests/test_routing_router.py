@@ -42,7 +42,31 @@ def test_prefix_policy_keeps_the_load_band():
     assert c.index == 1
     c = choose(p, [9, 2, 0, 0], [110, 100, 100, 100], n=9)  # within 1.1 x the mean
     assert (c.index, c.mode) == (0, EXPLOIT)
-    assert choose(p, [0, 0, 0, 0], [0, 0, 0, 0]).index == 0  # idle: first on ties
+
+
+def test_prefix_policy_sends_what_nobody_holds_to_its_home_within_the_band():
+    p, h = PrefixAware(16, imbalance=0.1, home_blocks=2), FirstBlocksHash(blocks=2)
+    prompts = [[bytes([i, j]) * 16 for j in range(6)] for i in range(64)]
+    homes = [h.choose(k, E, (), ()).index for k in prompts]
+    assert len(set(homes)) == 4
+    for k, home in zip(prompts, homes, strict=True):
+        c = p.choose(k, E, [0] * 4, [0.0] * 4)
+        assert (c.index, c.mode) == (home, EXPLORE)  # the same head, the same engine
+        loads = [0.0] * 4
+        loads[home] = 10_000.0  # its home is overloaded: the home among the others
+        c = p.choose(k, E, [0] * 4, loads)
+        rest = tuple(e for i, e in enumerate(E) if i != home)
+        assert E[c.index] == rest[h.choose(k, rest, (), ()).index]
+
+
+def test_the_home_is_never_an_engine_the_band_passed_over():
+    # regression: engine 2 holds 10 of 15 blocks but is past the band; the home rule must
+    # not bring it back (it did, through a band recomputed without the cached blocks)
+    p = PrefixAware(512, imbalance=0.2)
+    keys = [bytes([11, i]) * 16 for i in range(15)]  # its home over all four is engine 2
+    loads = [94245.0, 94782.0, 157350.0, 156048.0]
+    c = p.choose(keys, E, [0, 0, 10, 0], loads)
+    assert c.index != 2 and c.mode == EXPLORE
 
 
 def test_round_robin_cycles():

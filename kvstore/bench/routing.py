@@ -89,7 +89,7 @@ def _fleet_rows(opts: BenchOptions) -> list[BenchRow]:
             note = (f"{rep.requests} requests; max/mean load: prefix {pre.max_over_mean:.3f}, "
                     f"round-robin {r['round-robin'].max_over_mean:.3f}; mispredicted "
                     f"{pre.mispredicted}; {pre.seconds:.0f} s")
-            goal = None if opts.quick or eviction != "lru" else 2.2
+            goal = None if opts.quick else 2.2
             for peer, g in (("round-robin", goal), ("hash", 1.0 if goal else None)):
                 rows.append(BenchRow(SECTION, f"prefix routing hit ratio ({what})",
                                      pre.hit_ratio, "ratio", f"{peer} hit ratio",

@@ -90,8 +90,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="routing policies to compare with --engines: prefix (longest cached "
                    "prefix within a load band), round-robin, hash (first blocks) "
                    "(default all three)")
-    g.add_argument("--imbalance", type=float, default=0.1, metavar="F",
+    g.add_argument("--imbalance", type=float, default=0.2, metavar="F",
                    help="the prefix router's load band: an engine more than (1+F) x the mean "
-                   "load is passed over (default 0.1)")
+                   "load is passed over (default 0.2)")
     g.add_argument("--hash-blocks", type=integer(minimum=1), default=4, metavar="N",
                    help="leading blocks the hash router hashes (default 4)")

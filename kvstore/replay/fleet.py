@@ -37,7 +37,7 @@ from kvstore.replay.driver import (
 )
 from kvstore.replay.trace import Trace
 from kvstore.routing.index import PrefixIndex
-from kvstore.routing.policies import make_policy
+from kvstore.routing.policies import DEFAULT_IMBALANCE, make_policy
 from kvstore.routing.router import Router
 from kvstore.store import Store
 
@@ -52,7 +52,7 @@ class FleetSpec:
     engines: int
     router: str
     store: StoreSpec
-    imbalance: float = 0.1  # the prefix policy's load band
+    imbalance: float = DEFAULT_IMBALANCE  # the prefix policy's load band
     hash_blocks: int = 4  # the hash policy's leading blocks
     load_window_s: float = 180.0  # trace seconds of sent work the router weighs
 

@@ -10,6 +10,7 @@ from kvstore.replay.driver import StoreSpec
 from kvstore.replay.fleet import ROUTERS, FleetResult, FleetSpec, replay_fleet
 from kvstore.replay.report import Capacity, prepare, ticker
 from kvstore.replay.trace import Trace
+from kvstore.routing.policies import DEFAULT_IMBALANCE
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,7 +26,7 @@ class FleetPlan:
     disk: Capacity | None = None
     speed: float | None = None
     path: str | None = None
-    imbalance: float = 0.1
+    imbalance: float = DEFAULT_IMBALANCE
     hash_blocks: int = 4
 
 

@@ -18,6 +18,10 @@ from kvstore.errors import ConfigError
 from kvstore.events.types import BlockHash
 
 EXPLOIT, EXPLORE, ROUND_ROBIN, HASH = "exploit", "explore", "round-robin", "hash"
+#: the prefix policy's load band: an engine above (1 + this) x the mean load plus the
+#: request's work is passed over (0.2 measured best on the Mooncake trace through real
+#: stores, at max/mean load 1.005; docs/benchmarks.md)
+DEFAULT_IMBALANCE = 0.2
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,13 +69,21 @@ class FirstBlocksHash:
         self.blocks = blocks
 
     def choose(self, keys, engines, cached, loads) -> Choice:
-        head = b"".join(_hash_bytes(k) for k in keys[: self.blocks])
-        best, best_score = 0, b""
-        for i, name in enumerate(engines):
-            score = hashlib.blake2b(head + name.encode(), digest_size=8).digest()
-            if score > best_score:
-                best, best_score = i, score
-        return Choice(best, HASH)
+        return Choice(rendezvous(keys, self.blocks, engines, range(len(engines))), HASH)
+
+
+def rendezvous(keys: Sequence[BlockHash], blocks: int, engines: Sequence[str],
+               among: Sequence[int] | range) -> int:
+    """The index (one of ``among``) of the engine with the highest rendezvous score for the
+    first ``blocks`` block hashes of ``keys``: the same prompt head always gets the same
+    engine, and removing an engine moves only the heads it had."""
+    head = b"".join(_hash_bytes(k) for k in keys[:blocks])
+    best, best_score = among[0], b""
+    for i in among:
+        score = hashlib.blake2b(head + engines[i].encode(), digest_size=8).digest()
+        if score > best_score:
+            best, best_score = i, score
+    return best
 
 
 class PrefixAware:
@@ -79,25 +91,33 @@ class PrefixAware:
 
     Candidates are the engines whose recent load is at most ``(1 + imbalance)`` times the
     mean plus this request's work on them (all of them when none is: the request's own work
-    is the slack that keeps a nearly idle fleet from flapping). Among them the request goes to the one with the least
-    work for it, i.e. the longest cached prefix, the least loaded on ties. It **exploits** when
-    that prefix is longer than what is left to compute (Preble's test), else it **explores**:
-    for a prompt nobody holds, the ties leave the least loaded engine, which spreads new
-    prefixes. Preble's own explore step minimises load + work instead; on the Mooncake
-    conversation trace that loses partial hits (docs/integrations.md has both figures).
-    ``block_tokens``: the tokens of work a block stands for (loads are in tokens).
+    is the slack that keeps a nearly idle fleet from flapping). Among them the request goes
+    to the one with the least work for it, i.e. the longest cached prefix, the least loaded
+    on ties. It **exploits** when that prefix is longer than what is left to compute
+    (Preble's test), else it **explores**. A prompt no candidate holds any of goes to its
+    rendezvous **home** among the candidates (the first ``home_blocks`` block hashes, as the
+    ``hash`` policy): the next prompt with the same head (a conversation's next turn after
+    its blocks left, another question on the same document) finds what that engine kept of
+    it, where a least-loaded choice would scatter them. Preble's own explore step minimises
+    load + work instead; on the Mooncake conversation trace that loses partial hits
+    (docs/integrations.md has the figures). ``block_tokens``: the tokens of work a block
+    stands for (loads are in tokens).
     """
 
     name = "prefix"
     uses_index = True
 
-    def __init__(self, block_tokens: int, *, imbalance: float = 0.1) -> None:
+    def __init__(self, block_tokens: int, *, imbalance: float = DEFAULT_IMBALANCE,
+                 home_blocks: int = 4) -> None:
         if block_tokens < 1:
             raise ConfigError("block_tokens must be >= 1")
         if imbalance < 0:
             raise ConfigError("imbalance must be >= 0")
+        if home_blocks < 1:
+            raise ConfigError("home_blocks must be >= 1")
         self.block_tokens = block_tokens
         self.imbalance = imbalance
+        self.home_blocks = home_blocks
 
     def choose(self, keys, engines, cached, loads) -> Choice:
         n = len(keys)
@@ -111,14 +131,18 @@ class PrefixAware:
                     i, best = j, c
         if i < 0:  # nobody in the band (cannot happen with loads >= 0): all are candidates
             i = min(range(len(engines)), key=lambda j: (-cached[j], loads[j], j))
+            best = cached[i]
+        if best == 0 and n:  # no candidate holds any of it: its home among the candidates
+            band = [j for j, w in enumerate(loads) if w <= bound + (n - cached[j]) * bt]
+            i = rendezvous(keys, self.home_blocks, engines, band or range(len(engines)))
         return Choice(i, EXPLOIT if cached[i] and cached[i] > n - cached[i] else EXPLORE)
 
 
 def make_policy(name: str, *, block_tokens: int = 16, hash_blocks: int = 4,
-                imbalance: float = 0.1) -> Policy:
+                imbalance: float = DEFAULT_IMBALANCE) -> Policy:
     """A policy by name: ``"prefix"``, ``"round-robin"`` or ``"hash"``."""
     if name == "prefix":
-        return PrefixAware(block_tokens, imbalance=imbalance)
+        return PrefixAware(block_tokens, imbalance=imbalance, home_blocks=hash_blocks)
     if name == "round-robin":
         return RoundRobin()
     if name == "hash":

@@ -27,7 +27,7 @@ from kvstore.events.codec import decode_batch, encode_batch
 from kvstore.events.mirror import Mirror
 from kvstore.events.types import EventBatch
 from kvstore.routing.index import PrefixIndex
-from kvstore.routing.policies import make_policy
+from kvstore.routing.policies import DEFAULT_IMBALANCE, make_policy
 from kvstore.routing.router import Router
 
 
@@ -131,7 +131,7 @@ class SimResult:
 
 def simulate(trace: Sequence[TraceRequest], policy: str, *, engines: int = 4,
              capacity_share: float = 0.02, block_tokens: int = 512, hash_blocks: int = 4,
-             imbalance: float = 0.1, load_window_s: float = 180.0,
+             imbalance: float = DEFAULT_IMBALANCE, load_window_s: float = 180.0,
              wire: bool = False) -> SimResult:
     """Route ``trace`` with ``policy`` over ``engines`` LRU engines, each holding
     ``capacity_share`` of the trace's unique blocks."""
