@@ -4,7 +4,7 @@ it (residency, fetch, put, paged, write_back, zero_copy) over one
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -23,7 +23,7 @@ from kvstore.store.paged import PagedIO
 from kvstore.store.put import Putter
 from kvstore.store.residency import Residency
 from kvstore.store.write_back import WriteBack
-from kvstore.store.zero_copy import ZeroCopyPlane
+from kvstore.store.zero_copy import LeaseInto, ZeroCopyPlane
 from kvstore.transfer import Transfer
 from kvstore.writer import WriteBehind
 
@@ -162,6 +162,15 @@ class Store:
     def lease_warm(self, keys: Sequence[bytes]) -> tuple[list[BlockKey], list[int]]:
         """Pin the leading held run of ``keys`` in the warm tier; returns it with its slots."""
         return self.zero_copy.lease_warm(keys)
+
+    def lease_into(self, keys: Sequence[bytes],
+                   into: Callable[[int], Sequence[torch.Tensor | memoryview]], *,
+                   fill: bool = True) -> LeaseInto:
+        """:meth:`lease_warm` that reads blocks only on disk straight into ``into(i)`` (the
+        host buffers taking block ``i``'s bytes in order, e.g. one engine page per layer),
+        verified; blocks held in memory come back as pinned warm slots to copy
+        (:class:`~kvstore.store.zero_copy.LeaseInto`). Embedded stores only."""
+        return self.zero_copy.lease_into(keys, into, fill=fill)
 
     def release_lease(self, keys: Sequence[bytes]) -> None:
         self.zero_copy.release_lease(keys)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -199,6 +200,30 @@ class Fetcher:
                 # a volatile tier's value may expire between lookup and read: a plain miss
                 damaged += st is ReadStatus.DAMAGED or (st is ReadStatus.MISSING
                                                         and not tier.volatile)
+        self.cut_at_bad(plan, statuses, damaged)
+
+    def read_into(self, plan: FetchPlan, into: Callable[[int], Sequence[object]]) -> None:
+        """Read the plan's lower-tier blocks straight into ``into(position)`` (the pieces that
+        take that block's bytes in order: an engine's pages), verified by the reading
+        threads; their warm copies are filled after the fetch (``plan.fill``). Durable tiers
+        only (a volatile tier's block read twice could have expired: the caller checks).
+        Cuts ``plan.valid`` at the first block not read."""
+        statuses: list[ReadStatus] = [ReadStatus.MISSING] * len(plan.lower)
+        damaged = 0
+        plan.direct = True
+        for t, tier in enumerate(self.st.lower):
+            idx = [j for j, (p, _) in enumerate(plan.lower) if plan.tier_of(p) == t]
+            if not idx:
+                continue
+            plan.fill = plan.fill or any(plan.lower[j][1] >= 0 for j in idx)
+            got = self.read_tier(tier, plan.located(idx), [into(plan.lower[j][0]) for j in idx],
+                                 None)
+            for j, st in zip(idx, got, strict=True):
+                statuses[j] = st
+                damaged += st is not ReadStatus.OK
+        self.cut_at_bad(plan, statuses, damaged)
+
+    def cut_at_bad(self, plan: FetchPlan, statuses: list[ReadStatus], damaged: int) -> None:
         bad = [p for (p, _), st in zip(plan.lower, statuses, strict=True) if st is not ReadStatus.OK]
         if bad:
             with self.st.lock:
@@ -206,7 +231,7 @@ class Fetcher:
             plan.valid = min(plan.valid, min(bad))
 
     @staticmethod
-    def read_tier(tier: LowerTier, found: Located, dsts: list[torch.Tensor],
+    def read_tier(tier: LowerTier, found: Located, dsts: Sequence[Any],
                   mirrors: list[torch.Tensor | None] | None) -> list[ReadStatus]:
         try:
             return tier.read(found, dsts, mirrors)
@@ -464,16 +489,7 @@ class FetchJob:
             c.fetch_short += self.asked - (plan.valid if ok else 0)
             if ok:
                 self.fetcher.count_served(plan, plan.valid)
-        filling = ok and plan.fill and plan.valid > 0
-        if filling:
-            # the warm copies of blocks read straight into the caller's buffer, behind the
-            # caller's back (the d2h path: into warm, off every fetch's disk_read and h2d);
-            # queued before the result is out, so that a flush after it waits for them too
-            try:
-                self.engine.submit("d2h", Job(Transfer(), self.fill, self.after_fill))
-            except BaseException:  # closing: publish nothing of them in warm
-                plan.unfilled.update(p for p, _ in plan.lower)
-                filling = False
+        filling = self.start_fill(ok)
         if not ok:
             t.set_error(error or RuntimeError("fetch failed"))
         else:
@@ -482,6 +498,27 @@ class FetchJob:
         if self.then is not None:
             self.then(ok, error)
         if not filling:
+            self.promote_or_settle(ok)
+
+    def start_fill(self, ok: bool) -> bool:
+        """Queue the warm copies of blocks read straight into the caller's buffer (when there
+        are any): behind the caller's back, on the d2h path (into warm, off every fetch's
+        disk_read and h2d); queued before the result is out, so that a flush after it waits
+        for them too. The fill then promotes or settles; False: settle it yourself."""
+        plan = self.plan
+        if not (ok and plan.fill and plan.valid > 0):
+            return False
+        try:
+            self.engine.submit("d2h", Job(Transfer(), self.fill, self.after_fill))
+        except BaseException:  # closing: publish nothing of them in warm
+            plan.unfilled.update(p for p, _ in plan.lower)
+            return False
+        return True
+
+    def settle_direct(self, ok: bool) -> None:
+        """The end of a fetch the caller ran itself (``Fetcher.read_into``; counted by it):
+        fill the warm copies behind its back, then promote or settle."""
+        if not self.start_fill(ok):
             self.promote_or_settle(ok)
 
     def fill(self, stream: torch.cuda.Stream | None) -> list:

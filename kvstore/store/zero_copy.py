@@ -3,17 +3,30 @@ shared memory), and borrowed blocks (a pinned in-place view, no fetch copy)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from kvstore.api import BorrowedBlocks, PutGrant
 from kvstore.errors import ConfigError
 from kvstore.keys import BlockKey
-from kvstore.store.fetch import Fetcher
+from kvstore.store.fetch import Fetcher, FetchJob, FetchPlan
 from kvstore.store.residency import Residency
 from kvstore.store.state import StoreState
 from kvstore.tiers.slab import paired_runs
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseInto:
+    """What :meth:`ZeroCopyPlane.lease_into` placed: the leading ``n`` blocks. Those at
+    ``copies`` ((position, warm slot), in order) are held in memory and left to the caller
+    to copy, pinned until :meth:`ZeroCopyPlane.release_lease` of ``pinned``; the others were
+    read and verified straight into their destinations."""
+
+    n: int
+    pinned: tuple[BlockKey, ...]
+    copies: tuple[tuple[int, int], ...]
 
 
 class ZeroCopyPlane:
@@ -73,6 +86,79 @@ class ZeroCopyPlane:
             c.fetch_short += len(ks) - len(got)
             self.fetcher.count_served(plan, len(got))
             return got, slots
+
+    def lease_into(self, keys: Sequence[bytes],
+                   into: Callable[[int], Sequence[torch.Tensor | memoryview]],
+                   *, fill: bool = True) -> LeaseInto:
+        """:meth:`lease_warm` that reads blocks only on disk straight into the caller's memory.
+
+        ``into(i)`` gives the writable host buffers (CPU uint8 tensors or byte memoryviews)
+        that take block ``i``'s bytes in order, e.g. one engine page per layer: one iovec
+        each in the block's ``preadv``, verified by the reading threads like any read. Their
+        warm copies are read afterwards, behind the caller's back (as ``fetch`` does), unless
+        ``fill`` is False (they then stay on disk only: a caller whose cores are all busy
+        right after the load, like a CPU engine's forward, would pay for that read). Blocks
+        held in memory come back as warm slots for the caller to copy, pinned. The run may
+        be shorter than a lookup said (damage, a put still copying); a destination past it
+        may have been written. With a volatile tier (Redis) in the plan this is
+        :meth:`lease_warm` (its blocks come back as slots).
+        """
+        ks = self.st.keys(keys)
+        if self.st.warm is None:
+            raise ConfigError("leases need a warm tier (cpu_capacity > 0)")
+        parent = self.st.chain_parent(keys)
+        with self.st.lock:
+            self.st.check_open()
+            plan = self.fetcher.plan(ks, parent, want_result=True)
+            if any(self.st.lower[plan.tier_of(p)].volatile for p, _ in plan.lower):
+                self.fetcher.release_plan(plan, ok=False)
+                plan = None
+        if plan is None:
+            got, slots = self.lease_warm(keys)
+            return LeaseInto(len(got), tuple(got), tuple(enumerate(slots)))
+        job = FetchJob(self.fetcher, plan, len(ks), True, None)
+        try:
+            if plan.lower:
+                self.fetcher.read_into(plan, into)
+                if not fill:  # their reserved warm slots are given back unwritten
+                    plan.fill = False
+                    plan.unfilled.update(p for p, _ in plan.lower)
+            lease = self._pin_into(plan, ks)
+        except BaseException:
+            with self.st.lock:
+                self.fetcher.release_plan(plan, ok=False)
+            raise
+        job.settle_direct(True)
+        return lease
+
+    def _pin_into(self, plan: FetchPlan, ks: list[BlockKey]) -> LeaseInto:
+        """Cut the run at the first block neither read nor held in warm (a put still copying,
+        a hot-only block), pin the held ones for the caller, count the fetch."""
+        with self.st.lock:
+            self.st.check_open()
+            read = {p for p, _ in plan.lower}
+            in_warm = dict(plan.warm)
+            pending = self.st.pending
+            copies: list[tuple[int, int]] = []
+            n = plan.valid
+            for i in range(plan.valid):
+                if i in read:
+                    continue
+                s = in_warm.get(i)
+                if s is None or (pending and ks[i] in pending):
+                    n = i
+                    break
+                copies.append((i, s))
+            plan.valid = n
+            copies = [(i, s) for i, s in copies if i < n]
+            pinned = [ks[i] for i, _ in copies]
+            self.st.catalog.pin_many(pinned)
+            c = self.st.counters
+            c.fetches += 1
+            c.fetched_blocks += n
+            c.fetch_short += len(ks) - n
+            self.fetcher.count_served(plan, n)
+            return LeaseInto(n, tuple(pinned), tuple(copies))
 
     def release_lease(self, keys: Sequence[bytes]) -> None:
         """Release what :meth:`lease_warm` pinned."""

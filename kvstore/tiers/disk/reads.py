@@ -1,6 +1,8 @@
 """Reads of the disk tier: planning (adjacent raw blocks of a segment become one ``preadv``,
 the runs of a segment one task of a reading thread), reading straight into the caller's
-buffers, verification against the checksum bound to key and namespace, and damage handling:
+buffers (a destination may be one buffer or the pieces of one block, e.g. an engine's
+per-layer pages: one iovec each), verification against the checksum bound to key and
+namespace, and damage handling:
 a missing segment, short read, bad checksum or undecodable payload is ``MISSING`` or
 ``DAMAGED``, counted, logged and its index entry dropped — never raised, never ``OK`` with
 wrong bytes. A segment gone meanwhile (compacted by another process) is looked up again and
@@ -17,6 +19,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
+import xxhash
 
 from kvstore.errors import StoreClosedError, TensorMismatchError
 from kvstore.tiers import codec as _codec
@@ -32,15 +35,74 @@ if TYPE_CHECKING:
 
     from kvstore.tiers.disk.tier import DiskTier
 
+    #: a destination: a CPU uint8 buffer, or the pieces of one block in order (tensors or
+    #: byte memoryviews, e.g. one per engine page)
+    Dst = torch.Tensor | Sequence[torch.Tensor | memoryview]
+
 log = logging.getLogger("kvstore.disk")
 
 _csum = _seg.block_checksum
+_xxh3 = xxhash.xxh3_64_intdigest
 _KEY_BYTES = 32
 _RUN_BYTES = 8 << 20  # one preadv reads at most this many adjacent bytes
 _RUN_IOVS = 256
 
 #: one read of a run: (index into the request, its record or None when it is read alone)
 Run = list[tuple[int, Rec | None]]
+#: one destination's bytes: the buffers that take a block's bytes in order (one, or the
+#: pieces of a scattered destination)
+Parts = list[memoryview]
+
+
+def _size(parts: Parts) -> int:
+    return sum(len(v) for v in parts)
+
+
+def _parts_csum(key: bytes, namespace_id: bytes, parts: Parts) -> int:
+    """:func:`~kvstore.tiers.disk.segments.block_checksum` of the concatenation of ``parts``."""
+    if len(parts) == 1:
+        return _csum(key, namespace_id, parts[0])
+    h = xxhash.xxh3_64(seed=_xxh3(namespace_id + key))
+    for v in parts:
+        h.update(v)
+    return h.intdigest()
+
+
+def _pread_parts_checksum(fd: int, parts: Parts, offset: int, key: bytes,
+                          namespace_id: bytes) -> tuple[int, int]:
+    """``segments.pread_checksum`` into the pieces of one block, each piece read and hashed
+    in :data:`~kvstore.tiers.disk.segments.VERIFY_CHUNK` pieces as it lands."""
+    if len(parts) == 1:
+        return _seg.pread_checksum(fd, parts[0], offset, key, namespace_id)
+    h = xxhash.xxh3_64(seed=_xxh3(namespace_id + key))
+    total = 0
+    for v in parts:
+        done = 0
+        while done < len(v):
+            end = min(done + _seg.VERIFY_CHUNK, len(v))
+            n = os.preadv(fd, [v[done:end]], offset + total)
+            if n == 0:
+                return total, h.intdigest()
+            h.update(v[done:done + n])
+            done += n
+            total += n
+    return total, h.intdigest()
+
+
+def _as_parts(d: Dst, what: str) -> Parts:
+    if not isinstance(d, (list, tuple)):
+        return [as_buffer(d, what)]
+    if not d:
+        raise TensorMismatchError(f"{what} is an empty list of pieces; pass one block's "
+                                  "buffers in order")
+    parts = list(d)
+    for j, x in enumerate(parts):
+        if type(x) is not memoryview:
+            parts[j] = as_buffer(x, f"{what}[{j}]")
+        elif x.readonly or x.format != "B" or not x.c_contiguous:
+            raise TensorMismatchError(f"{what}[{j}] must be a writable, contiguous byte "
+                                      "memoryview (memoryview(...).cast('B'))")
+    return parts
 
 
 def per_segment(runs: list[Run], parts: int = 1) -> list[list[Run]]:
@@ -81,6 +143,9 @@ def _check_mirrors(mirrors: Sequence[torch.Tensor | None], dsts: Sequence[torch.
         raise TensorMismatchError(f"read_many got {len(dsts)} destinations but {len(mirrors)} "
                                   "mirrors; pass one mirror (or None) per destination")
     for i, (m, d) in enumerate(zip(mirrors, dsts, strict=True)):
+        if m is not None and isinstance(d, (list, tuple)):
+            raise TensorMismatchError(f"mirrors[{i}] is given for a scattered destination; "
+                                      "mirror only whole-block destinations")
         if m is not None and (m.shape != d.shape or m.dtype != d.dtype):
             raise TensorMismatchError(f"mirrors[{i}] is {tuple(m.shape)} {m.dtype}, its "
                                       f"destination {tuple(d.shape)} {d.dtype}; they must match")
@@ -97,17 +162,20 @@ def _mirror(idx: Iterable[int], out: list, dsts: Sequence[torch.Tensor],
 
 
 
-def read_many(t: DiskTier, keys: Sequence[bytes], dsts: Sequence[torch.Tensor],
+def read_many(t: DiskTier, keys: Sequence[bytes],
+              dsts: Sequence[Dst],
               mirrors: Sequence[torch.Tensor | None] | None, namespace_id: bytes | None,
               records: Sequence[bytes | None] | None) -> list[ReadStatus]:
-    """:meth:`DiskTier.read_many <kvstore.tiers.disk.DiskTier.read_many>`."""
+    """:meth:`DiskTier.read_many <kvstore.tiers.disk.DiskTier.read_many>`. ``dsts[i]`` is one
+    CPU uint8 buffer or a list of them that takes block ``i``'s bytes in order (its pieces:
+    one iovec each in the block's ``preadv``)."""
     sh = t._ensure()
     if len(keys) != len(dsts):
         raise TensorMismatchError(f"read_many got {len(keys)} keys but {len(dsts)} destinations")
     if mirrors is not None:
         _check_mirrors(mirrors, dsts)
     keys = [check_key(k) for k in keys]
-    bufs = [as_buffer(d, f"dsts[{i}]") for i, d in enumerate(dsts)]
+    bufs = [_as_parts(d, f"dsts[{i}]") for i, d in enumerate(dsts)]
     db = sh.dbs[DB_BLOCKS]
     if records is not None and namespace_id is not None and len(records) == len(keys):
         ns = check_key(namespace_id, "namespace_id")
@@ -189,7 +257,7 @@ def _plan_runs(t: DiskTier, keys, raws, bufs, out) -> list[Run]:
             runs.append([(i, None)])
             continue
         if (rec.codec == _codec.CODEC_NONE and rec.stored_nbytes == rec.raw_nbytes
-                == len(bufs[i])):
+                == _size(bufs[i])):
             by_seg.setdefault(rec.segment, []).append((i, rec))
         else:
             runs.append([(i, None)])
@@ -243,24 +311,24 @@ def _read_verified(t: DiskTier, run, keys, bufs, out, fd: int) -> int:
     try:
         while done < n_run:
             i, rec = run[done]
-            if len(bufs[i]) > chunk:  # a large block: read and hash piece by piece
-                n, csum = _seg.pread_checksum(fd, bufs[i], rec.offset, keys[i][_KEY_BYTES:],
-                                              rec.namespace_id)
-                if n != len(bufs[i]):
+            if _size(bufs[i]) > chunk:  # a large block: read and hash piece by piece
+                n, csum = _pread_parts_checksum(fd, bufs[i], rec.offset, keys[i][_KEY_BYTES:],
+                                                rec.namespace_id)
+                if n != _size(bufs[i]):
                     return done
                 ok += _settle(t, keys[i], rec, csum, out, i)
                 done += 1
                 continue
             end, size = done, 0  # small blocks: as many as fit one piece, one preadv
-            while end < n_run and (end == done or size + len(bufs[run[end][0]]) <= chunk):
-                size += len(bufs[run[end][0]])
+            while end < n_run and (end == done or size + _size(bufs[run[end][0]]) <= chunk):
+                size += _size(bufs[run[end][0]])
                 end += 1
-            views = [bufs[j] for j, _ in run[done:end]]
+            views = [v for j, _ in run[done:end] for v in bufs[j]]
             if _seg.preadv_all(fd, views, rec.offset) != size:
                 return done
             for j, rj in run[done:end]:
-                ok += _settle(t, keys[j], rj, _csum(keys[j][_KEY_BYTES:], rj.namespace_id,
-                                                    bufs[j]), out, j)
+                ok += _settle(t, keys[j], rj, _parts_csum(keys[j][_KEY_BYTES:], rj.namespace_id,
+                                                          bufs[j]), out, j)
             done = end
         return done
     except OSError:
@@ -277,7 +345,19 @@ def _settle(t: DiskTier, key: bytes, rec: Rec, csum: int, out, i: int) -> int:
     return 0
 
 
-def read_one(t: DiskTier, key: bytes, raw: bytes | None, buf: memoryview) -> ReadStatus:
+def read_one(t: DiskTier, key: bytes, raw: bytes | None, buf: memoryview | Parts) -> ReadStatus:
+    if isinstance(buf, list):
+        if len(buf) == 1:
+            buf = buf[0]
+        else:  # pieces: read whole into a bounce buffer (the rare path), then hand them out
+            whole = memoryview(bytearray(_size(buf)))
+            status = read_one(t, key, raw, whole)
+            if status is ReadStatus.OK:
+                at = 0
+                for v in buf:
+                    v[:] = whole[at:at + len(v)]
+                    at += len(v)
+            return status
     if raw is None:
         t._counters.add("read_missing")
         return ReadStatus.MISSING
