@@ -49,7 +49,8 @@ SECTIONS = {
     "packs": Section("kvstore.bench.packs", "prefix pack export / import vs cp of the same "
                      "bytes"),
     "routing": Section("kvstore.bench.routing", "prefix routing vs round-robin / hash on the "
-                       "Mooncake trace; the router's decision time"),
+                       "Mooncake trace, simulated and through 4 real stores; the router's "
+                       "decision time"),
     "replay": Section("kvstore.bench.replay", "the default eviction policy vs LRU and Belady on "
                       "the Mooncake trace through a real store; its bookkeeping per block"),
     "batch": Section("kvstore.bench.batch", "batched prefix sharing vs HF padded batching and "
