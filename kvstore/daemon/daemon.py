@@ -90,7 +90,9 @@ class Daemon:
                 if cfg.disk_capacity:  # before any client can change the disk
                     await self.run_blocking(self.events.announce_disk, cfg.path)
             self.registry = NamespaceRegistry(cfg, self._shm_dir, self.run_blocking, self.events)
-            self.metrics = DaemonMetrics(self.registry.snapshot)
+            self.metrics = DaemonMetrics(
+                self.registry.snapshot,
+                self.events.publisher.stats if self.events is not None else None)
             # metrics first: once the socket answers, everything the daemon serves is up
             if cfg.metrics_port is not None:
                 self.metrics_port = self.metrics.start_http(cfg.metrics_port)

@@ -13,6 +13,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, write_to_textfile
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -20,12 +21,47 @@ from prometheus_client.registry import Collector
 
 from kvstore.stats import StoreStats
 
+if TYPE_CHECKING:  # the publisher (and zmq) only where --kv-events asks for it
+    from kvstore.events.publisher import PublisherStats
+
 log = logging.getLogger("kvstore.daemon.metrics")
 _LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3,
                     50e-3, 100e-3, 250e-3, 1.0, 5.0)
 
 #: (namespace label, model id, stats) for every open namespace
 Snapshot = Callable[[], Iterable[tuple[str, str, StoreStats]]]
+#: the KV event publisher's counters (``kvstore serve --kv-events``)
+EventsStats = Callable[[], "PublisherStats"]
+
+
+class _EventsCollector(Collector):
+    """The KV event publisher's counters, read at scrape time."""
+
+    _COUNTERS = (("batches", "KV event batches published"), ("events", "KV events published"),
+                 ("replays", "Replay requests answered"),
+                 ("snapshots", "Snapshot requests answered"),
+                 ("bad_requests", "Malformed replay/snapshot requests"))
+    _GAUGES = (("last_seq", "Sequence number of the last batch published"),
+               ("blocks", "Blocks the published events say are held (per namespace, summed)"),
+               ("queued", "Tier changes not yet turned into events"))
+
+    def __init__(self, stats: EventsStats) -> None:
+        self._stats = stats
+
+    def collect(self):  # prometheus_client's protocol
+        try:
+            st = self._stats()
+        except Exception:  # a scrape must not fail because the publisher is closing
+            log.debug("events stats failed", exc_info=True)
+            return
+        for name, help_ in self._COUNTERS:
+            fam = CounterMetricFamily(f"kvstore_events_{name}", help_)
+            fam.add_metric([], getattr(st, name))
+            yield fam
+        for name, help_ in self._GAUGES:
+            fam = GaugeMetricFamily(f"kvstore_events_{name}", help_)
+            fam.add_metric([], getattr(st, name))
+            yield fam
 
 
 class _StoreCollector(Collector):
@@ -79,7 +115,8 @@ class _StoreCollector(Collector):
 class DaemonMetrics:
     """Every metric of one daemon, in its own registry."""
 
-    def __init__(self, snapshot: Snapshot | None = None) -> None:
+    def __init__(self, snapshot: Snapshot | None = None,
+                 events: EventsStats | None = None) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter("kvstore_requests", "Requests answered", ["op"], registry=r)
         self.latency = Histogram("kvstore_request_seconds",
@@ -110,6 +147,8 @@ class DaemonMetrics:
         self.total_errors = 0
         if snapshot is not None:
             r.register(_StoreCollector(snapshot))
+        if events is not None:
+            r.register(_EventsCollector(events))
         self._http = None
         self._stop = threading.Event()
 
