@@ -414,11 +414,11 @@ def test_pread_checksum_is_the_block_checksum(tmp_path, nbytes):
     buf = memoryview(bytearray(nbytes))
     fd = os.open(p, os.O_RDONLY)
     try:
-        n, csum = seg.pread_checksum(fd, buf, 9, key, ns)
+        n, csum = seg.pread_checksum(fd, [buf], 9, key, ns)
         assert (n, bytes(buf)) == (nbytes, data[9:])
         assert csum == seg.block_checksum(key, ns, data[9:])
         short = memoryview(bytearray(nbytes + 10))  # past the end: what was there
-        n, csum = seg.pread_checksum(fd, short, 9, key, ns)
+        n, csum = seg.pread_checksum(fd, [short], 9, key, ns)
         assert n == nbytes and csum == seg.block_checksum(key, ns, data[9:])
     finally:
         os.close(fd)

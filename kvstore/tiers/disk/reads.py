@@ -19,7 +19,6 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
-import xxhash
 
 from kvstore.errors import StoreClosedError, TensorMismatchError
 from kvstore.tiers import codec as _codec
@@ -42,7 +41,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvstore.disk")
 
 _csum = _seg.block_checksum
-_xxh3 = xxhash.xxh3_64_intdigest
 _KEY_BYTES = 32
 _RUN_BYTES = 8 << 20  # one preadv reads at most this many adjacent bytes
 _RUN_IOVS = 256
@@ -56,37 +54,6 @@ Parts = list[memoryview]
 
 def _size(parts: Parts) -> int:
     return sum(len(v) for v in parts)
-
-
-def _parts_csum(key: bytes, namespace_id: bytes, parts: Parts) -> int:
-    """:func:`~kvstore.tiers.disk.segments.block_checksum` of the concatenation of ``parts``."""
-    if len(parts) == 1:
-        return _csum(key, namespace_id, parts[0])
-    h = xxhash.xxh3_64(seed=_xxh3(namespace_id + key))
-    for v in parts:
-        h.update(v)
-    return h.intdigest()
-
-
-def _pread_parts_checksum(fd: int, parts: Parts, offset: int, key: bytes,
-                          namespace_id: bytes) -> tuple[int, int]:
-    """``segments.pread_checksum`` into the pieces of one block, each piece read and hashed
-    in :data:`~kvstore.tiers.disk.segments.VERIFY_CHUNK` pieces as it lands."""
-    if len(parts) == 1:
-        return _seg.pread_checksum(fd, parts[0], offset, key, namespace_id)
-    h = xxhash.xxh3_64(seed=_xxh3(namespace_id + key))
-    total = 0
-    for v in parts:
-        done = 0
-        while done < len(v):
-            end = min(done + _seg.VERIFY_CHUNK, len(v))
-            n = os.preadv(fd, [v[done:end]], offset + total)
-            if n == 0:
-                return total, h.intdigest()
-            h.update(v[done:done + n])
-            done += n
-            total += n
-    return total, h.intdigest()
 
 
 def _as_parts(d: Dst, what: str) -> Parts:
@@ -312,8 +279,8 @@ def _read_verified(t: DiskTier, run, keys, bufs, out, fd: int) -> int:
         while done < n_run:
             i, rec = run[done]
             if _size(bufs[i]) > chunk:  # a large block: read and hash piece by piece
-                n, csum = _pread_parts_checksum(fd, bufs[i], rec.offset, keys[i][_KEY_BYTES:],
-                                                rec.namespace_id)
+                n, csum = _seg.pread_checksum(fd, bufs[i], rec.offset, keys[i][_KEY_BYTES:],
+                                               rec.namespace_id)
                 if n != _size(bufs[i]):
                     return done
                 ok += _settle(t, keys[i], rec, csum, out, i)
@@ -327,8 +294,8 @@ def _read_verified(t: DiskTier, run, keys, bufs, out, fd: int) -> int:
             if _seg.preadv_all(fd, views, rec.offset) != size:
                 return done
             for j, rj in run[done:end]:
-                ok += _settle(t, keys[j], rj, _parts_csum(keys[j][_KEY_BYTES:], rj.namespace_id,
-                                                          bufs[j]), out, j)
+                ok += _settle(t, keys[j], rj, _seg.parts_checksum(keys[j][_KEY_BYTES:],
+                                                                 rj.namespace_id, bufs[j]), out, j)
             done = end
         return done
     except OSError:
@@ -408,7 +375,7 @@ def read_rec(t: DiskTier, key: bytes, rec: Rec, buf: memoryview) -> tuple[ReadSt
         if rec.codec == _codec.CODEC_NONE:
             if rec.stored_nbytes != len(buf):
                 return ReadStatus.DAMAGED, "bad_record"
-            n, csum = _seg.pread_checksum(fe.fd, buf, rec.offset, key, rec.namespace_id)
+            n, csum = _seg.pread_checksum(fe.fd, [buf], rec.offset, key, rec.namespace_id)
             if n != len(buf):
                 return ReadStatus.DAMAGED, f"short_segment (read {n} of {len(buf)} bytes)"
             if csum != rec.checksum:

@@ -388,21 +388,35 @@ def pread_into(fd: int, buf: memoryview, offset: int) -> int:
 VERIFY_CHUNK = 256 << 10
 
 
-def pread_checksum(fd: int, buf: memoryview, offset: int, key: bytes,
+def pread_checksum(fd: int, bufs: Sequence[memoryview], offset: int, key: bytes,
                    namespace_id: bytes) -> tuple[int, int]:
-    """Read ``len(buf)`` bytes at ``offset`` into ``buf`` in :data:`VERIFY_CHUNK` pieces,
-    hashing each as it lands; returns (bytes read, :func:`block_checksum` of them). Fewer
-    bytes than ``len(buf)`` only at end of file (the checksum then covers what was read)."""
+    """Read consecutive file bytes at ``offset`` into ``bufs`` in order (one block's buffer,
+    or its pieces), :data:`VERIFY_CHUNK` at a time, hashing each piece as it lands; returns
+    (bytes read, :func:`block_checksum` of them). Fewer bytes than the buffers hold only at
+    end of file (the checksum then covers what was read)."""
     h = xxhash.xxh3_64(seed=_xxh3(namespace_id + key))
-    total, n_all = 0, len(buf)
-    while total < n_all:
-        end = min(total + VERIFY_CHUNK, n_all)
-        n = os.preadv(fd, [buf[total:end]], offset + total)
-        if n == 0:
-            break
-        h.update(buf[total:total + n])
-        total += n
+    total = 0
+    for buf in bufs:
+        done, n_all = 0, len(buf)
+        while done < n_all:
+            end = min(done + VERIFY_CHUNK, n_all)
+            n = os.preadv(fd, [buf[done:end]], offset + total)
+            if n == 0:
+                return total, h.intdigest()
+            h.update(buf[done:done + n])
+            done += n
+            total += n
     return total, h.intdigest()
+
+
+def parts_checksum(key: bytes, namespace_id: bytes, parts: Sequence[memoryview]) -> int:
+    """:func:`block_checksum` of the concatenation of ``parts`` (a block held in pieces)."""
+    if len(parts) == 1:
+        return block_checksum(key, namespace_id, parts[0])
+    h = xxhash.xxh3_64(seed=_xxh3(namespace_id + key))
+    for v in parts:
+        h.update(v)
+    return h.intdigest()
 
 
 def preadv_all(fd: int, bufs: list[memoryview], offset: int) -> int:
