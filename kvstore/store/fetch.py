@@ -179,6 +179,22 @@ class Fetcher:
                                        dtype=torch.uint8, pin_memory=self.st.config.pin_memory)
         dsts = [flat[p] if plan.direct else warm[s] if s >= 0 else plan.staging[j]
                 for j, (p, s) in enumerate(plan.lower)]
+        self._read_tiers(plan, dsts)
+
+    def read_into(self, plan: FetchPlan, into: Callable[[int], Sequence[object]]) -> None:
+        """Read the plan's lower-tier blocks straight into ``into(position)`` (the pieces that
+        take that block's bytes in order: an engine's pages), verified by the reading
+        threads; their warm copies are filled after the fetch (``plan.fill``). Durable tiers
+        only (a volatile tier's block read twice could have expired: the caller checks).
+        Cuts ``plan.valid`` at the first block not read."""
+        plan.direct = True
+        self._read_tiers(plan, [into(p) for p, _ in plan.lower])
+
+    def _read_tiers(self, plan: FetchPlan, dsts: Sequence[Any]) -> None:
+        """Each lower tier reads its blocks of the plan into ``dsts`` (one per
+        ``plan.lower`` entry); cut ``plan.valid`` at the first block not read."""
+        assert self.st.warm is not None
+        warm = self.st.warm.slab.data
         statuses: list[ReadStatus] = [ReadStatus.MISSING] * len(plan.lower)
         damaged = 0
         for t, tier in enumerate(self.st.lower):
@@ -200,30 +216,9 @@ class Fetcher:
                 # a volatile tier's value may expire between lookup and read: a plain miss
                 damaged += st is ReadStatus.DAMAGED or (st is ReadStatus.MISSING
                                                         and not tier.volatile)
-        self.cut_at_bad(plan, statuses, damaged)
+        self._cut_at_bad(plan, statuses, damaged)
 
-    def read_into(self, plan: FetchPlan, into: Callable[[int], Sequence[object]]) -> None:
-        """Read the plan's lower-tier blocks straight into ``into(position)`` (the pieces that
-        take that block's bytes in order: an engine's pages), verified by the reading
-        threads; their warm copies are filled after the fetch (``plan.fill``). Durable tiers
-        only (a volatile tier's block read twice could have expired: the caller checks).
-        Cuts ``plan.valid`` at the first block not read."""
-        statuses: list[ReadStatus] = [ReadStatus.MISSING] * len(plan.lower)
-        damaged = 0
-        plan.direct = True
-        for t, tier in enumerate(self.st.lower):
-            idx = [j for j, (p, _) in enumerate(plan.lower) if plan.tier_of(p) == t]
-            if not idx:
-                continue
-            plan.fill = plan.fill or any(plan.lower[j][1] >= 0 for j in idx)
-            got = self.read_tier(tier, plan.located(idx), [into(plan.lower[j][0]) for j in idx],
-                                 None)
-            for j, st in zip(idx, got, strict=True):
-                statuses[j] = st
-                damaged += st is not ReadStatus.OK
-        self.cut_at_bad(plan, statuses, damaged)
-
-    def cut_at_bad(self, plan: FetchPlan, statuses: list[ReadStatus], damaged: int) -> None:
+    def _cut_at_bad(self, plan: FetchPlan, statuses: list[ReadStatus], damaged: int) -> None:
         bad = [p for (p, _), st in zip(plan.lower, statuses, strict=True) if st is not ReadStatus.OK]
         if bad:
             with self.st.lock:
