@@ -80,12 +80,16 @@ class ZeroCopyPlane:
                 got.append(k)
                 slots.append(warm.slot(k))
             warm.touch(reversed(got))
-            c = self.st.counters
-            c.fetches += 1
-            c.fetched_blocks += len(got)
-            c.fetch_short += len(ks) - len(got)
-            self.fetcher.count_served(plan, len(got))
+            self._count_lease(plan, len(ks), len(got))
             return got, slots
+
+    def _count_lease(self, plan: FetchPlan, asked: int, n: int) -> None:
+        """A lease counts as a fetch of its ``n`` leading blocks (under the lock)."""
+        c = self.st.counters
+        c.fetches += 1
+        c.fetched_blocks += n
+        c.fetch_short += asked - n
+        self.fetcher.count_served(plan, n)
 
     def lease_into(self, keys: Sequence[bytes],
                    into: Callable[[int], Sequence[torch.Tensor | memoryview]],
@@ -153,11 +157,7 @@ class ZeroCopyPlane:
             copies = [(i, s) for i, s in copies if i < n]
             pinned = [ks[i] for i, _ in copies]
             self.st.catalog.pin_many(pinned)
-            c = self.st.counters
-            c.fetches += 1
-            c.fetched_blocks += n
-            c.fetch_short += len(ks) - n
-            self.fetcher.count_served(plan, n)
+            self._count_lease(plan, len(ks), n)
             return LeaseInto(n, tuple(pinned), tuple(copies))
 
     def release_lease(self, keys: Sequence[bytes]) -> None:
