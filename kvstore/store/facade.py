@@ -18,6 +18,7 @@ from kvstore.layout import KVLayout
 from kvstore.stats import StoreStats, TierStats
 from kvstore.store.config import StoreConfig
 from kvstore.store.fetch import Fetcher
+from kvstore.store.lifetime import track, untrack
 from kvstore.store.opening import open_state
 from kvstore.store.paged import PagedIO
 from kvstore.store.put import Putter
@@ -56,6 +57,7 @@ class Store:
         self.zero_copy = ZeroCopyPlane(st, self.residency, self.fetcher)
         if st.lower:
             st.writer = WriteBehind(self.write_back.write_pass, name="kvstore-writer")
+        track(self)  # closed (drained, flushed) at interpreter exit if still open
 
     # -- lifecycle ----------------------------------------------------------------------
     def __enter__(self) -> Store:
@@ -71,6 +73,7 @@ class Store:
             if st.closed or st.closing:
                 return
             st.closing = True  # new calls now fail; what is queued still completes
+        untrack(self)
         if st.engine is not None:
             st.engine.close()  # queued copies complete first
         if st.writer is not None:
