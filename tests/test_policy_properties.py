@@ -1,6 +1,6 @@
-"""Property tests: every eviction policy keeps the store's guarantees (prefix closure, pins,
-byte budgets, no dirty block lost) and is deterministic; the policies themselves list
-exactly the blocks held, children before parents."""
+"""Property tests: every eviction policy, under each memory-tier admission, keeps the store's
+guarantees (prefix closure, pins, byte budgets, no dirty block lost) and is deterministic;
+the policies themselves list exactly the blocks held, children before parents."""
 
 import shutil
 import tempfile
@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvstore import KVLayout, open_store
+from kvstore.tiers.admission import ADMISSIONS
 from kvstore.tiers.policy import EVICTIONS, LRUPolicy, ReusePolicy
 
 LAY = KVLayout(num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float16, block_tokens=2)
@@ -33,6 +34,7 @@ class PolicyStoreMachine(RuleBasedStateMachine):
     eviction policy; small tiers, so nearly every put evicts."""
 
     eviction = "reuse"
+    admission = "always"  # of both memory tiers (the disk tier's stays "always")
 
     def __init__(self):
         super().__init__()
@@ -41,7 +43,8 @@ class PolicyStoreMachine(RuleBasedStateMachine):
         self.store = open_store(self.dir, layout=LAY, model_id="pp", device="cpu",
                                 gpu_capacity=self.hot_blocks * BN,
                                 cpu_capacity=self.warm_blocks * BN, disk_capacity="1MiB",
-                                eviction=self.eviction)
+                                eviction=self.eviction,
+                                admission={"hot": self.admission, "warm": self.admission})
         self.chains = []
         self.receipts = []
 
@@ -109,11 +112,14 @@ class PolicyStoreMachine(RuleBasedStateMachine):
 
 
 for _ev in EVICTIONS:
-    _machine = type(f"PolicyStoreMachine_{_ev}", (PolicyStoreMachine,), {"eviction": _ev})
-    _machine.TestCase.settings = settings(
-        max_examples=25, stateful_step_count=25, deadline=None,
-        suppress_health_check=[HealthCheck.too_slow])
-    globals()[f"TestPolicyStore_{_ev}"] = _machine.TestCase
+    for _adm in ADMISSIONS:
+        _name = _ev if _adm == "always" else f"{_ev}_{_adm.replace('-', '_')}"
+        _machine = type(f"PolicyStoreMachine_{_name}", (PolicyStoreMachine,),
+                        {"eviction": _ev, "admission": _adm})
+        _machine.TestCase.settings = settings(
+            max_examples=25, stateful_step_count=25, deadline=None,
+            suppress_health_check=[HealthCheck.too_slow])
+        globals()[f"TestPolicyStore_{_name}"] = _machine.TestCase
 
 
 # -- the policies alone ----------------------------------------------------------------------

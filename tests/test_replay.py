@@ -119,14 +119,26 @@ def test_store_replay_equals_the_simulator(chat, policy):
     assert got.tiers[0].evictions == sim.evictions
 
 
+@pytest.mark.parametrize("policy", ["lru", "reuse"])
+def test_store_replay_equals_the_simulator_under_second_hit_admission(chat, policy):
+    blocks = store_keys(chat, NS, 512)
+    for n in (10, 40, 120):
+        sim = simulate_policy(blocks, n, policy, admission="second-hit")
+        got = replay(chat, StoreSpec(policy, n * BN, admission="second-hit"), keys=blocks)
+        assert got.wrong_blocks == 0 and got.label == sim.label == f"{policy}+second-hit"
+        assert (got.hits, got.tiers[0].evictions) == (sim.hits, sim.evictions)
+
+
 @pytest.mark.skipif(not MOONCAKE.exists(), reason="the Mooncake trace is not in ../shared")
 def test_mooncake_slice_store_equals_simulator():
     t = load_trace(MOONCAKE, limit=250)
     blocks = store_keys(t, NS, 512)
     n = max(1, facts(blocks, 512).unique_blocks // 20)
     for policy in ("lru", "reuse"):
-        got = replay(t, StoreSpec(policy, n * BN), keys=blocks)
-        assert got.hits == simulate_policy(blocks, n, policy).hits and got.wrong_blocks == 0
+        for adm in ("always", "second-hit"):
+            got = replay(t, StoreSpec(policy, n * BN, admission=adm), keys=blocks)
+            sim = simulate_policy(blocks, n, policy, admission=adm)
+            assert got.hits == sim.hits and got.wrong_blocks == 0
 
 
 def test_replay_with_hot_and_disk_tiers(chat, tmp_path):

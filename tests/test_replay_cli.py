@@ -32,6 +32,20 @@ def test_table_and_plot(tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_admission_variants(capsys):
+    assert main(["replay", "--chat", "150", "--capacity", "5%", "--eviction", "lru,reuse",
+                 "--admission", "always,second-hit", "--format", "json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    names = ["lru", "lru+second-hit", "reuse", "reuse+second-hit"]
+    assert out["policies"] == names
+    row = out["rows"][0]
+    assert [(s["policy"], s["admission"]) for s in row["simulated"][:4]] == [
+        ("lru", "always"), ("lru", "second-hit"), ("reuse", "always"), ("reuse", "second-hit")]
+    for sim, got in zip(row["simulated"], row["replayed"], strict=False):
+        assert (got["eviction"], got["admission"]) == (sim["policy"], sim["admission"])
+        assert got["hits"] == sim["hits"] and got["wrong_blocks"] == 0
+
+
 def test_simulate_only(capsys):
     assert main(["replay", "--chat", "100", "--capacity", "10%", "--simulate-only",
                  "--format", "json"]) == 0
@@ -55,10 +69,17 @@ def test_trace_file_with_disk_tier(tmp_path, capsys):
     (["replay", "/nonexistent.jsonl"], "cannot read trace"),
     (["replay", "--chat", "10", "--capacity", "0%"], "a share must be"),
     (["replay", "--chat", "10", "--eviction", "fifo"], "unknown eviction policy 'fifo'"),
+    (["replay", "--chat", "10", "--admission", "third-hit"], "unknown admission 'third-hit'"),
 ])
 def test_usage_errors_exit_2(argv, msg, capsys):
     assert main(argv) == 2
     assert msg in capsys.readouterr().err
+
+
+def test_admission_with_engines_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["replay", "--chat", "10", "--engines", "2", "--admission", "second-hit"])
+    assert e.value.code == 2 and "--admission does not apply" in capsys.readouterr().err
 
 
 def test_bad_speed_is_a_usage_error(capsys):

@@ -16,6 +16,7 @@ examples:
   kvstore replay ../shared/traces/mooncake_conversation.jsonl --plot hit_ratio.png
   kvstore replay trace.jsonl --capacity 1%,2%,5% --limit 2000 --format json
   kvstore replay trace.jsonl --capacity 5% --disk 20% --hot 1% --eviction reuse
+  kvstore replay trace.jsonl --simulate-only --eviction lru,reuse --admission always,second-hit
   kvstore replay --chat 12000 --capacity 2%,5%,10%   # the synthetic multi-turn chat workload
   kvstore replay trace.jsonl --engines 4 --capacity 2%,5% --router prefix,round-robin,hash
 capacities: a share of the trace's unique blocks (5%) or a size (64MiB) of the warm tier;
@@ -44,6 +45,7 @@ def _plan(args: argparse.Namespace):
     caps = tuple(parse_capacity(c) for c in args.capacity.split(",") if c.strip())
     return ReplayPlan(
         capacities=caps, policies=tuple((args.eviction or "lru,reuse").split(",")),
+        admissions=tuple((args.admission or "always").split(",")),
         block_tokens=args.block_tokens,
         hot=parse_capacity(args.hot) if args.hot else None,
         disk=parse_capacity(args.disk) if args.disk else None,
@@ -112,7 +114,7 @@ def _print(report, a, *, plot: str | None) -> None:
         tcols = [("CAPACITY", "right"), ("EVICTION", "left"), ("TIER", "left"),
                  ("HIT RATIO", "right"), ("READ", "right"), ("WRITTEN", "right"),
                  ("EVICTIONS", "right"), ("SECONDS", "right")]
-        trows = [(r.capacity, res.eviction, t.name, f"{t.hit_ratio:.3f}", a.size(t.bytes_read),
+        trows = [(r.capacity, res.label, t.name, f"{t.hit_ratio:.3f}", a.size(t.bytes_read),
                   a.size(t.bytes_written), f"{t.evictions:,}", f"{res.seconds:.1f}")
                  for r in report.rows for res in r.replayed for t in res.tiers]
         con.print(a.table(tcols, trows))
@@ -136,6 +138,10 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eviction", metavar="LIST",
                    help="eviction policies to replay and simulate (default lru,reuse; with "
                    "--engines: reuse, the store's default)")
+    p.add_argument("--admission", metavar="LIST",
+                   help="warm-tier admissions to replay and simulate with each policy: always "
+                   "(the default), second-hit (a block the tier has not seen lately starts at "
+                   "the victim end); e.g. always,second-hit")
     p.add_argument("--hot", metavar="CAP", help="also a hot tier (on the CPU) of this capacity")
     p.add_argument("--disk", metavar="CAP",
                    help="also a disk tier of this capacity (real disk writes, under --workdir)")
@@ -180,6 +186,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
         if args.speed is not None and not args.speed > 0:
             p.error("--speed must be a number > 0")
+        if args.engines is not None and args.admission is not None:
+            p.error("--admission does not apply to --engines (the fleet's stores admit every "
+                    "block)")
         if args.engines is not None and args.simulate_only:
             p.error("--simulate-only does not apply to --engines (the fleet is real stores); "
                     "for the routing simulator run python -m kvstore.routing.simulate TRACE")

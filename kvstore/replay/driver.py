@@ -20,6 +20,7 @@ from kvstore.events.sink import EventSink
 from kvstore.keys import BlockKey, KeyChain
 from kvstore.layout import KVLayout
 from kvstore.namespace import Namespace
+from kvstore.replay.simulate import variant
 from kvstore.replay.trace import Trace, store_keys
 from kvstore.store import Store, open_store
 
@@ -51,6 +52,7 @@ class StoreSpec:
     block_tokens: int = 512
     path: str | None = None  # a directory for the disk tier's fresh temporary store
     disk_codec: str = "none"
+    admission: str = "always"  # the warm tier's (kvstore.tiers.admission)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,11 +80,18 @@ class ReplayResult:
     put_dropped: int
     seconds: float
     tiers: tuple[TierFigures, ...]
+    admission: str = "always"  # the warm tier's
 
     @property
     def hit_ratio(self) -> float:
         """Prefix-token hit ratio: tokens found as a leading run / tokens asked for."""
         return self.hits / self.references if self.references else 0.0
+
+    @property
+    def label(self) -> str:
+        """The report's name of this run: the eviction policy, and the admission unless
+        ``"always"`` (``"reuse+second-hit"``)."""
+        return variant(self.eviction, self.admission)
 
 
 def _marks(keys: list[BlockKey]) -> torch.Tensor:
@@ -123,7 +132,8 @@ def open_replay_store(spec: StoreSpec, tmp: str, *, events: EventSink | None = N
     return open_store(tmp if spec.disk_bytes else None, layout=replay_layout(spec.block_tokens),
                       model_id=REPLAY_MODEL, device="cpu", gpu_capacity=spec.hot_bytes,
                       cpu_capacity=spec.warm_bytes, disk_capacity=spec.disk_bytes,
-                      eviction=spec.eviction, disk_codec=spec.disk_codec, events=events)
+                      eviction=spec.eviction, admission={"warm": spec.admission},
+                      disk_codec=spec.disk_codec, events=events)
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,4 +193,5 @@ def _run(store: Store, trace: Trace, chains: Sequence[list[BlockKey]], spec: Sto
     store.flush()
     seconds = time.perf_counter() - t0
     return ReplayResult(spec.eviction, len(trace.requests), refs, hits, wrong,
-                        store.stats().put_dropped, seconds, tier_figures(store, refs))
+                        store.stats().put_dropped, seconds, tier_figures(store, refs),
+                        spec.admission)

@@ -9,9 +9,16 @@ from dataclasses import dataclass
 from kvstore.errors import ConfigError, SizeError
 from kvstore.keys import BlockKey
 from kvstore.replay.driver import ReplayResult, StoreSpec, replay, replay_layout, replay_namespace
-from kvstore.replay.simulate import SimResult, simulate_belady, simulate_policy, unbounded
+from kvstore.replay.simulate import (
+    SimResult,
+    simulate_belady,
+    simulate_policy,
+    unbounded,
+    variant,
+)
 from kvstore.replay.trace import Trace, TraceFacts, facts, store_keys
 from kvstore.sizes import parse_size
+from kvstore.tiers.admission import ADMISSIONS, DEFAULT_ADMISSION
 from kvstore.tiers.policy import EVICTIONS
 
 
@@ -64,10 +71,11 @@ class CapacityRow:
     replayed: tuple[ReplayResult, ...]  # the store's policies through a real store
 
     def sim(self, policy: str) -> SimResult | None:
-        return next((r for r in self.simulated if r.policy == policy), None)
+        """By label: ``"lru"``, ``"reuse+second-hit"``, ``"belady"``, ..."""
+        return next((r for r in self.simulated if r.label == policy), None)
 
     def store(self, policy: str) -> ReplayResult | None:
-        return next((r for r in self.replayed if r.eviction == policy), None)
+        return next((r for r in self.replayed if r.label == policy), None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +86,7 @@ class ReplayReport:
     unique_blocks: int
     block_tokens: int
     block_nbytes: int
-    policies: tuple[str, ...]
+    policies: tuple[str, ...]  # labels: each eviction policy under each admission
     rows: tuple[CapacityRow, ...]
 
 
@@ -88,12 +96,18 @@ class ReplayPlan:
 
     capacities: tuple[Capacity, ...]
     policies: tuple[str, ...] = EVICTIONS
+    admissions: tuple[str, ...] = (DEFAULT_ADMISSION,)  # the warm tier's, each with each policy
     block_tokens: int = 512
     hot: Capacity | None = None
     disk: Capacity | None = None
     store: bool = True  # False: the simulators only
     speed: float | None = None
     path: str | None = None
+
+    @property
+    def variants(self) -> tuple[tuple[str, str], ...]:
+        """(eviction, admission) of every run, policy-major."""
+        return tuple((p, a) for p in self.policies for a in self.admissions)
 
 
 def prepare(trace: Trace, policies: Sequence[str], block_tokens: int,
@@ -116,18 +130,22 @@ def run_report(trace: Trace, plan: ReplayPlan, *,
     ``progress(what, done, total)`` is called as requests go by."""
     # the simulators run on the store's own keys: what they count is what the store sees
     blocks, fx, bn = prepare(trace, plan.policies, plan.block_tokens)
+    for a in plan.admissions:
+        if a not in ADMISSIONS:
+            raise ConfigError(f"unknown admission {a!r}; choose from {', '.join(ADMISSIONS)}")
     top = unbounded(blocks)
     rows = []
     for cap in plan.capacities:
         n = cap.blocks(fx, bn)
-        sims = _simulate(blocks, n, plan.policies, progress, cap.text)
+        sims = _simulate(blocks, n, plan.variants, progress, cap.text)
         sims.append(top)
         runs = (_replays(trace, blocks, plan, fx, n * bn, bn, progress, cap.text)
                 if plan.store else ())
         rows.append(CapacityRow(cap.text, n / fx.unique_blocks, n, n * bn, tuple(sims),
                                 tuple(runs)))
     return ReplayReport(trace.source, fx.requests, fx.references, fx.unique_blocks,
-                        plan.block_tokens, bn, plan.policies, tuple(rows))
+                        plan.block_tokens, bn, tuple(variant(p, a) for p, a in plan.variants),
+                        tuple(rows))
 
 
 def ticker(progress: Callable[[str, int, int], None] | None, what: str, total: int,
@@ -144,11 +162,11 @@ def ticker(progress: Callable[[str, int, int], None] | None, what: str, total: i
     return tick
 
 
-def _simulate(blocks: Sequence[Sequence[BlockKey]], n: int, policies: Sequence[str],
+def _simulate(blocks: Sequence[Sequence[BlockKey]], n: int, variants: Sequence[tuple[str, str]],
               progress: Callable[[str, int, int], None] | None, label: str) -> list[SimResult]:
     total = len(blocks)
-    out = [simulate_policy(blocks, n, p, progress=ticker(progress, f"{label} simulate {p}",
-                                                            total)) for p in policies]
+    out = [simulate_policy(blocks, n, p, admission=a, progress=ticker(
+        progress, f"{label} simulate {variant(p, a)}", total)) for p, a in variants]
     out.append(simulate_belady(blocks, n, progress=ticker(progress, f"{label} simulate belady",
                                                            total)))
     return out
@@ -161,9 +179,9 @@ def _replays(trace: Trace, blocks: Sequence[list[BlockKey]], plan: ReplayPlan, f
     hot = plan.hot.blocks(fx, bn) * bn if plan.hot is not None else 0
     disk = plan.disk.blocks(fx, bn) * bn if plan.disk is not None else 0
     out = []
-    for p in plan.policies:
+    for p, a in plan.variants:
         spec = StoreSpec(p, warm_bytes, hot_bytes=hot, disk_bytes=disk,
-                         block_tokens=plan.block_tokens, path=plan.path)
+                         block_tokens=plan.block_tokens, path=plan.path, admission=a)
         out.append(replay(trace, spec, speed=plan.speed, keys=blocks, progress=ticker(
-            progress, f"{label} store {p}", len(trace.requests))))
+            progress, f"{label} store {variant(p, a)}", len(trace.requests))))
     return out

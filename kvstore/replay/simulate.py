@@ -3,7 +3,9 @@
 * :func:`simulate_policy` drives a store eviction policy (:mod:`kvstore.tiers.policy`, the
   same code the store runs) through exactly the calls a memory-only store makes for a fetch
   then a put of each request's new blocks, with the store's rules: leaf-first removal (what
-  is cached stays prefix-closed) and the put's blocks that find no room dropped.
+  is cached stays prefix-closed) and the put's blocks that find no room dropped; with
+  ``admission="second-hit"`` it inserts through the tier's doorkeeper
+  (:mod:`kvstore.tiers.admission`) as the store's warm tier does.
 * :func:`simulate_belady` is the offline farthest-next-use bound: it evicts (or does not
   admit) the block whose next use is farthest away. In a prefix tree a block is never used
   later than its parent, so it evicts leaves first by itself.
@@ -18,10 +20,17 @@ import heapq
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
+from kvstore.tiers.admission import DEFAULT_ADMISSION, make_admission
 from kvstore.tiers.policy import EvictionPolicy, make_policy
 
 #: simulators a report can show beside the store's policies
 BOUNDS = ("belady", "unbounded")
+
+
+def variant(policy: str, admission: str = DEFAULT_ADMISSION) -> str:
+    """A report's name for an eviction policy under an admission: ``"reuse"`` under
+    ``"always"``, ``"reuse+second-hit"`` otherwise."""
+    return policy if admission == DEFAULT_ADMISSION else f"{policy}+{admission}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,10 +43,15 @@ class SimResult:
     references: int
     evictions: int
     dropped: int  # blocks a put could not keep (no victim left)
+    admission: str = DEFAULT_ADMISSION  # the memory tier's (kvstore.tiers.admission)
 
     @property
     def hit_ratio(self) -> float:
         return self.hits / self.references if self.references else 0.0
+
+    @property
+    def label(self) -> str:
+        return variant(self.policy, self.admission)
 
 
 Progress = Callable[[int], None]
@@ -53,26 +67,29 @@ def _leading(held: dict[Hashable, Hashable | None] | set[Hashable], blocks: Sequ
 
 
 def simulate_policy(requests: Sequence[Sequence[Hashable]], capacity_blocks: int, policy: str, *,
+                    admission: str = DEFAULT_ADMISSION,
                     progress: Progress | None = None) -> SimResult:
-    """Hit ratio of the store's eviction policy ``policy`` with ``capacity_blocks`` slots."""
-    pol: EvictionPolicy = make_policy(policy, capacity_blocks)
+    """Hit ratio of the store's eviction policy ``policy`` with ``capacity_blocks`` slots,
+    new blocks admitted by ``admission`` (the tier's, as ``MemoryTier`` applies it)."""
+    adm = make_admission(admission, capacity_blocks)
+    pol: EvictionPolicy = make_policy(policy, capacity_blocks,
+                                      probation=adm.name != DEFAULT_ADMISSION)
+    door = adm if adm.name != DEFAULT_ADMISSION else None
     parent: dict[Hashable, Hashable | None] = {}
     children: dict[Hashable, int] = {}
     hits = refs = evictions = dropped = 0
 
     def evict_one() -> bool:
         first = pol.peek()
-        if first is not None and not children.get(first):
-            pol.remove(first, for_room=True)
-            unlink(first)
-            return True
-        for k in pol.victims():
-            if children.get(k):
-                continue  # leaf-first: what is cached stays prefix-closed
-            pol.remove(k, for_room=True)
-            unlink(k)
-            return True
-        return False
+        if first is None or children.get(first):
+            first = next((k for k in pol.victims() if not children.get(k)), None)
+            if first is None:  # leaf-first: what is cached stays prefix-closed
+                return False
+        pol.remove(first, for_room=True)
+        if door is not None:
+            door.evicted(first)
+        unlink(first)
+        return True
 
     def unlink(k: Hashable) -> None:
         p = parent.pop(k)
@@ -107,14 +124,18 @@ def simulate_policy(requests: Sequence[Sequence[Hashable]], capacity_blocks: int
             for k in reversed(new[keep:]):
                 unlink(k)
             dropped += len(new) - keep
-            for k in new[:keep]:
-                pol.insert(k)
+            if door is None:
+                for k in new[:keep]:
+                    pol.insert(k)
+            else:
+                for k in new[:keep]:
+                    pol.insert(k, probation=not door.admit(k))
             pol.touch(rev)
         if progress is not None and i % 256 == 255:
             progress(256)
     if progress is not None:
         progress(len(requests) % 256)
-    return SimResult(policy, capacity_blocks, hits, refs, evictions, dropped)
+    return SimResult(policy, capacity_blocks, hits, refs, evictions, dropped, admission)
 
 
 def _next_uses(requests: Sequence[Sequence[Hashable]]) -> list[list[int]]:

@@ -11,6 +11,7 @@ import torch
 from kvstore.errors import ConfigError, SizeError
 from kvstore.namespace import Namespace
 from kvstore.sizes import parse_size
+from kvstore.tiers.admission import ADMISSIONS, DEFAULT_ADMISSION
 from kvstore.tiers.policy import DEFAULT_EVICTION, EVICTIONS
 from kvstore.validate import resolve_device
 
@@ -27,7 +28,7 @@ class StoreConfig:
     gpu_capacity: int
     cpu_capacity: int
     disk_capacity: int
-    admission: str
+    admission: str  # the disk tier's: a block is written on its first or second use
     pin_memory: bool
     disk_codec: str = "none"
     warm_shared_memory: str | None = None  # file (e.g. under /dev/shm) backing the warm slab
@@ -39,6 +40,8 @@ class StoreConfig:
     remote_ttl_s: float | None = None
     hot_eviction: str = "lru"  # kvstore.tiers.policy.EVICTIONS
     warm_eviction: str = "lru"
+    hot_admission: str = "always"  # kvstore.tiers.admission.ADMISSIONS
+    warm_admission: str = "always"
 
 
 def resolve_eviction(eviction: str | Mapping[str, str]) -> tuple[str, str]:
@@ -60,6 +63,33 @@ def resolve_eviction(eviction: str | Mapping[str, str]) -> tuple[str, str]:
             raise ConfigError(f"eviction must be one of {', '.join(map(repr, EVICTIONS))}, "
                               f"got {name!r}")
     return pair
+
+
+#: the tiers ``open_store(admission={...})`` names
+ADMISSION_TIERS = ("hot", "warm", "disk")
+
+
+def resolve_admission(admission: str | Mapping[str, str]) -> tuple[str, str, str]:
+    """``open_store(admission=)``: one name for the disk tier (the memory tiers admit every
+    block, as before per-tier admission), or a mapping ``{"hot": ..., "warm": ...,
+    "disk": ...}`` (a tier left out gets ``"always"``) -> (hot, warm, disk)."""
+    if isinstance(admission, str):
+        triple = (DEFAULT_ADMISSION, DEFAULT_ADMISSION, admission)
+    elif isinstance(admission, Mapping):
+        unknown = set(admission) - set(ADMISSION_TIERS)
+        if unknown:
+            raise ConfigError(f"admission= names tiers {sorted(unknown, key=str)}; the tiers "
+                              f"with an admission are {', '.join(map(repr, ADMISSION_TIERS))}")
+        hot, warm, disk = (admission.get(t, DEFAULT_ADMISSION) for t in ADMISSION_TIERS)
+        triple = (hot, warm, disk)
+    else:
+        raise ConfigError(f"admission must be an admission name or a mapping of tier to name, "
+                          f"got {type(admission).__name__}")
+    for tier, name in zip(ADMISSION_TIERS, triple, strict=True):
+        if not isinstance(name, str) or name not in ADMISSIONS:
+            raise ConfigError(f"admission of the {tier} tier must be one of "
+                              f"{', '.join(map(repr, ADMISSIONS))}, got {name!r}")
+    return triple
 
 
 def capacity(value: int | str, what: str, block_nbytes: int) -> int:

@@ -13,7 +13,13 @@ import torch
 from kvstore.errors import ConfigError
 from kvstore.layout import KVLayout
 from kvstore.namespace import Namespace
-from kvstore.store.config import StoreConfig, capacity, resolve_device, resolve_eviction
+from kvstore.store.config import (
+    StoreConfig,
+    capacity,
+    resolve_admission,
+    resolve_device,
+    resolve_eviction,
+)
 from kvstore.store.facade import Store
 
 if TYPE_CHECKING:
@@ -34,7 +40,7 @@ def open_store(
     tp_rank: int = 0,
     tp_size: int = 1,
     namespace_extras: Mapping[str, object] | None = None,
-    admission: str = "always",
+    admission: str | Mapping[str, str] = "always",
     eviction: str | Mapping[str, str] = DEFAULT_EVICTION,
     disk_codec: str = "none",
     warm_shared_memory: str | None = None,
@@ -55,6 +61,12 @@ def open_store(
     is a miss), values expire after ``remote_ttl_s`` when set. See docs/scale-out.md.
     ``eviction`` orders each memory tier's victims (``"lru"``, ``"reuse"``, or a mapping
     ``{"hot": ..., "warm": ...}``), see :mod:`kvstore.tiers.policy`.
+    ``admission``: a name (``"always"`` or ``"second-hit"``) decides when a block is written
+    to the disk tier (``"second-hit"``: on its second use, so one-off prompts never reach the
+    disk); a mapping ``{"hot": ..., "warm": ..., "disk": ...}`` (tiers left out: ``"always"``)
+    also sets it per memory tier, where ``"second-hit"`` inserts a block the tier has not seen
+    lately at the victim end of its eviction order (a one-time scan does not push out blocks
+    used twice; nothing is refused), see :mod:`kvstore.tiers.admission`.
     ``events`` (a :class:`kvstore.events.EventSink`, e.g. an ``EventPublisher``'s sink) is told
     every block that joins or leaves the hot, warm and disk tiers, in order (KV events).
     """
@@ -68,8 +80,7 @@ def open_store(
         raise ConfigError(f"remote_codec must be 'none' or 'zstd', got {remote_codec!r}")
     if disk_codec not in ("none", "zstd"):
         raise ConfigError(f"disk_codec must be 'none' or 'zstd', got {disk_codec!r}")
-    if admission not in ("always", "second-hit"):
-        raise ConfigError(f"admission must be 'always' or 'second-hit', got {admission!r}")
+    hot_admission, warm_admission, disk_admission = resolve_admission(admission)
     hot_eviction, warm_eviction = resolve_eviction(eviction)
     dev = resolve_device(device)
     ns = Namespace.create(model_id, layout, model_revision=model_revision, tp_rank=tp_rank,
@@ -84,7 +95,7 @@ def open_store(
         gpu_capacity=capacity(gpu_capacity, "gpu_capacity", bn),
         cpu_capacity=capacity(cpu_capacity, "cpu_capacity", bn),
         disk_capacity=capacity(disk_capacity, "disk_capacity", bn),
-        admission=admission,
+        admission=disk_admission,
         pin_memory=torch.cuda.is_available() and dev.type == "cuda",
         disk_codec=disk_codec,
         warm_shared_memory=warm_shared_memory,
@@ -94,5 +105,7 @@ def open_store(
         remote_ttl_s=remote_ttl_s,
         hot_eviction=hot_eviction,
         warm_eviction=warm_eviction,
+        hot_admission=hot_admission,
+        warm_admission=warm_admission,
     )
     return Store(config, events=events)

@@ -17,13 +17,15 @@ def open_state(config: StoreConfig) -> StoreState:
     lay = config.namespace.layout
     check_memory(config.device, hot=config.gpu_capacity,  # numbers before any allocation
                  host=0 if config.warm_shared_memory else config.cpu_capacity)
-    hot = (MemoryTier(HOT, lay, config.gpu_capacity, config.device, eviction=config.hot_eviction)
+    hot = (MemoryTier(HOT, lay, config.gpu_capacity, config.device, eviction=config.hot_eviction,
+                      admission=config.hot_admission)
            if config.gpu_capacity else None)
     warm = None
     if config.cpu_capacity:
         warm = MemoryTier(WARM, lay, config.cpu_capacity, torch.device("cpu"),
                           pin_memory=config.pin_memory, shared_path=config.warm_shared_memory,
-                          prefault=config.prefault_warm, eviction=config.warm_eviction)
+                          prefault=config.prefault_warm, eviction=config.warm_eviction,
+                          admission=config.warm_admission)
     if hot is None and warm is None:
         raise ConfigError("gpu_capacity and cpu_capacity are both 0: give at least one memory "
                           "tier room")

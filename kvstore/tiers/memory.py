@@ -1,5 +1,6 @@
-"""Memory tiers: a slab, a key -> slot map and an eviction order (:mod:`kvstore.tiers.policy`)
-over the blocks it holds."""
+"""Memory tiers: a slab, a key -> slot map, an eviction order (:mod:`kvstore.tiers.policy`)
+over the blocks it holds and an admission (:mod:`kvstore.tiers.admission`) that decides where
+in that order a new block starts."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 
 from kvstore.keys import BlockKey
 from kvstore.layout import KVLayout
+from kvstore.tiers.admission import DEFAULT_ADMISSION, Admission, make_admission
 from kvstore.tiers.policy import EvictionPolicy, make_policy
 from kvstore.tiers.slab import Slab
 
@@ -38,6 +40,7 @@ class MemoryTier:
         shared_path: str | None = None,
         prefault: bool = False,
         eviction: str = "lru",
+        admission: str = DEFAULT_ADMISSION,
     ) -> None:
         self.name = name
         self.layout = layout
@@ -47,10 +50,15 @@ class MemoryTier:
         self.capacity_bytes = capacity_bytes
         self._slots: dict[BlockKey, int] = {}
         # the store touches a chain leaf-to-root, so in LRU order roots stay newest
-        self.policy: EvictionPolicy = make_policy(eviction, self.slab.slots)
+        adm = make_admission(admission, self.slab.slots)
+        self.policy: EvictionPolicy = make_policy(eviction, self.slab.slots,
+                                                  probation=adm.name != DEFAULT_ADMISSION)
         # the per-block hot paths go straight to the policy: no call of ours in between
         self.iter_victims = self.policy.victims  # type: ignore[method-assign]
         self.touch = self.policy.touch  # type: ignore[method-assign]
+        self.admission_name = admission
+        # None under "always": insert and remove skip it (the default pays nothing)
+        self.admission: Admission | None = None if adm.name == DEFAULT_ADMISSION else adm
         self.counters = TierCounters()
 
     def __contains__(self, key: object) -> bool:
@@ -96,8 +104,13 @@ class MemoryTier:
         d = self.slab.directory
         if d is not None and key in self._slots:
             d.remove(key)  # republished under another slot: one entry per key
+        adm = self.admission
+        if adm is not None and key not in self._slots:
+            # a key the tier has not seen lately starts at the victim end (second-hit)
+            self.policy.insert(key, probation=not adm.admit(key))
+        else:
+            self.policy.insert(key)
         self._slots[key] = slot
-        self.policy.insert(key)
         if d is not None:
             d.insert(key, slot)
 
@@ -106,6 +119,8 @@ class MemoryTier:
         policy learns from those), not removed on request."""
         slot = self._slots.pop(key)
         self.policy.remove(key, for_room=for_room)
+        if for_room and self.admission is not None:
+            self.admission.evicted(key)
         d = self.slab.directory
         if d is not None:
             d.remove(key)

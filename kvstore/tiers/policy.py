@@ -23,6 +23,12 @@ reached), so every policy keeps the store's guarantees: prefix-closed, pins, byt
   high as any block below it in the chain (a hit on the child needs the parent), which
   keeps leaves first in the order.
 
+A block can be inserted *on probation* (second-hit admission, :mod:`kvstore.tiers.admission`):
+at the victim end of the order instead of where a new block goes, so it is the first to go
+unless it is touched again. The touch that follows its insert (the put's own, or the fetch's
+that promoted it) leaves it there; the next one lifts it as any touch moves a block. A policy
+never pays for probation while it has none: one truthiness test per touch.
+
 Not thread-safe: the store serialises access under its lock.
 """
 
@@ -31,6 +37,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Iterator
 from functools import partial
+from itertools import chain
 from typing import Protocol
 
 from kvstore.errors import ConfigError
@@ -58,8 +65,10 @@ class EvictionPolicy(Protocol):
 
     name: str
 
-    def insert(self, key: Hashable) -> None:
-        """``key`` joined the tier (or was republished under another slot)."""
+    def insert(self, key: Hashable, *, probation: bool = False) -> None:
+        """``key`` joined the tier (or was republished under another slot: ``probation``
+        ignored). ``probation``: at the victim end, and still there after the next touch call
+        (the insert's own touch); lifted by the touch after that (see the module docstring)."""
 
     def remove(self, key: Hashable, *, for_room: bool) -> None:
         """``key`` left the tier: evicted or demoted to make room (``for_room``), or removed
@@ -80,10 +89,11 @@ class EvictionPolicy(Protocol):
 
 
 class LRUPolicy:
-    """Least recently used first."""
+    """Least recently used first. Without probation (``make_policy(..., probation=True)``
+    gives :class:`ProbationLRU`): the default path pays nothing for admission."""
 
     name = "lru"
-    __slots__ = ("_lru",)
+    __slots__ = ("_lru", "_prob", "_fresh")
 
     def __init__(self) -> None:
         self._lru: OrderedDict[Hashable, None] = OrderedDict()
@@ -91,7 +101,9 @@ class LRUPolicy:
     def __len__(self) -> int:
         return len(self._lru)
 
-    def insert(self, key: Hashable) -> None:
+    def insert(self, key: Hashable, *, probation: bool = False) -> None:
+        if probation:
+            raise TypeError("this LRUPolicy has no probation: make_policy(..., probation=True)")
         self._lru[key] = None
         self._lru.move_to_end(key)
 
@@ -117,6 +129,68 @@ class LRUPolicy:
         return list(self._lru)
 
 
+class ProbationLRU(LRUPolicy):
+    """LRU with blocks on probation before all others, first in first out among them."""
+
+    __slots__ = ()
+
+    def __init__(self) -> None:
+        super().__init__()
+        # on probation: the victim end, first in first out
+        self._prob: OrderedDict[Hashable, None] = OrderedDict()
+        # keys inserted on probation since the last touch call, in insertion order
+        self._fresh: dict[Hashable, None] = {}
+
+    def __len__(self) -> int:
+        return len(self._lru) + len(self._prob)
+
+    def insert(self, key: Hashable, *, probation: bool = False) -> None:
+        if key in self._prob:
+            return  # republished while on probation: stays there
+        if probation and key not in self._lru:
+            self._prob[key] = None
+            self._fresh[key] = None
+            return
+        self._lru[key] = None
+        self._lru.move_to_end(key)
+
+    def remove(self, key: Hashable, *, for_room: bool) -> None:
+        prob = self._prob
+        if key in prob:
+            del prob[key]
+            self._fresh.pop(key, None)
+            return
+        del self._lru[key]
+
+    def touch(self, keys: Iterable[Hashable]) -> None:
+        """A touch lifts a block on probation to the newest end, except the touch right
+        after its insert (the insert's own, ``_fresh``)."""
+        lru, prob, fresh = self._lru, self._prob, self._fresh
+        for k in keys:
+            if k in lru:
+                lru.move_to_end(k)
+            elif k in prob and k not in fresh:
+                del prob[k]
+                lru[k] = None
+        if fresh:
+            # behind the earlier probation blocks, a chain's leaf first (inserted root first)
+            for k in reversed(fresh):
+                if k in prob:
+                    prob.move_to_end(k)
+            self._fresh = {}
+
+    def victims(self) -> Iterator[Hashable]:
+        return chain(self._prob, self._lru) if self._prob else iter(self._lru)
+
+    def peek(self) -> Hashable | None:
+        if self._prob:
+            return next(iter(self._prob))
+        return next(iter(self._lru)) if self._lru else None
+
+    def order(self) -> list[Hashable]:
+        return list(self.victims())
+
+
 class ReusePolicy:
     """Recency plus reuse with a ghost list (see the module docstring).
 
@@ -129,7 +203,8 @@ class ReusePolicy:
 
     name = "reuse"
     __slots__ = ("_buckets", "_low", "_info", "_ghost", "_ghost_old", "_ghost_cap", "_slots",
-                 "_width", "_clock", "_call", "_tuner", "_scale", "_step", "_mask")
+                 "_width", "_clock", "_call", "_tuner", "_scale", "_step", "_mask", "_fresh",
+                 "_prob_bucket")
 
     def __init__(self, slots: int, *, ghosts: int = GHOSTS_PER_SLOT, scale: float | None = None,
                  tune: bool = True) -> None:
@@ -154,6 +229,9 @@ class ReusePolicy:
                                                         ghosts=ghosts))
                        if tuned else None)
         self._mask = self._tuner.mask if self._tuner is not None else 0
+        # keys inserted on probation since the last touch call, in insertion order
+        self._fresh: dict[Hashable, None] = {}
+        self._prob_bucket: int | None = None  # the bucket of the blocks on probation
 
     def __len__(self) -> int:
         return len(self._info)
@@ -192,7 +270,21 @@ class ReusePolicy:
                 low += 1
             self._low = low
 
-    def insert(self, key: Hashable) -> None:
+    def _probation_bucket(self) -> int:
+        """Where a block on probation goes: the bucket of the blocks already on probation
+        while it is the lowest (first in first out among them), else a new one below every
+        bucket held and below every rank a touch or an insert can give from now on (those
+        are at least the clock's bucket): the first to go."""
+        b = self._prob_bucket
+        if b is not None and b == self._low and b in self._buckets:
+            return b
+        b = (self._clock - self._slots) // self._width
+        if self._buckets and self._low <= b:
+            b = self._low - 1
+        self._prob_bucket = b
+        return b
+
+    def insert(self, key: Hashable, *, probation: bool = False) -> None:
         self._clock = clock = self._clock + 1
         info = self._info
         e = info.get(key)
@@ -205,7 +297,10 @@ class ReusePolicy:
             back = self._ghost_old.pop(key, None)
         if back is None:
             uses, b = 0, clock // self._width
-        else:
+            if probation:
+                b = self._probation_bucket()
+                self._fresh[key] = None
+        else:  # its uses came back from the ghost list: seen before, no probation
             uses = back + 1 if back < MAX_CLASS else MAX_CLASS
             b = int(clock + uses * self._step) // self._width
         # seen by this call: the touch right after an insert is not a use
@@ -222,6 +317,8 @@ class ReusePolicy:
             self._sample(key)  # a miss of the tier
 
     def remove(self, key: Hashable, *, for_room: bool) -> None:
+        if self._fresh:
+            self._fresh.pop(key, None)
         e = self._info.pop(key)
         b = e[0]
         q = self._buckets[b]
@@ -284,6 +381,26 @@ class ReusePolicy:
                 qb = b
             q[k] = None  # type: ignore[index]
             e[0] = b
+        if self._fresh:
+            self._settle()
+
+    def _settle(self) -> None:
+        """The insert's own touch is over: its probation keys back to the probation bucket,
+        a chain leaf first (they were inserted root first), behind earlier probation keys."""
+        info, buckets = self._info, self._buckets
+        b = self._probation_bucket()
+        for k in reversed(self._fresh):
+            e = info.get(k)
+            if e is None:
+                continue
+            old = e[0]
+            src = buckets[old]
+            del src[k]
+            if not src:
+                self._drop_bucket(old)
+            self._put(k, b)
+            e[0] = b
+        self._fresh = {}
 
     def victims(self) -> Iterator[Hashable]:
         buckets = self._buckets
@@ -309,10 +426,11 @@ class ReusePolicy:
         return self._info[key][1]
 
 
-def make_policy(name: str, slots: int) -> EvictionPolicy:
-    """The eviction policy ``name`` for a tier of ``slots`` blocks."""
+def make_policy(name: str, slots: int, *, probation: bool = False) -> EvictionPolicy:
+    """The eviction policy ``name`` for a tier of ``slots`` blocks; ``probation``: one whose
+    ``insert`` takes ``probation=True`` (a tier with second-hit admission)."""
     if name == "lru":
-        return LRUPolicy()
+        return ProbationLRU() if probation else LRUPolicy()
     if name == "reuse":
         return ReusePolicy(slots)
     raise ConfigError(f"eviction must be one of {', '.join(map(repr, EVICTIONS))}, got {name!r}")

@@ -87,8 +87,8 @@ class ConnectorConfig:
     cpu_capacity: int | str | None = None
     disk_capacity: int | str | None = None
     gpu_capacity: int | str | None = None
-    admission: str | None = None
-    eviction: str | None = None
+    admission: str | Mapping[str, str] | None = None  # as open_store: a name or per tier
+    eviction: str | Mapping[str, str] | None = None
     disk_codec: str | None = None
     warm_capacity: int | str | None = None
     salt_policy: str | None = None
