@@ -5,6 +5,7 @@ rows and table, and one real run at a tiny size through the fork server."""
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
@@ -150,3 +151,18 @@ def test_results_survive_text():
     r.found = 8
     r.seconds["put"] = [1.0]
     assert r.survives == "8/8" and SizeResults(2 << 20, [r], []).get(disk_bench.KVSTORE) is r
+
+
+def test_every_clock_starts_on_a_settled_heap(tmp_path):
+    """Each operation collects and freezes its heap right before its clock starts (as a
+    warm engine's process is): regression for a 2 MiB fetch that paid a 60-90 ms full
+    collection of torch's objects by chance, a third of the read, and the raw peer none."""
+    nb, n = 2 << 20, 2
+    z = disk_harness.Zygote(sys.executable, nb, n, 0, lmcache=False,
+                            log_path=str(tmp_path / "worker.log"))
+    try:
+        for op in ("raw.write", "raw.read", "kvstore.write", "kvstore.read"):
+            res = z.run(op, dir=str(tmp_path / op.split(".")[0]), block_tokens=16)
+            assert res["heap_frozen"] > 1000, (op, res)  # torch's objects, at least
+    finally:
+        z.close()

@@ -75,7 +75,7 @@ class DiskTier:
     Keyword arguments beyond the issue's interface: ``max_segment_bytes`` (roll a batch into
     several segments above this), ``zstd_level``, ``map_size`` (initial LMDB map; grows on
     demand), ``max_open_files`` (fd cache), ``read_threads`` (``read_many`` pool; default: the CPU
-    count, 2 to 8),
+    count, 4 to 8),
     ``orphan_grace_s`` (``check`` leaves younger unreferenced files alone: they may belong to
     an in-flight writer of another process), ``touch_flush_entries``/``touch_flush_interval_s``
     (when buffered touches are persisted) and ``clock`` (seconds since the epoch; tests).
@@ -114,8 +114,11 @@ class DiskTier:
         self.orphan_grace_s = float(orphan_grace_s)
         self._map_size = int(map_size)
         self._max_open_files = int(max_open_files)
-        if read_threads is None:  # 2 on a 2-core host (measured best there), up to 8
-            read_threads = min(8, max(2, os.cpu_count() or 2))
+        if read_threads is None:
+            # at least 4 even on 2 cores: a cold read waits on the device, and four streams
+            # kept a virtual disk busier than two (1 GiB cold, 2 MiB blocks: 0.75x -> 1.0x a
+            # raw sequential read; 32 MiB: 0.70x -> 0.88x); page-cache reads are unchanged
+            read_threads = min(8, max(4, os.cpu_count() or 4))
         self._read_threads = max(1, int(read_threads))
         self._touch_flush_entries = max(1, int(touch_flush_entries))
         self._touch_flush_interval_us = int(float(touch_flush_interval_s) * 1e6)
