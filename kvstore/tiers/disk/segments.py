@@ -389,9 +389,9 @@ VERIFY_CHUNK = 256 << 10
 
 
 def pread_checksum(fd: int, bufs: Sequence[memoryview], offset: int, key: bytes,
-                   namespace_id: bytes) -> tuple[int, int]:
+                   namespace_id: bytes, chunk: int = VERIFY_CHUNK) -> tuple[int, int]:
     """Read consecutive file bytes at ``offset`` into ``bufs`` in order (one block's buffer,
-    or its pieces), :data:`VERIFY_CHUNK` at a time, hashing each piece as it lands; returns
+    or its pieces), ``chunk`` bytes at a time, hashing each piece as it lands; returns
     (bytes read, :func:`block_checksum` of them). Fewer bytes than the buffers hold only at
     end of file (the checksum then covers what was read)."""
     h = xxhash.xxh3_64(seed=_xxh3(namespace_id + key))
@@ -399,7 +399,7 @@ def pread_checksum(fd: int, bufs: Sequence[memoryview], offset: int, key: bytes,
     for buf in bufs:
         done, n_all = 0, len(buf)
         while done < n_all:
-            end = min(done + VERIFY_CHUNK, n_all)
+            end = min(done + chunk, n_all)
             n = os.preadv(fd, [buf[done:end]], offset + total)
             if n == 0:
                 return total, h.intdigest()
