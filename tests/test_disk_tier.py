@@ -762,7 +762,7 @@ def test_reading_shape_follows_the_page_cache(tmp_path, monkeypatch):
     """Page-cache reads: one thread per core, small pieces hashed in cache; cold reads: the
     whole pool and large reads (regressions: a 32 MiB load from page cache on 4 threads and
     2 cores took ~10.5 ms against ~8.8 on 2; 1 GiB cold in 256 KiB pieces ran at 0.65x a
-    raw sequential read, in 4 MiB ones at 0.9-1.2x)."""
+    raw sequential read, in 16 MiB ones at 0.92-1.10x)."""
     from kvstore.tiers.disk import reads
 
     monkeypatch.setattr(os, "cpu_count", lambda: 2)

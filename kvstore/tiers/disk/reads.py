@@ -191,9 +191,10 @@ def read_many(t: DiskTier, keys: Sequence[bytes],
 
 _RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
 #: bytes per ``preadv`` when the blocks come from the device: large reads keep it busy (1 GiB
-#: cold, 4 reading threads: 0.65x a raw sequential read with 256 KiB pieces, 0.9-1.2x with
-#: 4 MiB); from the page cache the small :data:`segments.VERIFY_CHUNK` hashes in cache
-COLD_CHUNK = 4 << 20
+#: cold, 4 reading threads, ÷ a raw sequential read in the same run, 2 MiB / 32 MiB blocks:
+#: 256 KiB pieces 0.65x / 0.67x, 4 MiB 0.86-0.87x / 0.94-0.97x, 16 MiB 0.92-0.97x /
+#: 0.99-1.10x); from the page cache the small :data:`segments.VERIFY_CHUNK` hashes in cache
+COLD_CHUNK = 16 << 20
 
 
 def reading_shape(t: DiskTier, runs: list[Run]) -> tuple[int, int]:
