@@ -826,3 +826,28 @@ def _tmpfs(path) -> bool:
         mounts = [line.split() for line in f]
     best = max((m for m in mounts if str(path).startswith(m[1])), key=lambda m: len(m[1]))
     return best[2] in ("tmpfs", "ramfs")
+
+
+def test_cold_group_of_many_pieces_stays_under_iov_max(tmp_path, monkeypatch):
+    """A cold read groups small blocks into one large preadv; blocks given as many pieces
+    (one engine page per layer) must not make it exceed IOV_MAX (EINVAL, then every block
+    read again one by one)."""
+    from kvstore.tiers.disk import reads
+
+    ns = namespace(BF16)
+    monkeypatch.setattr(reads, "reading_shape", lambda t, runs: (1, reads.COLD_CHUNK))
+    calls: list[int] = []
+    real = seg.preadv_all
+    monkeypatch.setattr(seg, "preadv_all", lambda fd, views, off: calls.append(len(views))
+                        or real(fd, views, off))
+    with open_tier(tmp_path) as t:
+        keys = chain("iov", 40)
+        t.write_blocks(writes(keys, ns))
+        nb = BF16.block_nbytes
+        piece = nb // 32
+        dsts = [torch.zeros(nb, dtype=torch.uint8) for _ in keys]
+        pieces = [[memoryview(d.numpy())[i * piece:(i + 1) * piece] for i in range(32)]
+                  for d in dsts]
+        assert t.read_many(keys, pieces) == [ReadStatus.OK] * len(keys)
+        assert all(torch.equal(d, block_data(k, BF16)) for k, d in zip(keys, dsts, strict=True))
+        assert calls and max(calls) <= seg._IOV_MAX and sum(calls) == 40 * 32

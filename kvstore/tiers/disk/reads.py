@@ -352,9 +352,14 @@ def _read_verified(t: DiskTier, run, keys, bufs, out, fd: int, chunk: int) -> in
                 ok += _settle(t, keys[i], rec, csum, out, i)
                 done += 1
                 continue
-            end, size = done, 0  # small blocks: as many as fit one piece, one preadv
-            while end < n_run and (end == done or size + _size(bufs[run[end][0]]) <= chunk):
+            # small blocks: as many as fit one piece, one preadv (of at most _IOV_MAX iovecs:
+            # a block given as one page per layer is many)
+            end, size, iovs = done, 0, 0
+            while end < n_run and (end == done or (
+                    size + _size(bufs[run[end][0]]) <= chunk
+                    and iovs + len(bufs[run[end][0]]) <= _seg._IOV_MAX)):
                 size += _size(bufs[run[end][0]])
+                iovs += len(bufs[run[end][0]])
                 end += 1
             views = [v for j, _ in run[done:end] for v in bufs[j]]
             if _seg.preadv_all(fd, views, rec.offset) != size:
