@@ -145,6 +145,7 @@ def _one_phase(phase: str, order: Sequence[MethodResult], zygotes: dict, dirs: d
     for r in order:
         m, z, d = r.method, zygotes[r.method.lmcache], dirs[r.method.name]
         if phase == "put":
+            os.sync()  # the last method's unsynced writes are not this one's to wait for
             res = z.run(m.write_op, dir=d, block_tokens=tokens, die=m.kill_writer)
             r.seconds["put"].append(res["seconds"])
             if m.read_op is None:  # it read in its own process (LMCache's LocalDisk)
