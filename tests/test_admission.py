@@ -7,8 +7,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.policy import BN, LAY, kv_for
 
-from kvstore import KVLayout, open_store
+from kvstore import open_store
 from kvstore.errors import ConfigError
 from kvstore.store.config import resolve_admission
 from kvstore.tiers.admission import (
@@ -20,16 +21,6 @@ from kvstore.tiers.admission import (
 )
 from kvstore.tiers.memory import MemoryTier
 from kvstore.tiers.policy import EVICTIONS, LRUPolicy, ProbationLRU, ReusePolicy, make_policy
-
-LAY = KVLayout(num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float16, block_tokens=2)
-BN = LAY.block_nbytes
-
-
-def kv_for(keys):
-    out = torch.empty(LAY.batch_shape(len(keys)), dtype=torch.int16)
-    for i, k in enumerate(keys):
-        out[i] = int.from_bytes(k[:2], "little") - 2**15
-    return out.view(torch.float16)
 
 
 # -- the doorkeeper ----------------------------------------------------------------------------

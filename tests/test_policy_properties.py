@@ -10,21 +10,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from support.policy import BN, LAY, kv_for
 
-from kvstore import KVLayout, open_store
+from kvstore import open_store
 from kvstore.tiers.admission import ADMISSIONS
 from kvstore.tiers.policy import EVICTIONS, LRUPolicy, ReusePolicy
-
-LAY = KVLayout(num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float16, block_tokens=2)
-BN = LAY.block_nbytes
-
-
-def kv_for(keys):
-    out = torch.empty(LAY.batch_shape(len(keys)), dtype=torch.int16)
-    for i, k in enumerate(keys):
-        out[i] = int.from_bytes(k[:2], "little") - 2**15
-    return out.view(torch.float16)
-
 
 prompt_st = st.lists(st.sampled_from([1, 2, 3]), min_size=2, max_size=14)
 
