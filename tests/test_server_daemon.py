@@ -202,6 +202,30 @@ def test_eviction_policy_of_the_warm_tiers(serve, eviction, kept):
         assert c.lookup(used) == kept
 
 
+@pytest.mark.parametrize("admission, kept", [("always", 0), ("second-hit", 1)])
+def test_warm_admission_of_the_warm_tiers(serve, admission, kept):
+    """Under LRU a scan of blocks used once pushes out a block used twice, unless the warm
+    tier admits new blocks on probation (``--warm-admission second-hit``)."""
+    slots = (16 << 10) // LAYOUT.block_nbytes
+    d = serve("--cpu-capacity", "16KiB", "--disk-capacity", "0", "--eviction", "lru",
+              "--warm-admission", admission)
+    with connect(d.socket_path, layout=LAYOUT, model_id="m", device="cpu") as c:
+        used = c.block_keys(list(range(1000, 1004)))
+        assert c.put(used, _kv(1)).wait() == 1
+        assert c.fetch(used).wait().shape[0] == 1  # its second use
+        for i in range(2 * slots):  # twice the tier in blocks used once
+            assert c.put(c.block_keys(list(range(4 * i, 4 * i + 4))), _kv(1, i)).wait() == 1
+        assert c.lookup(used) == kept
+
+
+def test_daemon_config_names_the_admissions(tmp_path):
+    from kvstore.daemon.config import DaemonConfig
+    from kvstore.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="warm_admission must be one of"):
+        DaemonConfig(tmp_path, tmp_path / "s", warm_admission="sometimes")
+
+
 def test_per_uid_policy_isolates_tenants(serve):
     d = serve(*MEMORY, "--salt-policy", "per-uid")
     with connect(d.socket_path, layout=LAYOUT, model_id="m", device="cpu") as c:

@@ -40,7 +40,8 @@ def run(args: argparse.Namespace) -> int:
             metrics_path=Path(args.metrics_path).expanduser() if args.metrics_path else None,
             metrics_port=args.metrics_port, metrics_interval=args.metrics_interval,
             limits=limits, salt_policy=args.salt_policy, workers=args.workers,
-            shm_base=Path(args.shm_dir), admission=args.admission, eviction=args.eviction,
+            shm_base=Path(args.shm_dir), admission=args.admission,
+            warm_admission=args.warm_admission, eviction=args.eviction,
             disk_codec=args.disk_codec,
             shutdown_timeout=args.shutdown_timeout, kv_events=config_from_args(args),
         )
@@ -114,6 +115,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--admission", choices=["always", "second-hit"], default="always",
                    help="always: every put is stored; second-hit: a block is stored the "
                    "second time it is put (one-off prompts never reach the disk)")
+    s.add_argument("--warm-admission", choices=["always", "second-hit"], default="always",
+                   help="always: a new block joins the warm tier like any other; second-hit: "
+                   "a block not seen lately joins on probation, first to go unless used again "
+                   "(scan protection; docs/architecture.md, eviction policies)")
     s.add_argument("--eviction", choices=["lru", "reuse"], default="reuse",
                    help="eviction order of each namespace's warm tier: reuse (recency plus "
                    "reuse, the default) or lru (docs/architecture.md, eviction policies)")

@@ -8,6 +8,7 @@ from pathlib import Path
 from kvstore.daemon.security import Limits
 from kvstore.errors import ConfigError
 from kvstore.events.config import EventsConfig
+from kvstore.tiers.admission import ADMISSIONS
 from kvstore.tiers.policy import EVICTIONS
 
 #: "client": honour each hello's salt policy; "per-uid": every namespace is per uid
@@ -28,7 +29,8 @@ class DaemonConfig:
     salt_policy: str = "client"
     workers: int = 8  # threads doing store work off the event loop
     shm_base: Path = Path("/dev/shm")
-    admission: str = "always"
+    admission: str = "always"  # the disk tier's: written on a block's first or second put
+    warm_admission: str = "always"  # the warm tiers' (kvstore.tiers.admission)
     eviction: str = "reuse"  # the warm tiers' eviction policy (kvstore.tiers.policy)
     disk_codec: str = "none"
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish on SIGTERM
@@ -44,6 +46,10 @@ class DaemonConfig:
                               "shared memory clients read and write")
         if self.workers < 1:
             raise ConfigError("workers must be >= 1")
+        for what, name in (("admission", self.admission),
+                           ("warm_admission", self.warm_admission)):
+            if name not in ADMISSIONS:
+                raise ConfigError(f"{what} must be one of {', '.join(ADMISSIONS)}, got {name!r}")
         if self.eviction not in EVICTIONS:
             raise ConfigError(f"eviction must be one of {', '.join(EVICTIONS)}, "
                               f"got {self.eviction!r}")

@@ -240,7 +240,8 @@ class NamespaceRegistry:
                 model_revision=ns.model_revision or None, device="cpu", gpu_capacity=0,
                 cpu_capacity=cap - cap % bn, disk_capacity=cfg.disk_capacity,
                 tp_rank=ns.tp_rank, tp_size=ns.tp_size, namespace_extras=dict(ns.extras),
-                admission=cfg.admission, eviction=cfg.eviction, disk_codec=cfg.disk_codec,
+                admission={"warm": cfg.warm_admission, "disk": cfg.admission},
+                eviction=cfg.eviction, disk_codec=cfg.disk_codec,
                 warm_shared_memory=str(shm), events=sink,  # the store reports its tiers
             )
             try:
