@@ -130,3 +130,23 @@ def test_without_fill_the_blocks_stay_on_disk_only(tmp_path):
             s.flush()
             assert s.stats().tier("warm").blocks == 0
         assert s.lookup(keys) == 5 and s.stats().fetched_blocks == 10
+
+
+def test_without_fill_nothing_in_warm_is_evicted_for_it(tmp_path):
+    """A lease without warm copies reserves no warm slots: regression for a fill=False load
+    from disk that evicted as many warm blocks as it read, for slots it gave back unused."""
+    keys, kv = saved(tmp_path, 8)  # on disk
+    with opened(tmp_path, warm=8) as s:
+        other = s.block_keys(list(range(1000, 1000 + 8 * LAY.block_tokens)))
+        assert s.put(other, keyed_kv(LAY, other)).wait() == 8  # fills the warm tier
+        s.flush()
+        pg = Pages("memoryview")
+        lease = s.zero_copy.lease_into(keys, pg.pieces, fill=False)
+        assert lease.n == 8 and all(torch.equal(pg.block(i), flat(kv, i)) for i in range(8))
+        s.flush()
+        st = s.stats().tier("warm")
+        assert st.blocks == 8 and st.evictions == 0
+        assert s.lookup(other) == 8
+        got = s.fetch(other).wait()
+        assert got.shape[0] == 8
+        assert torch.equal(got.view(torch.int16), keyed_kv(LAY, other).view(torch.int16))

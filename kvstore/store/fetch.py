@@ -107,8 +107,12 @@ class Fetcher:
         check_out(self.st.layout, out, n)
 
     def plan(
-        self, ks: list[BlockKey], parent: BlockKey | None, *, want_result: bool
+        self, ks: list[BlockKey], parent: BlockKey | None, *, want_result: bool,
+        warm_copies: bool = True,
     ) -> FetchPlan:
+        """Pin the leading held run of ``ks`` and lay out where each block comes from.
+        ``warm_copies``: reserve warm slots for the blocks read from below (their warm
+        copies); without, none is reserved, so nothing in warm is evicted for them."""
         hot, warm, cat = self.st.hot, self.st.warm, self.st.catalog
         found: list[tuple[int, int, Located]] = []
         n = self.res.leading_run(ks, found)
@@ -143,7 +147,9 @@ class Fetcher:
                 cat.mark_dirty(k)
         cat.pin_many(plan.pinned)
         self.res.touch_chain(plan.keys)
-        if lower_pos:
+        if lower_pos and not warm_copies:
+            plan.lower = [(p, -1) for p in lower_pos]
+        elif lower_pos:
             assert warm is not None
             slots = self.res.reserve(warm, len(lower_pos))
             plan.lower = [(p, slots[j] if j < len(slots) else -1) for j, p in enumerate(lower_pos)]

@@ -113,7 +113,9 @@ class ZeroCopyPlane:
         parent = self.st.chain_parent(keys)
         with self.st.lock:
             self.st.check_open()
-            plan = self.fetcher.plan(ks, parent, want_result=True)
+            # without fill, no warm slot is reserved: nothing in warm is evicted for copies
+            # that will not be made
+            plan = self.fetcher.plan(ks, parent, want_result=True, warm_copies=fill)
             if any(self.st.lower[plan.tier_of(p)].volatile for p, _ in plan.lower):
                 self.fetcher.release_plan(plan, ok=False)
                 plan = None
