@@ -6,8 +6,7 @@ machines of tests/test_policy_properties.py (``TestPolicyStore_*_second_hit``)."
 import pytest
 import torch
 from hypothesis import given, settings
-from hypothesis import strategies as st
-from support.policy import BN, LAY, kv_for
+from support.policy import BN, LAY, drive, kv_for, ops_st
 
 from kvstore import open_store
 from kvstore.errors import ConfigError
@@ -141,55 +140,6 @@ def test_always_costs_the_tier_nothing():
 
 
 # -- the policies alone under the doorkeeper: a property test ----------------------------------------
-chain_st = st.lists(st.integers(0, 3), min_size=1, max_size=6)  # a path in a small tree
-ops_st = st.lists(st.tuples(st.sampled_from(["request", "evict"]), chain_st), max_size=60)
-
-
-def drive(policy, door, ops, slots=6):
-    """The store's calls for fetch-then-put of each chain (leaf-first eviction to make room,
-    new blocks through the doorkeeper); returns the eviction order after each step."""
-    parent, kids, trace = {}, {}, []
-
-    def evict_one():
-        for k in policy.victims():
-            if not kids.get(k):
-                policy.remove(k, for_room=True)
-                door.evicted(k)
-                p = parent.pop(k)
-                if p is not None:
-                    kids[p] -= 1
-                return True
-        return False
-
-    for op, path in ops:
-        keys = [tuple(path[: i + 1]) for i in range(len(path))]
-        if op == "evict" and parent:
-            evict_one()
-        elif op == "request":
-            n = 0
-            while n < len(keys) and keys[n] in parent:
-                n += 1
-            if n:
-                policy.touch(keys[n - 1::-1])
-            policy.touch(keys[::-1])
-            for i in range(n, len(keys)):
-                if len(parent) >= slots and not evict_one():
-                    break
-                if i and keys[i - 1] not in parent:
-                    break  # its parent went for room: the rest is unreachable
-                p = keys[i - 1] if i else None
-                parent[keys[i]] = p
-                if p is not None:
-                    kids[p] = kids.get(p, 0) + 1
-                policy.insert(keys[i], probation=not door.admit(keys[i]))
-            policy.touch(keys[::-1])
-        held = set(parent)
-        assert len(held) <= slots
-        assert set(policy.victims()) == held and len(policy.order()) == len(held)
-        for k in held:  # prefix-closed
-            assert k[:-1] == () or k[:-1] in held
-        trace.append(tuple(policy.order()))
-    return trace
 
 
 @settings(max_examples=80, deadline=None)
@@ -197,7 +147,7 @@ def drive(policy, door, ops, slots=6):
 @pytest.mark.parametrize("name", EVICTIONS)
 def test_probation_keeps_the_policy_exact_bounded_and_deterministic(name, ops):
     def run():
-        return drive(make_policy(name, 6, probation=True), SecondHitAdmit(6), ops)
+        return drive(make_policy(name, 6, probation=True), ops, door=SecondHitAdmit(6))
 
     assert run() == run()
 

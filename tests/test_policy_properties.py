@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from support.policy import BN, LAY, kv_for
+from support.policy import BN, LAY, drive, kv_for, ops_st
 
 from kvstore import open_store
 from kvstore.tiers.admission import ADMISSIONS
@@ -113,45 +113,6 @@ for _ev in EVICTIONS:
 
 
 # -- the policies alone ----------------------------------------------------------------------
-chain_st = st.lists(st.integers(0, 3), min_size=1, max_size=6)  # a path in a small tree
-ops_st = st.lists(st.tuples(st.sampled_from(["request", "evict"]), chain_st), max_size=60)
-
-
-def drive(policy, ops, slots=6):
-    """The store's calls for fetch-then-put of each chain, leaf-first eviction; returns the
-    held set after each step."""
-    parent, kids, trace = {}, {}, []
-    for op, path in ops:
-        keys = [tuple(path[: i + 1]) for i in range(len(path))]
-        if op == "evict" and parent:
-            for k in policy.victims():
-                if not kids.get(k):
-                    policy.remove(k, for_room=True)
-                    p = parent.pop(k)
-                    if p is not None:
-                        kids[p] -= 1
-                    break
-        elif op == "request":
-            n = 0
-            while n < len(keys) and keys[n] in parent:
-                n += 1
-            if n:
-                policy.touch(keys[n - 1::-1])
-            for i in range(n, len(keys)):
-                if len(parent) >= slots:
-                    break
-                p = keys[i - 1] if i else None
-                parent[keys[i]] = p
-                if p is not None:
-                    kids[p] = kids.get(p, 0) + 1
-                policy.insert(keys[i])
-            policy.touch(keys[::-1])
-        held = set(parent)
-        assert set(policy.victims()) == held and len(policy.order()) == len(held)
-        for k in held:  # prefix-closed
-            assert k[:-1] == () or k[:-1] in held
-        trace.append(tuple(policy.order()))
-    return trace
 
 
 @settings(max_examples=80, deadline=None)
