@@ -8,7 +8,7 @@ from pathlib import Path
 from kvstore.daemon.security import Limits
 from kvstore.errors import ConfigError
 from kvstore.events.config import EventsConfig
-from kvstore.tiers.admission import ADMISSIONS
+from kvstore.tiers.admission import check_admission
 from kvstore.tiers.policy import EVICTIONS
 
 #: "client": honour each hello's salt policy; "per-uid": every namespace is per uid
@@ -46,10 +46,8 @@ class DaemonConfig:
                               "shared memory clients read and write")
         if self.workers < 1:
             raise ConfigError("workers must be >= 1")
-        for what, name in (("admission", self.admission),
-                           ("warm_admission", self.warm_admission)):
-            if name not in ADMISSIONS:
-                raise ConfigError(f"{what} must be one of {', '.join(ADMISSIONS)}, got {name!r}")
+        check_admission(self.admission, "admission")
+        check_admission(self.warm_admission, "warm_admission")
         if self.eviction not in EVICTIONS:
             raise ConfigError(f"eviction must be one of {', '.join(EVICTIONS)}, "
                               f"got {self.eviction!r}")

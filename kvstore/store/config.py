@@ -11,7 +11,7 @@ import torch
 from kvstore.errors import ConfigError, SizeError
 from kvstore.namespace import Namespace
 from kvstore.sizes import parse_size
-from kvstore.tiers.admission import ADMISSIONS, DEFAULT_ADMISSION
+from kvstore.tiers.admission import DEFAULT_ADMISSION, check_admission
 from kvstore.tiers.policy import DEFAULT_EVICTION, EVICTIONS
 from kvstore.validate import resolve_device
 
@@ -86,9 +86,7 @@ def resolve_admission(admission: str | Mapping[str, str]) -> tuple[str, str, str
         raise ConfigError(f"admission must be an admission name or a mapping of tier to name, "
                           f"got {type(admission).__name__}")
     for tier, name in zip(ADMISSION_TIERS, triple, strict=True):
-        if not isinstance(name, str) or name not in ADMISSIONS:
-            raise ConfigError(f"admission of the {tier} tier must be one of "
-                              f"{', '.join(map(repr, ADMISSIONS))}, got {name!r}")
+        check_admission(name, f"admission of the {tier} tier")
     return triple
 
 

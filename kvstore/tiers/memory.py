@@ -51,14 +51,13 @@ class MemoryTier:
         self._slots: dict[BlockKey, int] = {}
         # the store touches a chain leaf-to-root, so in LRU order roots stay newest
         adm = make_admission(admission, self.slab.slots)
+        # None under "always": insert and remove skip it (the default pays nothing)
+        self.admission: Admission | None = None if adm.name == DEFAULT_ADMISSION else adm
         self.policy: EvictionPolicy = make_policy(eviction, self.slab.slots,
-                                                  probation=adm.name != DEFAULT_ADMISSION)
+                                                  probation=self.admission is not None)
         # the per-block hot paths go straight to the policy: no call of ours in between
         self.iter_victims = self.policy.victims  # type: ignore[method-assign]
         self.touch = self.policy.touch  # type: ignore[method-assign]
-        self.admission_name = admission
-        # None under "always": insert and remove skip it (the default pays nothing)
-        self.admission: Admission | None = None if adm.name == DEFAULT_ADMISSION else adm
         self.counters = TierCounters()
 
     def __contains__(self, key: object) -> bool:

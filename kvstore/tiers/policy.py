@@ -93,7 +93,7 @@ class LRUPolicy:
     gives :class:`ProbationLRU`): the default path pays nothing for admission."""
 
     name = "lru"
-    __slots__ = ("_lru", "_prob", "_fresh")
+    __slots__ = ("_lru",)
 
     def __init__(self) -> None:
         self._lru: OrderedDict[Hashable, None] = OrderedDict()
@@ -132,7 +132,7 @@ class LRUPolicy:
 class ProbationLRU(LRUPolicy):
     """LRU with blocks on probation before all others, first in first out among them."""
 
-    __slots__ = ()
+    __slots__ = ("_prob", "_fresh")
 
     def __init__(self) -> None:
         super().__init__()
