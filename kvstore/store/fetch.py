@@ -147,11 +147,9 @@ class Fetcher:
                 cat.mark_dirty(k)
         cat.pin_many(plan.pinned)
         self.res.touch_chain(plan.keys)
-        if lower_pos and not warm_copies:
-            plan.lower = [(p, -1) for p in lower_pos]
-        elif lower_pos:
+        if lower_pos:
             assert warm is not None
-            slots = self.res.reserve(warm, len(lower_pos))
+            slots = self.res.reserve(warm, len(lower_pos)) if warm_copies else []
             plan.lower = [(p, slots[j] if j < len(slots) else -1) for j, p in enumerate(lower_pos)]
             if not want_result and len(slots) < len(lower_pos):
                 # a prefetch has nowhere else to put blocks: it ends where the room does

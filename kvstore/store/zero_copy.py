@@ -124,11 +124,8 @@ class ZeroCopyPlane:
             return LeaseInto(len(got), tuple(got), tuple(enumerate(slots)))
         job = FetchJob(self.fetcher, plan, len(ks), True, None)
         try:
-            if plan.lower:
+            if plan.lower:  # without fill they have no warm slot: nothing is copied later
                 self.fetcher.read_into(plan, into)
-                if not fill:  # their reserved warm slots are given back unwritten
-                    plan.fill = False
-                    plan.unfilled.update(p for p, _ in plan.lower)
             lease = self._pin_into(plan, ks)
         except BaseException:
             with self.st.lock:

@@ -308,8 +308,7 @@ def _plan_runs(t: DiskTier, keys, raws, bufs, out) -> list[Run]:
     return runs
 
 
-def _read_run(t: DiskTier, run, keys, raws, bufs, out, fd: int = -1,
-              chunk: int = _seg.VERIFY_CHUNK) -> None:
+def _read_run(t: DiskTier, run, keys, raws, bufs, out, fd: int, chunk: int) -> None:
     if len(run) == 1 or run[0][1] is None:
         for i, _rec in run:
             out[i] = read_one(t, keys[i], raws[i], bufs[i])

@@ -117,7 +117,8 @@ class DiskTier:
         if read_threads is None:
             # at least 4 even on 2 cores: a cold read waits on the device, and four streams
             # kept a virtual disk busier than two (1 GiB cold, 2 MiB blocks: 0.75x -> 1.0x a
-            # raw sequential read; 32 MiB: 0.70x -> 0.88x); page-cache reads are unchanged
+            # raw sequential read; 32 MiB: 0.70x -> 0.88x); page-cache reads use one thread
+            # per core of them (reads.reading_shape)
             read_threads = min(8, max(4, os.cpu_count() or 4))
         self._read_threads = max(1, int(read_threads))
         self._touch_flush_entries = max(1, int(touch_flush_entries))
