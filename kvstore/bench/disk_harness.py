@@ -121,8 +121,9 @@ def drop_cache(d: str) -> str:
     """Drop every file under ``d`` from the page cache; returns how it was done.
 
     First ``sync`` the whole system: the peers that never fsync (LMCache) leave a GiB of
-    dirty pages whose writeback otherwise runs during whichever cold read comes next
-    (kvstore's 2 MiB cold samples spanned 0.57-1.02 s with it, against raw's 0.50-0.79)."""
+    dirty pages whose writeback would otherwise run during whichever cold read comes next.
+    (It did not remove the spread of kvstore's 2 MiB cold samples in runs with LMCache:
+    docs/benchmarks.md.)"""
     os.sync()
     for p in files_under(d):
         fd = os.open(p, os.O_RDONLY)

@@ -20,7 +20,7 @@ import heapq
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
-from kvstore.tiers.admission import DEFAULT_ADMISSION, make_admission
+from kvstore.tiers.admission import DEFAULT_ADMISSION, tier_admission
 from kvstore.tiers.policy import EvictionPolicy, make_policy
 
 #: simulators a report can show beside the store's policies
@@ -71,10 +71,8 @@ def simulate_policy(requests: Sequence[Sequence[Hashable]], capacity_blocks: int
                     progress: Progress | None = None) -> SimResult:
     """Hit ratio of the store's eviction policy ``policy`` with ``capacity_blocks`` slots,
     new blocks admitted by ``admission`` (the tier's, as ``MemoryTier`` applies it)."""
-    adm = make_admission(admission, capacity_blocks)
-    pol: EvictionPolicy = make_policy(policy, capacity_blocks,
-                                      probation=adm.name != DEFAULT_ADMISSION)
-    door = adm if adm.name != DEFAULT_ADMISSION else None
+    door = tier_admission(admission, capacity_blocks)
+    pol: EvictionPolicy = make_policy(policy, capacity_blocks, probation=door is not None)
     parent: dict[Hashable, Hashable | None] = {}
     children: dict[Hashable, int] = {}
     hits = refs = evictions = dropped = 0

@@ -107,3 +107,10 @@ def make_admission(name: str, slots: int) -> Admission:
     if check_admission(name) == "second-hit":
         return SecondHitAdmit(slots)
     return AlwaysAdmit()
+
+
+def tier_admission(name: str, slots: int) -> Admission | None:
+    """What a memory tier (and the replay simulator, which mirrors it) consults on insert:
+    None under ``"always"``, so that the default path pays nothing."""
+    adm = make_admission(name, slots)
+    return None if adm.name == DEFAULT_ADMISSION else adm

@@ -11,7 +11,7 @@ import torch
 
 from kvstore.keys import BlockKey
 from kvstore.layout import KVLayout
-from kvstore.tiers.admission import DEFAULT_ADMISSION, Admission, make_admission
+from kvstore.tiers.admission import DEFAULT_ADMISSION, Admission, tier_admission
 from kvstore.tiers.policy import EvictionPolicy, make_policy
 from kvstore.tiers.slab import Slab
 
@@ -50,9 +50,8 @@ class MemoryTier:
         self.capacity_bytes = capacity_bytes
         self._slots: dict[BlockKey, int] = {}
         # the store touches a chain leaf-to-root, so in LRU order roots stay newest
-        adm = make_admission(admission, self.slab.slots)
-        # None under "always": insert and remove skip it (the default pays nothing)
-        self.admission: Admission | None = None if adm.name == DEFAULT_ADMISSION else adm
+        # None under "always": insert and remove skip it
+        self.admission: Admission | None = tier_admission(admission, self.slab.slots)
         self.policy: EvictionPolicy = make_policy(eviction, self.slab.slots,
                                                   probation=self.admission is not None)
         # the per-block hot paths go straight to the policy: no call of ours in between
