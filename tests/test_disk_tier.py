@@ -851,3 +851,46 @@ def test_cold_group_of_many_pieces_stays_under_iov_max(tmp_path, monkeypatch):
         assert t.read_many(keys, pieces) == [ReadStatus.OK] * len(keys)
         assert all(torch.equal(d, block_data(k, BF16)) for k, d in zip(keys, dsts, strict=True))
         assert calls and max(calls) <= seg._IOV_MAX and sum(calls) == 40 * 32
+
+
+def test_the_calling_thread_reads_and_never_waits_behind_a_busy_pool(tmp_path, monkeypatch):
+    """read_many's caller takes tasks from the queue itself (in an engine it would only wait
+    otherwise): with every pool thread busy elsewhere the read still completes, on the
+    caller alone, and the helper that never started is not waited for."""
+    import threading
+
+    from kvstore.tiers.disk import reads
+
+    ns = namespace(BF16)
+    monkeypatch.setattr(reads, "reading_shape", lambda t, runs: (2, seg.VERIFY_CHUNK))
+    monkeypatch.setattr(reads, "_RUN_IOVS", 3)  # 4 runs: two tasks of two
+    readers: list[int] = []
+    real = reads._read_runs_safe
+    monkeypatch.setattr(reads, "_read_runs_safe", lambda t, task, *a: readers.append(
+        threading.get_ident()) or real(t, task, *a))
+    with open_tier(tmp_path, read_threads=2) as t:
+        keys = chain("busy", 12)
+        t.write_blocks(writes(keys, ns))
+        release = threading.Event()
+        pool = t._get_pool()
+        blockers = [pool.submit(release.wait, 30) for _ in range(2)]
+        try:
+            dsts = [torch.zeros(BF16.block_nbytes, dtype=torch.uint8) for _ in keys]
+            got: list = []
+            reader = threading.Thread(target=lambda: got.extend(t.read_many(keys, dsts)))
+            reader.start()
+            reader.join(20)
+            assert not reader.is_alive(), "read_many waited for a pool busy with other work"
+        finally:
+            release.set()
+            for b in blockers:
+                b.result()
+        assert got == [ReadStatus.OK] * len(keys)
+        assert all(torch.equal(d, block_data(k, BF16)) for k, d in zip(keys, dsts, strict=True))
+        assert len(readers) == 2 and set(readers) == {reader.ident}
+
+        # with the pool free, the caller and a pool thread share the tasks
+        readers.clear()
+        dsts = [torch.zeros(BF16.block_nbytes, dtype=torch.uint8) for _ in keys]
+        assert t.read_many(keys, dsts) == [ReadStatus.OK] * len(keys)
+        assert threading.get_ident() in readers

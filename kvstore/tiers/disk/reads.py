@@ -167,26 +167,37 @@ def read_many(t: DiskTier, keys: Sequence[bytes],
         for task in tasks:
             _read_runs_safe(t, task, *args)
     else:
-        # ``width`` threads take the tasks in order from one queue. Every task runs to its
-        # end before we return: a reading thread still copying into a destination or
-        # mirror after read_many returned could overwrite a slot that the caller has
-        # meanwhile handed to another fetch
-        queue = collections.deque(tasks)
-
-        def drain() -> None:
-            while True:
-                try:
-                    task = queue.popleft()
-                except IndexError:
-                    return
-                _read_runs_safe(t, task, *args)
-
-        pool = t._get_pool()
-        futures = [pool.submit(drain) for _ in range(min(width, len(tasks)))]
-        concurrent.futures.wait(futures)
-        for f in futures:
-            f.result()  # _read_runs_safe does not raise; a pool shutting down may
+        _drain_with_helpers(t, collections.deque(tasks), min(width, len(tasks)), args)
     return [ReadStatus.DAMAGED if st is None else st for st in out]
+
+
+def _drain_with_helpers(t: DiskTier, queue: collections.deque, width: int, args: tuple) -> None:
+    """``width`` threads take the tasks in order from one queue: the calling thread, which
+    would only wait otherwise, and ``width - 1`` of the pool's. Every task runs to its end
+    before this returns, also when the caller's part raised: a reading thread still copying
+    into a destination or mirror afterwards could overwrite a slot that the caller has
+    meanwhile handed to another fetch."""
+
+    def drain() -> None:
+        while True:
+            try:
+                task = queue.popleft()
+            except IndexError:
+                return
+            _read_runs_safe(t, task, *args)
+
+    pool = t._get_pool()
+    futures = [pool.submit(drain) for _ in range(width - 1)]
+    try:
+        drain()
+    finally:
+        # a helper that has not started (the pool busy with another read) would find the
+        # queue empty: it is cancelled rather than waited for, so a read never waits behind
+        # another; one that has started is finishing a task and is waited for
+        running = [f for f in futures if not f.cancel()]
+        concurrent.futures.wait(running)
+    for f in running:
+        f.result()  # _read_runs_safe does not raise; a pool shutting down may
 
 
 _RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
