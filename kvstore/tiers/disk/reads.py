@@ -67,7 +67,7 @@ def _as_parts(d: Dst, what: str) -> Parts:
     for j, x in enumerate(parts):
         if type(x) is not memoryview:
             parts[j] = as_buffer(x, f"{what}[{j}]")
-        elif x.readonly or x.format != "B" or not x.c_contiguous:
+        elif x.readonly or not x.c_contiguous or x.format != "B":
             raise TensorMismatchError(f"{what}[{j}] must be a writable, contiguous byte "
                                       "memoryview (memoryview(...).cast('B'))")
     return parts
@@ -159,10 +159,11 @@ def read_many(t: DiskTier, keys: Sequence[bytes],
             out[i] = read_one(t, keys[i], raws[i], bufs[i])
         _mirror(range(len(keys)), out, dsts, mirrors)
         return out  # type: ignore[return-value]
-    runs = _plan_runs(t, keys, raws, bufs, out)
+    nb = [sum(map(len, p)) for p in bufs]  # each destination's bytes, summed once
+    runs = _plan_runs(t, keys, raws, nb, out)
     width, chunk = reading_shape(t, runs)
     tasks = per_segment(runs, width)
-    args = (keys, raws, bufs, out, dsts, mirrors, chunk)
+    args = (keys, raws, bufs, nb, out, dsts, mirrors, chunk)
     if len(tasks) == 1 or width == 1:
         for task in tasks:
             _read_runs_safe(t, task, *args)
@@ -248,12 +249,12 @@ def _in_page_cache(t: DiskTier, runs: list[Run]) -> bool | None:
     return True
 
 
-def _read_runs_safe(t: DiskTier, runs, keys, raws, bufs, out, dsts, mirrors,
+def _read_runs_safe(t: DiskTier, runs, keys, raws, bufs, nb, out, dsts, mirrors,
                     chunk: int) -> None:
     """``_read_runs``, with any unexpected failure turned into DAMAGED for its blocks (a
     corrupt index, a failed drop): a read never raises for bad data."""
     try:
-        _read_runs(t, runs, keys, raws, bufs, out, dsts, mirrors, chunk)
+        _read_runs(t, runs, keys, raws, bufs, nb, out, dsts, mirrors, chunk)
     except (StoreClosedError, TensorMismatchError):
         raise
     except Exception as e:  # damage of any kind is a counted miss
@@ -266,7 +267,8 @@ def _read_runs_safe(t: DiskTier, runs, keys, raws, bufs, out, dsts, mirrors,
                 out[i] = ReadStatus.DAMAGED
 
 
-def _read_runs(t: DiskTier, runs, keys, raws, bufs, out, dsts, mirrors, chunk: int) -> None:
+def _read_runs(t: DiskTier, runs, keys, raws, bufs, nb, out, dsts, mirrors,
+               chunk: int) -> None:
     rec = runs[0][0][1]
     fd = -1
     if rec is not None and len(runs) > 1:  # a stretch of one segment: its own descriptor
@@ -275,7 +277,7 @@ def _read_runs(t: DiskTier, runs, keys, raws, bufs, out, dsts, mirrors, chunk: i
                          os.O_RDONLY | os.O_CLOEXEC)
     try:
         for run in runs:
-            _read_run(t, run, keys, raws, bufs, out, fd, chunk)
+            _read_run(t, run, keys, raws, bufs, nb, out, fd, chunk)
             if mirrors is not None:
                 _mirror([i for i, _rec in run], out, dsts, mirrors)
     finally:
@@ -283,7 +285,7 @@ def _read_runs(t: DiskTier, runs, keys, raws, bufs, out, dsts, mirrors, chunk: i
             os.close(fd)
 
 
-def _plan_runs(t: DiskTier, keys, raws, bufs, out) -> list[Run]:
+def _plan_runs(t: DiskTier, keys, raws, nb: list[int], out) -> list[Run]:
     """Group the reads: blocks stored raw and adjacent in one segment (in request order or
     not) become one ``preadv`` with one iovec per destination (up to _RUN_BYTES)."""
     runs: list[Run] = []
@@ -299,7 +301,7 @@ def _plan_runs(t: DiskTier, keys, raws, bufs, out) -> list[Run]:
             runs.append([(i, None)])
             continue
         if (rec.codec == _codec.CODEC_NONE and rec.stored_nbytes == rec.raw_nbytes
-                == _size(bufs[i])):
+                == nb[i]):
             by_seg.setdefault(rec.segment, []).append((i, rec))
         else:
             runs.append([(i, None)])
@@ -319,7 +321,7 @@ def _plan_runs(t: DiskTier, keys, raws, bufs, out) -> list[Run]:
     return runs
 
 
-def _read_run(t: DiskTier, run, keys, raws, bufs, out, fd: int, chunk: int) -> None:
+def _read_run(t: DiskTier, run, keys, raws, bufs, nb, out, fd: int, chunk: int) -> None:
     if len(run) == 1 or run[0][1] is None:
         for i, _rec in run:
             out[i] = read_one(t, keys[i], raws[i], bufs[i])
@@ -333,7 +335,7 @@ def _read_run(t: DiskTier, run, keys, raws, bufs, out, fd: int, chunk: int) -> N
     done = 0  # blocks of the run read and verified (or found damaged)
     try:
         if fe is not None or fd >= 0:
-            done = _read_verified(t, run, keys, bufs, out, fd if fd >= 0 else fe.fd, chunk)
+            done = _read_verified(t, run, keys, bufs, nb, out, fd if fd >= 0 else fe.fd, chunk)
     finally:
         if fe is not None:
             t._fds.release(fe)
@@ -342,7 +344,7 @@ def _read_run(t: DiskTier, run, keys, raws, bufs, out, fd: int, chunk: int) -> N
         out[i] = read_one(t, keys[i], raws[i], bufs[i])
 
 
-def _read_verified(t: DiskTier, run, keys, bufs, out, fd: int, chunk: int) -> int:
+def _read_verified(t: DiskTier, run, keys, bufs, nb, out, fd: int, chunk: int) -> int:
     """Read the adjacent raw blocks of ``run`` and verify each, in pieces of about ``chunk``
     bytes (blocks that small in one ``preadv``, a larger block piece by piece), so that
     from the page cache each block is hashed while it is in the CPU's cache
@@ -354,10 +356,10 @@ def _read_verified(t: DiskTier, run, keys, bufs, out, fd: int, chunk: int) -> in
     try:
         while done < n_run:
             i, rec = run[done]
-            if _size(bufs[i]) > chunk:  # a large block: read and hash piece by piece
+            if nb[i] > chunk:  # a large block: read and hash piece by piece
                 n, csum = _seg.pread_checksum(fd, bufs[i], rec.offset, keys[i][_KEY_BYTES:],
                                                rec.namespace_id, chunk)
-                if n != _size(bufs[i]):
+                if n != nb[i]:
                     return done
                 ok += _settle(t, keys[i], rec, csum, out, i)
                 done += 1
@@ -366,9 +368,9 @@ def _read_verified(t: DiskTier, run, keys, bufs, out, fd: int, chunk: int) -> in
             # a block given as one page per layer is many)
             end, size, iovs = done, 0, 0
             while end < n_run and (end == done or (
-                    size + _size(bufs[run[end][0]]) <= chunk
+                    size + nb[run[end][0]] <= chunk
                     and iovs + len(bufs[run[end][0]]) <= _seg._IOV_MAX)):
-                size += _size(bufs[run[end][0]])
+                size += nb[run[end][0]]
                 iovs += len(bufs[run[end][0]])
                 end += 1
             views = [v for j, _ in run[done:end] for v in bufs[j]]
