@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +54,30 @@ class _Load:
     out: torch.Tensor  # [planned, L, P, T, H, D] staging slice the fetch writes
     ids: torch.Tensor  # vLLM page ids, one per planned block
     scattered: set[int] = field(default_factory=set)  # layers already in vLLM's pages
+
+
+def openmp_spin_hint(environ: Mapping[str, str], maps: str) -> str | None:
+    """The advice to log when vLLM's pages are in host memory and torch's OpenMP runtime is
+    libgomp left at its default spin (``maps``: the process's ``/proc/self/maps``), else
+    None. Its workers keep spinning 6-8 ms of CPU after every parallel region, through the
+    disk loads that start right after one (docs/vllm.md, "On few cores")."""
+    if "GOMP_SPINCOUNT" in environ or "OMP_WAIT_POLICY" in environ or "libgomp" not in maps:
+        return None
+    return ("kvstore: torch's OpenMP workers (libgomp) spin for ms after every parallel region "
+            "and take the cores a load from disk needs; with few cores, GOMP_SPINCOUNT=10000 "
+            "(or OMP_WAIT_POLICY=passive) in the engine's environment took a 32 MiB page-cache "
+            "load from 9.9-12.5 to 6.6-8.6 ms on 2 cores (docs/vllm.md, 'On few cores')")
+
+
+def _log_openmp_spin_hint() -> None:
+    try:
+        with open("/proc/self/maps") as f:
+            maps = f.read()
+    except OSError:  # not Linux: nothing to tell
+        return
+    hint = openmp_spin_hint(os.environ, maps)
+    if hint is not None:
+        log.info(hint)
 
 
 class WorkerSide:
@@ -99,6 +124,8 @@ class WorkerSide:
         zc = self.store if isinstance(self.store, ZeroCopy) else None
         slab = zc.warm_slab if zc is not None else None
         self._direct = self._page_kind == "cpu" and slab is not None and slab.numel() > 0
+        if self._page_kind == "cpu":
+            _log_openmp_spin_hint()
         if self._direct:
             assert slab is not None
             self._zc = zc
