@@ -22,6 +22,7 @@ from kvstore.integrations.transformers import (  # noqa: E402
     open_store_for,
     weights_digest,
 )
+from kvstore.integrations.transformers.identity import cache_kwarg  # noqa: E402
 
 T = 8  # block tokens in these tests
 FAMILIES = {
@@ -416,12 +417,13 @@ def test_prefill_cache_and_transformers_generate():
         pm.prefill(prompt)
         res = pm.prefill(prompt)  # from the store this time
         assert res.cached_tokens == 32
+        kw = cache_kwarg(model)  # generate's name for it (``cache`` since transformers 5.x)
         assert hf_greedy(model, prompt, 6, eos_token_id=None,
-                         past_key_values=res.cache_for_generate()) == want
+                         **{kw: res.cache_for_generate()}) == want
         assert hf_greedy(model, prompt, 6, eos_token_id=None,
-                         past_key_values=res.cache_for_generate()) == want  # again: fresh copy
+                         **{kw: res.cache_for_generate()}) == want  # again: fresh copy
         with pytest.raises(ValueError, match="cache_for_generate"):
-            hf_greedy(model, prompt, 6, eos_token_id=None, past_key_values=res.cache)
+            hf_greedy(model, prompt, 6, eos_token_id=None, **{kw: res.cache})
         # res.cache itself still continues with the next token, as documented
         nxt = pm._forward([res.next_token], res.cache, len(prompt))
         assert int(nxt.argmax()) == want[1]
