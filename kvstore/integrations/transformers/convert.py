@@ -57,7 +57,8 @@ class PromptCache(DynamicCache):
                 raise ValueError(
                     f"this cache already holds positions 0..{held - 1}; a forward from position "
                     f"{first} would add their K/V again. To continue with transformers' "
-                    "generate(input_ids, cache=...) (past_key_values= before transformers 5.x), pass "
+                    "generate(input_ids, cache=...) (past_key_values= before transformers "
+                    "5.x), pass "
                     "PrefillResult.cache_for_generate() (all but the last prompt token)"
                 )
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)

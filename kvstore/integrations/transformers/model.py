@@ -67,7 +67,9 @@ class PrefillResult:
         """A cache of all but the prompt's last token (views of ``cache``, no copy), the way
         transformers' ``generate`` takes one::
 
-            model.generate(ids, cache=res.cache_for_generate(), ...)  # past_key_values= before transformers 5.x
+            model.generate(ids, cache=res.cache_for_generate(), ...)
+
+        (``past_key_values=`` before transformers 5.x.)
 
         ``generate`` recomputes the last token and goes on; its outputs equal a plain
         ``generate``. Each call gives a fresh cache, so ``cache`` stays as it is.

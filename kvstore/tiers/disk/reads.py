@@ -67,7 +67,7 @@ def _as_parts(d: Dst, what: str) -> Parts:
     for j, x in enumerate(parts):
         if type(x) is not memoryview:
             parts[j] = as_buffer(x, f"{what}[{j}]")
-        elif x.readonly or not x.c_contiguous or x.format != "B":
+        elif x.readonly or x.format != "B" or not x.c_contiguous:
             raise TensorMismatchError(f"{what}[{j}] must be a writable, contiguous byte "
                                       "memoryview (memoryview(...).cast('B'))")
     return parts
