@@ -164,11 +164,7 @@ def read_many(t: DiskTier, keys: Sequence[bytes],
     width, chunk = reading_shape(t, runs)
     tasks = per_segment(runs, width)
     args = (keys, raws, bufs, nb, out, dsts, mirrors, chunk)
-    if len(tasks) == 1 or width == 1:
-        for task in tasks:
-            _read_runs_safe(t, task, *args)
-    else:
-        _drain_with_helpers(t, collections.deque(tasks), min(width, len(tasks)), args)
+    _drain_with_helpers(t, collections.deque(tasks), min(width, len(tasks)), args)
     return [ReadStatus.DAMAGED if st is None else st for st in out]
 
 
@@ -177,7 +173,8 @@ def _drain_with_helpers(t: DiskTier, queue: collections.deque, width: int, args:
     would only wait otherwise, and ``width - 1`` of the pool's. Every task runs to its end
     before this returns, also when the caller's part raised: a reading thread still copying
     into a destination or mirror afterwards could overwrite a slot that the caller has
-    meanwhile handed to another fetch."""
+    meanwhile handed to another fetch. With ``width`` 1 the caller reads alone (the pool is
+    not touched)."""
 
     def drain() -> None:
         while True:
@@ -187,8 +184,10 @@ def _drain_with_helpers(t: DiskTier, queue: collections.deque, width: int, args:
                 return
             _read_runs_safe(t, task, *args)
 
-    pool = t._get_pool()
-    futures = [pool.submit(drain) for _ in range(width - 1)]
+    futures: list[concurrent.futures.Future[None]] = []
+    if width > 1:
+        pool = t._get_pool()
+        futures = [pool.submit(drain) for _ in range(width - 1)]
     try:
         drain()
     finally:
