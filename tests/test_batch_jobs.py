@@ -257,3 +257,66 @@ def test_text_prompts_and_stop_strings_with_a_tokenizer(model_dir, tmp_path):
     full = tok.decode(t["token_ids"], skip_special_tokens=True)
     assert t["text"] == full[: full.find(stop)] and stop not in t["text"]
     assert u["token_ids"] == plain and u["text"] == tok.decode(plain)
+
+
+def test_every_line_failing_for_one_reason_is_said_once_and_nothing_runs(model_dir, tmp_path,
+                                                                         capsys, monkeypatch):
+    """Issue 31 item 6: text prompts to a model without a tokenizer fail every line alike."""
+    from kvstore.commands import batch as cmd
+
+    def no_engine(args, tok):
+        raise AssertionError("no line can run: the model must not be loaded")
+
+    monkeypatch.setattr(cmd, "_open_engine", no_engine)
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps({"custom_id": f"q{i}", "prompt": f"question {i}"}) + "\n"
+                           for i in range(5)))
+    assert run_cli(src, out, "--model", model_dir) == 2
+    cap = capsys.readouterr()
+    assert cap.err.count("needs a tokenizer") == 1, cap.err
+    assert "all 5 lines" in cap.err and "nothing ran" in cap.err
+    assert "(from )" not in cap.out and cap.out == ""
+    assert not out.exists()
+    # different reasons: each line is named, then that nothing ran
+    src.write_text(json.dumps({"custom_id": "a", "prompt": "x"}) + "\n{bad\n")
+    assert run_cli(src, out, "--model", model_dir) == 2
+    err = capsys.readouterr().err
+    assert "line 1 (custom_id 'a')" in err and "line 2: not valid JSON" in err
+    assert "nothing ran" in err and not out.exists()
+
+
+def test_summary_of_a_job_with_nothing_left_to_compute(model_dir, tmp_path, capsys, monkeypatch):
+    """Every result kept from an interrupted run: no engine report, no "(from )"."""
+    from kvstore.commands import batch as cmd
+
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_job(src, n=3, bad=False)
+
+    class Killed(BaseException):
+        pass
+
+    real = cmd._open_engine
+
+    def open_engine(args, tok):
+        engine = real(args, tok)
+        inner = engine.run
+
+        def run(reqs, on_done=None):
+            def done(i, c):
+                on_done(i, c)
+                if i == len(reqs) - 1:
+                    raise Killed  # killed after the last result, before OUT was written
+            return inner(reqs, on_done=done)
+
+        engine.run = run
+        return engine
+
+    monkeypatch.setattr(cmd, "_open_engine", open_engine)
+    with pytest.raises(Killed):
+        run_cli(src, out, "--model", model_dir, "--max-batch-rows", "1")
+    monkeypatch.setattr(cmd, "_open_engine", real)
+    capsys.readouterr()
+    assert run_cli(src, out, "--model", model_dir) == 0
+    text = capsys.readouterr().out
+    assert "3 kept from an interrupted run" in text and "(from )" not in text
+    assert len(out.read_text().splitlines()) == 3

@@ -79,12 +79,19 @@ def _open_engine(args: argparse.Namespace, tokenizer: Any) -> Any:
 
 def _report_errors(job: Any) -> None:
     errs = job.errors
+    if len(errs) > 1 and not job.requests and len({e.message for e in errs}) == 1:
+        # every line fails for one reason: said once, not once a line
+        print(f"kvstore batch: all {len(errs)} lines: {errs[0].message}; nothing ran",
+              file=sys.stderr)
+        return
     for e in errs[:_MAX_ERRORS_SHOWN]:
         who = f" (custom_id {e.custom_id!r})" if e.custom_id else ""
         print(f"kvstore batch: line {e.line}{who}: {e.message}", file=sys.stderr)
     if len(errs) > _MAX_ERRORS_SHOWN:
         print(f"kvstore batch: ... and {len(errs) - _MAX_ERRORS_SHOWN} more bad lines",
               file=sys.stderr)
+    if errs and not job.requests:
+        print("kvstore batch: no line can run: nothing ran", file=sys.stderr)
 
 
 def _plan_only(args: argparse.Namespace, job: Any) -> int:
@@ -116,7 +123,8 @@ def _print_summary(s: Any, out_path: str) -> None:
         ("requests", f"{s.requests:,} ({s.resumed:,} kept from an interrupted run)"
          if s.resumed else f"{s.requests:,}"),
         ("bad lines", f"{len(s.errors):,}"),
-        ("prompt tokens computed", f"{s.computed_tokens:,} (from {s.token_source})"),
+        ("prompt tokens computed", f"{s.computed_tokens:,}"
+         + (f" (from {s.token_source})" if s.token_source else "")),
         ("  naive (every prompt in full)", f"{s.naive_tokens:,}"),
         ("  lower bound (unique tokens)", f"{s.lower_bound_tokens:,} ({bound:.2f}x)"),
     ]
@@ -140,6 +148,8 @@ def run(args: argparse.Namespace) -> int:
     job = read_requests(args.input, tokenize=tokenize, vocab=getattr(cfg, "vocab_size", None),
                         context=getattr(cfg, "max_position_embeddings", None))
     _report_errors(job)
+    if job.errors and not job.requests:  # nothing can run: no model to load, no OUT to write
+        return EXIT_ERROR
     if args.plan_only:
         return _plan_only(args, job)
     if job.errors and args.on_error == "fail":
