@@ -23,6 +23,12 @@ class SizeError(ConfigError):
     """A capacity string or number could not be parsed, or is too small."""
 
 
+class StorePermissionError(ConfigError):
+    """A store's files or directories can be written by users other than its owner (and
+    the group it is shared with): refused on open, with the path and the ``chmod`` that
+    fixes it (docs/operations.md, "File modes")."""
+
+
 class TokenError(KVStoreError, ValueError):
     """Token ids are not non-negative integers below 2**32."""
 
@@ -45,6 +51,13 @@ class StoreClosedError(KVStoreError, RuntimeError):
 
 class FormatVersionError(KVStoreError, RuntimeError):
     """An on-disk store was written by an incompatible format version."""
+
+
+class HeaderFormatError(KVStoreError, ValueError):
+    """A file's JSON header (a segment's, a pack's) is not ASCII JSON, is larger than a
+    kvstore header may be, or nests deeper than one ever does: the file is damaged or not
+    kvstore's. ``recover`` and ``verify`` count it as a finding and skip the file;
+    ``import`` refuses the pack."""
 
 
 class TransferError(KVStoreError, RuntimeError):
@@ -70,11 +83,32 @@ class StoreCorruptError(KVStoreError, RuntimeError):
     """
 
 
-class PutsLostError(KVStoreError, RuntimeError):
+class NotDurableError(KVStoreError, RuntimeError):
+    """``flush`` cannot vouch for puts made before it: ``blocks`` of them are not on disk.
+
+    Raised by ``flush`` (embedded and daemon client alike) when the disk tier could not write
+    them (disk full, I/O error: ``reason`` says which). ``put`` never raises for this; blocks
+    still in memory keep being served and are written again by the next ``flush``, which
+    returns normally once they are durable (free space, then flush again)."""
+
+    def __init__(self, message: str, blocks: int = 0, reason: str = "") -> None:
+        super().__init__(message)
+        self.blocks = blocks
+        self.reason = reason
+
+
+class PutsLostError(NotDurableError):
     """``flush`` cannot vouch for puts a daemon had acknowledged: it restarted (killed,
     crashed) before writing them to disk, or it cannot be reached to confirm. ``blocks`` is
     how many; put them again if they matter."""
 
-    def __init__(self, message: str, blocks: int = 0) -> None:
-        super().__init__(message)
-        self.blocks = blocks
+
+class DaemonUnavailableError(KVStoreError, ConnectionError):
+    """No ``kvstore serve`` daemon answers at the socket: nothing listens there (a mistyped
+    path, a daemon not started or gone), or it did not complete the handshake.
+
+    Raised by ``kvstore.connect`` when the daemon does not answer at connect (unless it is
+    told to wait for one that is starting: ``wait_for_daemon=True``), and by the admin
+    commands that ask a daemon (``kvstore stats --socket``, ``explain --socket``, ``rm``
+    through a daemon). A daemon that answered once and went away is not an error: the
+    client misses until it is back."""

@@ -136,6 +136,10 @@ class Catalog:
         if key in self._parent and key not in self._on_disk:
             self._dirty[key] = None
 
+    def discard_dirty(self, key: BlockKey) -> None:
+        """``key`` no longer waits for the writer (its disk copy was evicted on purpose)."""
+        self._dirty.pop(key, None)
+
     def is_dirty(self, key: BlockKey) -> bool:
         return key in self._dirty
 

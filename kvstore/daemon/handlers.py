@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from kvstore.daemon.namespaces import free_warm_slots
+from kvstore.errors import NotDurableError
 from kvstore.keys import KeyChain
 from kvstore.wire import messages as m
 from kvstore.wire.errors import BadRequest, ErrorCode
@@ -125,6 +126,8 @@ async def flush(conn: Connection, req: m.Flush) -> m.Empty:
         await conn.run(store.flush, req.timeout)
     except TimeoutError as e:
         raise BadRequest(str(e), ErrorCode.TIMEOUT) from None
+    except NotDurableError as e:  # the message starts "flush: N block(s)" (protocol.md)
+        raise BadRequest(str(e), ErrorCode.NOT_DURABLE) from None
     return m.Empty()
 
 

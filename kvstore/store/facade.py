@@ -4,6 +4,7 @@ it (residency, fetch, put, paged, write_back, zero_copy) over one
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -30,6 +31,8 @@ from kvstore.writer import WriteBehind
 
 if TYPE_CHECKING:
     from kvstore.events.sink import EventSink
+
+log = logging.getLogger("kvstore.store")
 
 
 class Store:
@@ -77,7 +80,13 @@ class Store:
         if st.engine is not None:
             st.engine.close()  # queued copies complete first
         if st.writer is not None:
+            with st.lock:  # blocks the disk refused before get one last try
+                st.durability.retry(st.catalog)
             st.writer.close()  # drains what is dirty: close() implies flush()
+            with st.lock:
+                error = st.durability.report()
+            if error is not None:
+                log.error("closing the store at %s: %s", self.config.path, error)
         with st.lock:
             if st.closed:
                 return
@@ -154,8 +163,25 @@ class Store:
 
     def evict(self, keys: Sequence[bytes] | None = None, *, tier: str | None = None) -> int:
         """Evict ``keys`` (default: every unpinned block) and return how many left
-        (see :meth:`kvstore.store.residency.Residency.evict`)."""
-        return self.residency.evict(keys, tier=tier)
+        (see :meth:`kvstore.store.residency.Residency.evict`).
+
+        An evict from the store (``tier=None``) or from the disk (``tier="disk"``) wins over
+        every write of the same keys still in flight: the put copies are waited for, what is
+        staged for disk is committed and deleted, the keys leave the overflow queue, so once
+        this returns nothing writes them back (a later ``put`` does, as a new block)."""
+        st = self.state
+        if tier not in (None, "disk") or st.writer is None:
+            return self.residency.evict(keys, tier=tier)
+        ks = None if keys is None else st.keys(keys)
+        with st.lock:
+            st.check_open()
+            copies = {id(t): t for k, t in st.pending.items() if ks is None or k in ks}
+        for t in copies.values():  # a put's copy in flight: its blocks become evictable
+            t.wait()
+        with self.write_back.pass_lock:  # no writer pass in flight from here on
+            queued = self.write_back.revoke(None if ks is None else set(ks),
+                                            memory=tier == "disk")
+            return queued + self.residency.evict(ks, tier=tier)
 
     # -- zero copy (kvstore.api.ZeroCopy) -------------------------------------------------
     def borrow_blocks(self, keys: Sequence[bytes]) -> BorrowedBlocks:
@@ -233,6 +259,10 @@ class Store:
         """Return once every earlier ``put``/``fetch`` copy has landed and every earlier ``put``
         is durable on disk (where there is a disk tier).
 
+        Raises :class:`~kvstore.errors.NotDurableError` (``.blocks``, ``.reason``) when the
+        disk could not write some of them (disk full, I/O error); those still in memory are
+        served and written again by the next ``flush``.
+
         Blocks that were evicted from memory before the writer reached them are not waited
         for: they are counted in ``stats().dirty_dropped``.
         """
@@ -240,8 +270,16 @@ class Store:
         st.check_open()
         if st.engine is not None and not st.engine.drain(timeout):
             raise TimeoutError(f"flush did not finish within {timeout} s (copies in flight)")
-        if st.writer is not None and not st.writer.flush(timeout):
+        if st.writer is None:
+            return
+        with st.lock:  # blocks the disk refused before: write them again
+            st.durability.retry(st.catalog)
+        if not st.writer.flush(timeout):
             raise TimeoutError(f"flush did not finish within {timeout} s")
+        with st.lock:
+            error = st.durability.report()
+        if error is not None:
+            raise error
 
     def stats(self) -> StoreStats:
         """A frozen snapshot of the counters and the tiers' occupancy."""

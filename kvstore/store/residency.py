@@ -187,6 +187,7 @@ class Residency:
         tier.counters.evictions += 1
         self.st.announce_removed(tier.name, [key])
         cat.forget(key)
+        self.st.durability.left_memory(key)  # a block the disk refused is gone now
         return True
 
     def demote(self, key: BlockKey) -> bool:
@@ -289,4 +290,5 @@ class Residency:
                     self.st.counters.dirty_dropped += 1
                 cat.forget(k)
                 removed.append(k)
+        self.st.durability.forget(removed)  # evicted on purpose: not flush's to report
         return removed

@@ -18,6 +18,7 @@ from kvstore.errors import NamespaceMismatchError, StoreClosedError
 from kvstore.index import Catalog
 from kvstore.keys import BlockKey, KeyChain, all_keys, check_key
 from kvstore.stats import Counters
+from kvstore.store.durability import Durability
 
 if TYPE_CHECKING:
     import torch
@@ -59,6 +60,7 @@ class StoreState:
     overflow_bytes: int = 0
     pending: dict[BlockKey, Transfer[int]] = field(default_factory=dict)  # put copies in flight
     granted: set[BlockKey] = field(default_factory=set)  # granted puts not yet committed
+    durability: Durability = field(default_factory=Durability)  # what flush cannot vouch for
     events: EventSink | None = None  # told what each tier now holds or let go (KV events)
 
     def announce_stored(self, tier: str, keys: Sequence[BlockKey],

@@ -13,6 +13,7 @@ tier, whose slots stay pinned until then) is staged, or the oldest staged batch 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -53,12 +54,47 @@ class WriteBack:
     def __init__(self, st: StoreState, res: Residency) -> None:
         self.st = st
         self.res = res
-        self.staged = Staged()  # touched only by the writer's thread
+        self.staged = Staged()  # touched only by the writer's thread (or under ``pass_lock``)
+        self.failure = ""  # the durable tier's last write error, for Durability
+        # held for a whole pass: an evict takes it to see no write of its keys in flight
+        self.pass_lock = threading.Lock()
 
     def write_pass(self) -> bool:
         """One batch of the background writer: overflow of a put straight to the durable
         tier, else dirty blocks into every lower tier (one disk segment, one remote pipeline).
         Returns False, with everything staged committed, once there is nothing more."""
+        with self.pass_lock:
+            return self._write_pass()
+
+    def revoke(self, keys: set[BlockKey] | None, *, memory: bool) -> int:
+        """No write of ``keys`` (None: of any block) may land after this returns.
+
+        The caller holds :attr:`pass_lock`, so no pass is running: what is staged is
+        committed now (the evict that follows deletes it from the index), the keys leave the
+        overflow queue, and with ``memory`` their copies in memory stop being dirty (an evict
+        of the disk copies only: memory keeps them, the disk does not get them back).
+        Returns how many blocks left the overflow queue."""
+        self.commit()
+        st = self.st
+        dropped = 0
+        with st.lock:
+            for job in st.overflow:
+                keep = [i for i, k in enumerate(job.keys) if keys is not None and k not in keys]
+                if len(keep) == len(job.keys):
+                    continue
+                dropped += len(job.keys) - len(keep)
+                st.overflow_bytes -= (len(job.keys) - len(keep)) * st.layout.block_nbytes
+                job.keys = [job.keys[i] for i in keep]
+                job.parents = [job.parents[i] for i in keep]
+                job.positions = [job.positions[i] for i in keep]
+            if memory:
+                cat = st.catalog
+                for k in list(cat.keys()) if keys is None else keys:
+                    cat.discard_dirty(k)
+                    st.came_from.pop(k, None)
+        return dropped
+
+    def _write_pass(self) -> bool:
         per_batch = max(1, WRITE_BATCH_BYTES // self.st.layout.block_nbytes)
         with self.st.lock:
             if self.st.closed or not self.st.lower:
@@ -95,6 +131,7 @@ class WriteBack:
             batch = tier.stage(items)
         except Exception as e:  # DiskError or worse: these blocks stay memory-only
             log.warning("disk tier write failed, %d blocks stay memory-only: %s", len(items), e)
+            self.failure = str(e)
             return False
         s = self.staged
         if not s.batches:
@@ -125,9 +162,11 @@ class WriteBack:
             ok = True
         except DiskError as e:
             log.warning("disk tier write failed, %d blocks stay memory-only: %s", len(s.jobs), e)
-        except Exception:
+            self.failure = str(e)
+        except Exception as e:
             log.exception("disk tier write failed unexpectedly; %d blocks stay memory-only",
                           len(s.jobs))
+            self.failure = f"unexpected {type(e).__name__}: {e}"
         self.settle(s.jobs, ok)
 
     def settle(self, jobs: list[Job], ok: bool) -> None:
@@ -140,6 +179,7 @@ class WriteBack:
                     cat.set_on_disk(k)  # a lower copy exists (disk, or remote alone)
             if not ok:
                 self.st.counters.disk_write_dropped += len(jobs)
+                self.st.durability.failed([j[0] for j in jobs], cat, self.failure)
             elif self.st.durable is not None:
                 self.st.announce_stored(self.st.durable.name, [j[0] for j in jobs],
                                         [j[1] for j in jobs])
@@ -182,9 +222,13 @@ class WriteBack:
         except DiskError as e:
             log.warning("%s tier write failed, %d blocks stay memory-only: %s",
                         tier.name, len(items), e)
-        except Exception:
+            if not tier.volatile:
+                self.failure = str(e)
+        except Exception as e:
             log.exception("%s tier write failed unexpectedly; %d blocks stay memory-only",
                           tier.name, len(items))
+            if not tier.volatile:
+                self.failure = f"unexpected {type(e).__name__}: {e}"
         return False
 
     def write_overflow(self, job: OverflowJob) -> None:
@@ -192,7 +236,11 @@ class WriteBack:
         base = job.base
         if job.memory is not None:
             base = job.memory.wait()
+        if not job.keys:  # every block of it was evicted before the writer got to it
+            job.transfer.set_result(base)
+            return
         durable = self.st.durable
+        failure = ""
         try:
             assert durable is not None  # a put overflows only with a durable tier
             durable.write([
@@ -204,10 +252,12 @@ class WriteBack:
         except Exception as e:  # DiskError or worse: the blocks are lost, the engine is not
             log.warning("disk tier write failed, %d blocks of a put were dropped: %s",
                         len(job.keys), e)
+            failure = str(e)
         with self.st.lock:
             self.st.overflow_bytes -= len(job.keys) * self.st.layout.block_nbytes
             if not ok:
                 self.st.counters.disk_write_dropped += len(job.keys)
+                self.st.durability.dropped(len(job.keys), failure)
             elif durable is not None:
                 self.st.announce_stored(durable.name, job.keys, job.parents)
         job.transfer.set_result(base + (len(job.keys) if ok else 0))

@@ -34,6 +34,7 @@ class ErrorCode(IntEnum):
     CONFIG = 11  # the hello names a layout or namespace this daemon cannot serve
     INTERNAL = 12  # a bug or an unexpected failure in the daemon (it keeps serving)
     TIMEOUT = 13  # the operation did not finish in the time asked (flush)
+    NOT_DURABLE = 14  # flush: "flush: N block(s) ..." put before it are not on disk
 
 
 #: codes after which the daemon closes the connection

@@ -46,6 +46,15 @@ def hint(e: OSError) -> str:
     return ""
 
 
+def disk_full(path: str) -> bool:
+    """True when the filesystem holding ``path`` has (almost) no space left for writers."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < 1 << 20
+
+
 def write_raw(t: DiskTier, fn: Callable) -> object:
     """Run ``fn(txn)`` in a write transaction of ``t``'s index; returns its result."""
     try:
@@ -53,6 +62,8 @@ def write_raw(t: DiskTier, fn: Callable) -> object:
     except lmdb.Error as e:
         code = getattr(e, "code", 0)  # LMDB passes system errors (ENOSPC, EIO) through
         code = code if isinstance(code, int) and 0 < code < 4096 else errno.EIO
+        if code == errno.EIO and disk_full(t._index_dir):
+            code = errno.ENOSPC  # LMDB turns a short write on a full disk into EIO
         why = hint(OSError(code, "")) if code != errno.EIO else ""
         raise DiskError(code, f"the disk index at {t._index_dir} could not commit: {e}"
                         + why) from e
