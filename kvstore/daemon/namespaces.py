@@ -194,9 +194,8 @@ class NamespaceRegistry:
                 store = entry.store
 
                 def _remove() -> int:
-                    # blocks the disk writer is writing right now are pinned, and an evict
-                    # skips them (then they land on disk after it): let it finish first
-                    store.flush()
+                    # evict wins over the writer's writes in flight (no flush first: on a
+                    # full disk that raises, and an rm must still work there)
                     # a plain key list: the store's own namespace check decides what is its own
                     n = store.evict(keys, tier=None)
                     if entry.memory_only:  # embedded writers may have blocks on that disk
@@ -243,6 +242,7 @@ class NamespaceRegistry:
                 admission={"warm": cfg.warm_admission, "disk": cfg.admission},
                 eviction=cfg.eviction, disk_codec=cfg.disk_codec,
                 warm_shared_memory=str(shm), events=sink,  # the store reports its tiers
+                group=cfg.group,
             )
             try:
                 _reserve(shm, cap - cap % bn)
