@@ -451,3 +451,35 @@ def test_repair_judges_each_item_again(tmp_path):
     assert done.ok and done.fix and all("reach it again" in f.detail for f in done.findings)
     assert {r.key for r in _records(p)} == set(keys) and _leading_run(p, keys) == 6
     _consistent(p)
+
+
+# -- issue 26: a hostile segment header is a finding, never a traceback -------------------------
+
+def test_verify_reports_a_deeply_nested_header_and_fix_repairs_its_blocks(tmp_path, capsys):
+    import struct
+
+    p = tmp_path / "store"
+    keys, recs = _chain(p)
+    (sid,) = {r.segment for r in recs}
+    path = Path(_seg_path(p, sid))
+    data = path.read_bytes()
+    (n,) = struct.unpack_from("<Q", data)
+    depth = (n - 20) // 2  # as deep as the header's own length allows, payloads untouched
+    assert depth > 1500  # deeper than Python's recursion limit
+    body = (b'{"__metadata__":' + b"[" * depth + b"]" * depth + b"}").ljust(n)
+    mode = path.stat().st_mode
+    os.chmod(path, 0o600)
+    path.write_bytes(data[:8] + body + data[8 + n:])
+    os.chmod(path, mode)
+
+    assert main(["verify", "--store", str(p), "--format", "json"]) == 1
+    cap = capsys.readouterr()
+    assert "Traceback" not in cap.err and "Recursion" not in cap.err
+    data = json.loads(cap.out)
+    assert {f["kind"] for f in data["findings"]} == {"bad_header"}
+    assert {f["key"] for f in data["findings"]} == {k.hex() for k in keys}
+    assert all("deep" in f["detail"] for f in data["findings"])
+    assert main(["verify", "--store", str(p), "--fix", "-y"]) == 0
+    capsys.readouterr()
+    assert {r.key for r in _records(p)} == set(keys)
+    assert main(["verify", "--store", str(p)]) == 0

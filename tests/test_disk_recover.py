@@ -10,6 +10,7 @@ import io
 import json
 import os
 import shutil
+import struct
 from pathlib import Path
 
 import lmdb
@@ -19,7 +20,7 @@ from conftest import bit_equal, keyed_kv
 
 from kvstore import KVLayout, StoreCorruptError, open_store
 from kvstore.cli import main
-from kvstore.errors import StoreLockedError
+from kvstore.errors import KVStoreError, StoreLockedError
 from kvstore.tiers.disk import DiskTier, guard
 from kvstore.tiers.disk import index as di
 from kvstore.tiers.disk import segments as seg
@@ -346,3 +347,90 @@ def test_recover_after_index_damage_restores_everything(tmp_path, damage):
     assert res.done and res.blocks_recovered == n and res.ok
     assert guard.require_intact(str(tmp_path / "index")).databases["blocks"] == n
     assert fetch_all(tmp_path, 4) == [8] * 4
+
+
+# -- issue 26: hostile headers, dropped entries -------------------------------------------------
+
+def _deep_header(depth: int = 200_000) -> bytes:
+    """A segment header whose metadata nests ``depth`` levels deep."""
+    body = b'{"__metadata__":' + b"[" * depth + b"]" * depth + b"}"
+    body += b" " * ((-(8 + len(body))) % 8)
+    return struct.pack("<Q", len(body)) + body
+
+
+@pytest.mark.parametrize("head", [
+    b"[" * 200_000 + b"]" * 200_000,
+    b'{"a":' * 100_000 + b"0" + b"}" * 100_000,
+    b'{"__metadata__":' + b"[" * 100 + b"]" * 100 + b"}",
+], ids=["lists", "objects", "past-the-limit"])
+def test_a_deeply_nested_segment_header_is_a_format_error(head):
+    with pytest.raises(seg.SegmentFormatError, match="deep") as e:
+        seg.parse_header(head)
+    assert isinstance(e.value, KVStoreError)
+
+
+def test_header_parsing_is_not_fooled_by_brackets_in_strings():
+    head = json.dumps({"__metadata__": {"k": "[" * 5000 + "{\\\"" * 100}, "t": [[1], {}]},
+                      separators=(",", ":")).encode("ascii")
+    obj, start = seg.parse_header(head)
+    assert obj["__metadata__"]["k"].startswith("[[[") and start == 8 + len(head)
+    with pytest.raises(seg.SegmentFormatError, match="not ASCII JSON"):
+        seg.parse_header(b'{"a":"[}')
+    with pytest.raises(seg.SegmentFormatError, match="deep"):  # past the limit, then garbage
+        seg.parse_header(b"[" * 65 + b'"\\"' + b"]" * 3)
+    with pytest.raises(seg.SegmentFormatError, match="not ASCII JSON"):
+        seg.parse_header(b'{"a":1,}')
+    with pytest.raises(seg.SegmentFormatError, match="not a JSON object"):
+        seg.parse_header(b"[1]")
+    with pytest.raises(seg.SegmentFormatError, match="data_offsets"):
+        seg.header_tensors(seg.parse_header(b'{"a":{"data_offsets":[0,1e999]}}')[0], 8)
+
+
+def test_recover_skips_a_segment_with_a_hostile_header_and_rebuilds_the_rest(tmp_path):
+    n = build(tmp_path)
+    top = max(int(p.stem, 16) for p in (tmp_path / "segments").glob("*.safetensors"))
+    hostile = tmp_path / "segments" / seg.segment_name(top + 1)
+    hostile.write_bytes(_deep_header() + bytes(64))
+    remove_index(tmp_path)
+    rc, out, err = cli("recover", "--store", str(tmp_path), "--format", "json")
+    assert rc == 1 and "Traceback" not in err, err  # rebuilt, with a finding
+    res = json.loads(out)
+    assert res["done"] and res["segments_skipped"] == 1 and res["blocks_recovered"] == n
+    (f,) = [f for f in res["findings"] if f["kind"] == "bad_segment"]
+    assert f["path"] == str(hostile) and "deep" in f["detail"]
+    assert fetch_all(tmp_path) == [8] * 5
+
+
+def test_recover_counts_dropped_header_entries_and_exits_1(tmp_path):
+    n = build(tmp_path)
+    with opened(tmp_path) as s:
+        first = chains(s)[0]
+    t = DiskTier(tmp_path, capacity_bytes=1 << 30, readonly=True)
+    try:
+        sid = t.get_record(first[0]).segment
+    finally:
+        t.close()
+    path = tmp_path / "segments" / seg.segment_name(sid)
+    obj, start, _ = seg.read_header(str(path))
+    for k, bad in zip(first[:4], [2**62, -1, "x", float("inf")], strict=True):
+        obj[k.hex()]["data_offsets"][0] = bad  # (inf is written as Infinity)
+    body = json.dumps(obj, separators=(",", ":")).encode("ascii")
+    body += b" " * ((-(8 + len(body))) % 8)
+    data, mode = path.read_bytes(), path.stat().st_mode
+    os.chmod(path, 0o600)
+    path.write_bytes(struct.pack("<Q", len(body)) + body + data[start:])
+    os.chmod(path, mode)
+    remove_index(tmp_path)
+    rc, out, err = cli("recover", "--store", str(tmp_path), "--format", "json")
+    assert rc == 1, err  # docs/cli.md: recovered, but some blocks could not be
+    res = json.loads(out)
+    assert res["blocks_bad"] == 4 and res["blocks_found"] == n
+    assert res["blocks_recovered"] == n - 4
+    bad = sorted(f["key"] for f in res["findings"] if f["kind"] == "bad_entry")
+    assert bad == sorted(k.hex() for k in first[:4])
+    assert fetch_all(tmp_path) == [0, 8, 8, 8, 8]
+    rc, out, _ = cli("recover", "--store", str(tmp_path))
+    assert rc == 0 and "intact" in out
+    rc, out, _ = cli("verify", "--store", str(tmp_path), "--format", "json")
+    assert rc == 1  # what is left of chain 0 is reported
+    assert {f["key"] for f in json.loads(out)["findings"]} >= {k.hex() for k in first[4:]}

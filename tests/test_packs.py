@@ -345,3 +345,72 @@ def test_a_pack_is_a_safetensors_file(pack, source):
     k = bytes(keys[0].numpy())
     assert bytes(blocks[0].contiguous().view(torch.uint8).reshape(-1).numpy()) == bytes(
         block_bytes(k, LAY.block_nbytes))
+
+
+# -- issue 26: hostile headers and files that are not regular files ------------------------------
+
+def _deep_header(depth: int, opener: bytes = b"[", closer: bytes = b"]") -> bytes:
+    """A pack-sized header whose metadata nests ``depth`` levels deep."""
+    body = b'{"__metadata__":' + opener * depth + b"0" + closer * depth + b"}"
+    body += b" " * ((-(8 + len(body))) % 8)
+    return len(body).to_bytes(8, "little") + body
+
+
+@pytest.mark.parametrize("nest", ["list", "object"])
+def test_a_deeply_nested_header_is_refused_not_a_traceback(tmp_path, capsys, nest):
+    opener, closer = (b"[", b"]") if nest == "list" else (b'{"a":', b"}")
+    depth = 200_000 if nest == "list" else 100_000  # within the 4 MiB header limit
+    bad = tmp_path / "deep.kvpack"
+    bad.write_bytes(_deep_header(depth, opener, closer) + bytes(64))
+    with pytest.raises(PackError) as e:
+        open_pack(str(bad))
+    assert e.value.kind == "not_a_pack" and "deep" in str(e.value) and str(bad) in str(e.value)
+    err = _refused(bad, tmp_path / "Q", capsys, "not_a_pack")
+    assert "Traceback" not in err and "Recursion" not in err
+
+
+def _fifo_writer(path: str, stop):
+    """Unblocks a reader that opened the FIFO (the code before issue 26 did, and hung)."""
+    import threading
+
+    def run() -> None:
+        while not stop.wait(0.05):
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError:  # ENXIO: nobody has it open for reading
+                continue
+            os.close(fd)
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+@pytest.mark.parametrize("what", ["fifo", "device", "directory"])
+def test_only_a_regular_file_is_read_as_a_pack(tmp_path, capsys, what):
+    import threading
+
+    if what == "fifo":
+        target = tmp_path / "pipe.kvpack"
+        os.mkfifo(target)
+        name = "FIFO"
+    elif what == "device":
+        target = tmp_path / "null.kvpack"
+        os.symlink("/dev/null", target)  # a link to a device is refused too
+        name = "device"
+    else:
+        target = tmp_path / "dir.kvpack"
+        target.mkdir()
+        name = "directory"
+    stop = threading.Event()
+    writer = _fifo_writer(str(target), stop) if what == "fifo" else None
+    try:
+        with pytest.raises(PackError) as e:
+            import_pack(target, tmp_path / "Q", create=True)
+        msg = str(e.value)
+        assert e.value.kind == "not_a_pack" and str(target) in msg
+        assert name in msg and "not a regular file" in msg
+        _refused(target, tmp_path / "Q", capsys, "not_a_pack")
+    finally:
+        stop.set()
+        if writer is not None:
+            writer.join()

@@ -18,6 +18,8 @@ import xxhash
 
 from kvstore.admin.common import AdminError
 from kvstore.admin.nsmatch import NamespaceFields
+from kvstore.errors import HeaderFormatError
+from kvstore.header_json import load_header
 from kvstore.tiers.disk.index import RecordError, decode_namespace, namespace_record_id
 from kvstore.tiers.disk.segments import ST_DTYPES
 
@@ -129,11 +131,14 @@ def parse_header(header: bytes, path: str) -> PackHeader:
     """Parse and check the ``8 + N`` header bytes of a pack: the metadata must describe a
     valid namespace whose id it names, and the bytes must be exactly what
     :func:`encode_header` writes for it."""
+    try:  # bounded in size and depth: a hostile header is refused, never a RecursionError
+        obj = load_header(header[8:], what="its safetensors header", max_bytes=MAX_HEADER_BYTES)
+    except HeaderFormatError as e:
+        raise PackError("not_a_pack", f"{path} is not a kvstore pack ({e})") from None
     try:
-        obj = json.loads(header[8:].decode("ascii"))
         meta = obj["__metadata__"]
         version = meta["kvstore.pack"]
-    except (UnicodeDecodeError, ValueError, KeyError, TypeError):
+    except (KeyError, TypeError):
         raise PackError("not_a_pack", f"{path} is not a kvstore pack (no kvstore.pack "
                         "metadata in its safetensors header)") from None
     if version != PACK_VERSION:
@@ -144,7 +149,7 @@ def parse_header(header: bytes, path: str) -> PackHeader:
         nid = bytes.fromhex(meta["kvstore.namespace_id"])
         blocks = int(meta["kvstore.blocks"])
         mxxh = int(meta["kvstore.manifest_xxh3"], 16)
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, OverflowError):  # (int(1e999): OverflowError)
         raise PackError("altered", f"{path}: the pack's metadata is incomplete or malformed") from None
     fields = _fields(record)
     if namespace_record_id(fields.record_fields()) != nid:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import stat
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,16 +32,51 @@ Progress = Callable[[int, int], None]
 
 def read_pack_header(path: str) -> PackHeader:
     """The header of the pack at ``path`` (checked), without reading its data."""
+    fd = _open_regular(path)
     try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            first = f.read(8)
-            n = read_header_length(first, size, path)
-            header = first + f.read(n)
-    except IsADirectoryError:
-        raise PackError("not_a_pack", f"{path} is a directory, not a pack file") from None
+        return _read_header(fd, path)
+    finally:
+        os.close(fd)
+
+
+_NOT_REGULAR = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+                (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                (stat.S_ISSOCK, "a socket"))
+
+
+def _check_regular(path: str, mode: int) -> None:
+    if stat.S_ISREG(mode):
+        return
+    what = next((w for is_it, w in _NOT_REGULAR if is_it(mode)), "a special file")
+    raise PackError("not_a_pack", f"{path} is {what}, not a regular file: a pack is a regular "
+                    "file written by 'kvstore export' (copy the pack into a file first); "
+                    "nothing was read from it")
+
+
+def _open_regular(path: str) -> int:
+    """A descriptor of the regular file at ``path``; :class:`PackError` for anything else (a
+    FIFO, a device, a directory, a socket), which is never read: reading a FIFO would wait
+    for a writer, a device could be endless. Checked before opening (so nothing special is
+    opened at all) and again on the descriptor, opened non-blocking (so a file swapped for a
+    FIFO meanwhile cannot hang the open)."""
+    try:
+        _check_regular(path, os.stat(path).st_mode)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
     except FileNotFoundError:
         raise PackError("missing", f"no pack at {path}: the file does not exist") from None
+    try:
+        _check_regular(path, os.fstat(fd).st_mode)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _read_header(fd: int, path: str) -> PackHeader:
+    size = os.fstat(fd).st_size
+    first = os.pread(fd, 8, 0)
+    n = read_header_length(first, size, path)
+    header = first + os.pread(fd, n, 8)
     if len(header) != 8 + n:
         raise PackError("truncated", f"{path} is truncated inside its header")
     h = parse_header(header, path)
@@ -90,9 +126,9 @@ def open_pack(path: str, *, progress: Progress | None = None) -> OpenPack:
     """Open and verify the pack at ``path`` completely; :class:`PackError` (naming what is
     wrong) when anything does not check out. Nothing is written anywhere."""
     path = os.path.abspath(os.path.expanduser(os.fspath(path)))
-    h = read_pack_header(path)
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    fd = _open_regular(path)  # one descriptor for the header and the mapping
     try:
+        h = _read_header(fd, path)
         # copy-on-write: torch.frombuffer wants a writable buffer; the file is never written
         mm = mmap.mmap(fd, h.file_bytes, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:

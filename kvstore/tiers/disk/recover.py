@@ -69,9 +69,9 @@ class RecoverResult:
     done: bool  # a new index was swapped in
     segments: int  # segment files found
     segments_skipped: int  # unreadable headers, other formats
-    blocks_found: int  # entries in the segment headers
+    blocks_found: int  # block entries in the segment headers (malformed ones too)
     blocks_recovered: int  # records in the new index (one per key)
-    blocks_bad: int  # entries whose bytes do not verify (each counted, none kept)
+    blocks_bad: int  # entries that are malformed or whose bytes do not verify (none kept)
     duplicates: int  # verified copies not used (the key is in a newer segment too)
     namespaces: int  # namespace records written
     namespaces_missing: tuple[str, ...]  # namespace ids with blocks but no record found
@@ -86,8 +86,11 @@ class RecoverResult:
 
     @property
     def ok(self) -> bool:
-        """Every block of every segment recovered (or nothing needed recovery)."""
-        return self.blocks_bad == 0 and self.segments_skipped == 0
+        """Every block of every segment recovered (or nothing needed recovery): no segment
+        skipped, no header entry dropped (a malformed block entry or namespace record), no
+        block that does not verify."""
+        return (self.blocks_bad == 0 and self.segments_skipped == 0
+                and not any(f.kind == "bad_entry" for f in self.findings))
 
     @property
     def read_bytes_per_s(self) -> float:
@@ -370,10 +373,13 @@ def recover(path: str | os.PathLike[str], *, dry_run: bool = False, force: bool 
 
 def _choose(segs: list[Segment]) -> tuple[list[tuple[Segment, Entry]], int, int, int]:
     """One record per (namespace, key): the copy in the newest segment that verifies.
-    Returns (the chosen copies, entries found, entries that do not verify, duplicates)."""
+    Returns (the chosen copies, entries found, entries that are malformed or do not verify,
+    duplicates)."""
     best: dict[bytes, tuple[Segment, Entry]] = {}
     found = bad = dups = 0
     for s in segs:  # ascending ids: a later segment replaces an earlier copy
+        found += s.bad_entries  # malformed entries: found, and bad
+        bad += s.bad_entries
         for en in s.entries:
             found += 1
             if not en.ok:

@@ -68,6 +68,7 @@ class Segment:
     mtime_us: int
     entries: list[Entry]
     namespaces: dict[bytes, bytes] = field(default_factory=dict)  # id -> record, from the header
+    bad_entries: int = 0  # block entries of the header that describe no valid block (dropped)
 
 
 # -- scanning segment headers ------------------------------------------------------------------
@@ -86,7 +87,7 @@ def _parse_entry(name: str, info: object, meta: object, start: int) -> Entry:
             ns = _NS_CACHE.setdefault(ns_s, bytes.fromhex(ns_s))
         parent = bytes.fromhex(parent_s) if parent_s else None
         raw, checksum, b, e = int(raw_s), int(csum_s, 16), int(b), int(e)
-    except (AttributeError, ValueError, TypeError, KeyError) as ex:
+    except (AttributeError, ValueError, TypeError, KeyError, OverflowError) as ex:
         raise ValueError(f"malformed entry or block metadata {str(meta)[:80]!r}: {ex}") from None
     cid = _codec.CODEC_IDS.get(cname)
     if cid is None:
@@ -128,6 +129,7 @@ def _scan_segment(sid: int, path: str, findings: list[RecoverFinding]) -> Segmen
             f"{sid:016x} (they verify by content)"))
     entries: list[Entry] = []
     namespaces: dict[bytes, bytes] = {}
+    bad = 0
     for mk, mv in meta.items():
         if isinstance(mk, str) and mk.startswith(_seg.NAMESPACE_META_PREFIX):
             rec = _header_namespace(mk[len(_seg.NAMESPACE_META_PREFIX):], mv)
@@ -143,8 +145,9 @@ def _scan_segment(sid: int, path: str, findings: list[RecoverFinding]) -> Segmen
             entries.append(_parse_entry(name, info, meta.get(name), start))
         except ValueError as e:
             findings.append(RecoverFinding("bad_entry", path, name[:64], str(e)))
+            bad += 1
     entries.sort(key=lambda en: en.offset)
-    return Segment(sid, path, size, start, mtime_us, entries, namespaces)
+    return Segment(sid, path, size, start, mtime_us, entries, namespaces, bad)
 
 
 def _header_namespace(nid_hex: str, value: object) -> tuple[bytes, bytes] | None:

@@ -22,6 +22,9 @@ from dataclasses import dataclass
 
 import xxhash
 
+from kvstore.errors import HeaderFormatError
+from kvstore.header_json import load_header
+
 SEGMENT_SUFFIX = ".safetensors"
 TEMP_SUFFIX = ".tmp"
 SEGMENT_RE = re.compile(r"^([0-9a-f]{16})\.safetensors$")
@@ -59,7 +62,7 @@ _sync_file_range = None
 _NO_SYNC_FILE_RANGE = (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ESPIPE)
 
 
-class SegmentFormatError(ValueError):
+class SegmentFormatError(HeaderFormatError):
     """A segment file's header is not a valid kvstore safetensors header."""
 
 
@@ -133,12 +136,10 @@ def encode_header(segment_id: int, entries: Sequence[SegmentEntry],
 
 def parse_header(head: bytes) -> tuple[dict, int]:
     """Parse a header body (without the 8-byte length). Returns (json dict, data start)."""
-    try:
-        obj = json.loads(head.decode("ascii"))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise SegmentFormatError(f"segment header is not ASCII JSON: {e}") from None
-    if not isinstance(obj, dict):
-        raise SegmentFormatError("segment header is not a JSON object")
+    try:  # bounded in size and depth: a hostile header is a SegmentFormatError, not a crash
+        obj = load_header(head, what="segment header", max_bytes=MAX_HEADER_BYTES)
+    except HeaderFormatError as e:
+        raise SegmentFormatError(str(e)) from None
     return obj, 8 + len(head)
 
 
@@ -171,7 +172,7 @@ def header_tensors(obj: dict, data_start: int) -> dict[str, tuple[int, int]]:
         try:
             b, e = info["data_offsets"]
             b, e = int(b), int(e)
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, OverflowError):  # (int(1e999): OverflowError)
             raise SegmentFormatError(f"tensor {name!r} has no valid data_offsets") from None
         if e < b or b < 0:
             raise SegmentFormatError(f"tensor {name!r} has invalid data_offsets")
