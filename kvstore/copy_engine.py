@@ -1,29 +1,38 @@
 """The copy engine: every data movement of the store, one queue per path.
 
-Paths: ``h2d`` (anything written into the hot tier or a caller's output: fetches, promotions,
-puts), ``d2h`` (hot -> warm demotion, staging for disk writes) and ``disk_read`` (disk ->
-warm/host). Each path is a FIFO worker thread, so work on one path keeps submission order: a
-fetch queued after a put of the same key copies after the put's bytes landed.
+Paths: ``h2d`` (fetch outputs, promotions, scatters: everything a reader waits for), ``d2h``
+(puts: a caller's tensor into the hot or warm tier; warm copies of direct disk reads) and
+``disk_read`` (disk -> warm/host). Each path is a FIFO worker thread (and, on a device with
+streams, a stream of its own), so work on one path keeps submission order; a fetch that needs
+a put still copying waits for that put's transfer (``FetchPlan.deps``), so loads never queue
+behind the last step's saves.
 
-With CUDA, each path also owns a stream; a job enqueues its copies on the stream and
-records one event per layer. The worker polls those events with ``event.query()`` (no host
-callbacks crossing threads) and marks layers ready as they complete, while it already
-starts the next job. Without CUDA the same queues run the copies synchronously on the worker
-threads, which is what the tests exercise here.
+With streams (CUDA, or the recording fake of :mod:`kvstore.streams` in tests) a job enqueues
+its copies on its path's stream, ordered against the caller by the rule written once in
+:mod:`kvstore.streams`, and records one event per layer. The worker polls those events with
+``event.query()`` (no host callbacks crossing threads) and marks layers ready as they
+complete, while it already starts the next job. An event that raises (an asynchronous CUDA
+error) or does not complete within ``copy_timeout_s`` fails its job and the jobs in flight
+behind it on the same stream with a :class:`~kvstore.errors.TransferError`; the worker never
+dies, so ``wait``/``drain`` always return. Without streams the same queues run the copies
+synchronously on the worker threads.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 
-from kvstore.errors import StoreClosedError
+from kvstore import streams as _streams
+from kvstore.errors import StoreClosedError, TransferError
+from kvstore.streams import Event, Stream, Streams
 from kvstore.transfer import Transfer
 
 log = logging.getLogger("kvstore.copy_engine")
@@ -35,34 +44,38 @@ PATHS = ("h2d", "d2h", "disk_read")
 class Job:
     """One unit of work on a path.
 
-    ``run(stream)`` does (or enqueues) the copies and returns the per-layer CUDA events to
-    wait for (empty when the copies already completed); ``finish(ok, error)`` runs on the
-    worker once they have, and completes the transfer. ``finish`` also runs for a job
-    cancelled at close, with ``ok=False``.
+    ``run(stream)`` does (or enqueues) the copies and returns the per-layer events to wait for
+    (empty when the copies already completed); ``finish(ok, error)`` runs on the worker once
+    they have, and completes the transfer. ``finish`` also runs for a job cancelled at close
+    and for one whose copies failed on the device, with ``ok=False``.
     """
 
     transfer: Transfer
-    run: Callable[[torch.cuda.Stream | None], list[torch.cuda.Event]]
+    run: Callable[[Stream | None], list[Event]]
     finish: Callable[[bool, BaseException | None], None]
     events: list = field(default_factory=list)
     layers_done: int = 0
+    started: float = 0.0
 
 
 class _PathWorker:
-    """A FIFO of jobs for one path, drained by one thread."""
+    """A FIFO of jobs for one path, drained by one thread that never dies."""
 
-    def __init__(self, name: str, stream: torch.cuda.Stream | None) -> None:
+    def __init__(self, name: str, streams: Streams | None, *, copy_timeout_s: float) -> None:
         self.name = name
-        self.stream = stream
+        self.streams = streams
+        self.stream = streams.new_stream() if streams is not None else None
+        self.copy_timeout_s = copy_timeout_s
         self._cv = threading.Condition()
         self._queue: deque[Job] = deque()
-        self._inflight: deque[Job] = deque()  # CUDA jobs whose events are pending
+        self._inflight: deque[Job] = deque()  # jobs whose events are pending
         self._closing = False
         self._cancel = False
         self._busy = False
         self.submitted = 0
         self.completed = 0
         self.failed = 0
+        self.device_errors = 0
         self._thread = threading.Thread(target=self._loop, name=f"kvstore-{name}", daemon=True)
         self._thread.start()
 
@@ -96,6 +109,10 @@ class _PathWorker:
                     else:
                         self._start(job)
                 self._poll(block=job is None)
+            except BaseException:  # never let the worker die: waiters would hang forever
+                log.exception("the %s copy worker hit an unexpected error; failing its jobs", self.name)
+                with contextlib.suppress(BaseException):
+                    self._fail_inflight(TransferError(f"the {self.name} copy worker failed"))
             finally:
                 with self._cv:
                     self._busy = False
@@ -110,9 +127,11 @@ class _PathWorker:
             )
 
     def _start(self, job: Job) -> None:
+        job.started = time.monotonic()
         try:
             if self.stream is not None:
-                with torch.cuda.stream(self.stream):
+                assert self.streams is not None
+                with self.streams.use(self.stream):
                     job.events = job.run(self.stream)
             else:
                 job.events = job.run(None)
@@ -125,19 +144,47 @@ class _PathWorker:
             self._complete(job, True, None)
 
     def _poll(self, *, block: bool) -> None:
-        """Advance in-flight CUDA jobs: mark finished layers, complete finished jobs."""
+        """Advance in-flight jobs: mark finished layers, complete finished jobs; fail a job
+        whose event raises or outlives ``copy_timeout_s``, with every job behind it."""
+        delay = 20e-6
         while self._inflight:
             job = self._inflight[0]
-            while job.layers_done < len(job.events) and job.events[job.layers_done].query():
-                job.layers_done += 1
-                job.transfer.set_layers_ready(job.layers_done)
+            try:
+                while job.layers_done < len(job.events) and job.events[job.layers_done].query():
+                    job.layers_done += 1
+                    job.transfer.set_layers_ready(job.layers_done)
+            except Exception as e:  # an asynchronous device error: fail, keep running
+                self.device_errors += 1
+                log.error("a copy on the %s path failed on the device: %s: %s", self.name,
+                          type(e).__name__, e)
+                self._fail_inflight(TransferError(
+                    f"a copy on the {self.name} path failed on the device ({type(e).__name__}: "
+                    f"{e}); its blocks were not served or stored. Run tools/gpu_check.py (or "
+                    "set CUDA_LAUNCH_BLOCKING=1) to find the faulting copy"))
+                continue
             if job.layers_done < len(job.events):
+                if time.monotonic() - job.started > self.copy_timeout_s:
+                    self.device_errors += 1
+                    log.error("a copy on the %s path did not complete in %.0f s", self.name,
+                              self.copy_timeout_s)
+                    self._fail_inflight(TransferError(
+                        f"a copy on the {self.name} path did not complete within "
+                        f"{self.copy_timeout_s:.0f} s: the device is hung or overloaded "
+                        "(check nvidia-smi); its blocks were not served or stored"))
+                    continue
                 if not block:
                     return
-                time.sleep(20e-6)  # the DMA is running; check again shortly
+                time.sleep(delay)  # the DMA is running; check again shortly
+                delay = min(delay * 2, 1e-3)
                 continue
             self._inflight.popleft()
             self._complete(job, True, None)
+
+    def _fail_inflight(self, error: BaseException) -> None:
+        """Fail every in-flight job, the oldest first: the copies behind a failed one on the
+        same stream are queued after it and are no better (jobs not started yet run)."""
+        while self._inflight:
+            self._complete(self._inflight.popleft(), False, error)
 
     def _complete(self, job: Job, ok: bool, error: BaseException | None) -> None:
         try:
@@ -162,18 +209,31 @@ class _PathWorker:
 
 
 class CopyEngine:
-    """The store's data mover: one :class:`_PathWorker` per path (and CUDA stream)."""
+    """The store's data mover: one :class:`_PathWorker` per path (and stream).
 
-    def __init__(self, device: torch.device) -> None:
+    ``streams``: the device's streams (default: :func:`kvstore.streams.streams_for`, CUDA
+    streams on a CUDA device, none on the CPU); tests pass the recording fake."""
+
+    def __init__(self, device: torch.device, *, streams: Streams | None = None,
+                 copy_timeout_s: float | None = None) -> None:
         self.device = device
-        use_cuda = device.type == "cuda" and torch.cuda.is_available()
-        self.cuda = use_cuda
+        self.streams = streams if streams is not None else _streams.streams_for(device)
+        if copy_timeout_s is None:
+            copy_timeout_s = _streams.COPY_TIMEOUT_S
+        self.cuda = device.type == "cuda" and self.streams is not None
         self._workers = {
-            p: _PathWorker(p, torch.cuda.Stream(device) if use_cuda else None) for p in PATHS
+            p: _PathWorker(p, self.streams, copy_timeout_s=copy_timeout_s) for p in PATHS
         }
         self._closed = False
+        self._foreground = 0  # caller-thread reads in flight (foreground())
+        self._fg_lock = threading.Lock()
 
-    def stream(self, path: str) -> torch.cuda.Stream | None:
+    @property
+    def asynchronous(self) -> bool:
+        """Copies complete through events (a device with streams), not on return."""
+        return self.streams is not None
+
+    def stream(self, path: str) -> Stream | None:
         return self._workers[path].stream
 
     def submit(self, path: str, job: Job) -> Transfer:
@@ -182,6 +242,25 @@ class CopyEngine:
 
     def pending(self) -> int:
         return sum(w.pending for w in self._workers.values())
+
+    def busy(self) -> bool:
+        """Whether a copy is queued or running on any path, or a caller's thread reads for a
+        fetch (:meth:`foreground`). Read without the workers' locks: a hint for background
+        work that stands aside (the warm slab's prefault), not a barrier."""
+        if self._foreground:
+            return True
+        return any(w._queue or w._inflight or w._busy for w in self._workers.values())
+
+    @contextlib.contextmanager
+    def foreground(self) -> Iterator[None]:
+        """Mark I/O a caller runs on its own thread (not a job) as in flight for :meth:`busy`."""
+        with self._fg_lock:
+            self._foreground += 1
+        try:
+            yield
+        finally:
+            with self._fg_lock:
+                self._foreground -= 1
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until every path is idle (jobs may hand work on: loop until all are)."""
@@ -199,6 +278,10 @@ class CopyEngine:
     def counters(self) -> dict[str, tuple[int, int, int]]:
         """Per path: (submitted, completed, failed)."""
         return {p: (w.submitted, w.completed, w.failed) for p, w in self._workers.items()}
+
+    def device_errors(self) -> int:
+        """Copies that failed on the device (an event raised, or did not complete in time)."""
+        return sum(w.device_errors for w in self._workers.values())
 
     def close(self, *, cancel: bool = False) -> None:
         """Stop the workers: queued jobs run (or, with ``cancel``, fail with StoreClosedError)."""
@@ -222,7 +305,7 @@ def _cupy_memcpy2d():
 
 def copy_block_runs(
     dst: torch.Tensor, src: torch.Tensor, runs: list[tuple[int, int, int]], *,
-    layer: int | None, layer_nbytes: int, stream: torch.cuda.Stream | None,
+    layer: int | None, layer_nbytes: int, stream: Stream | None,
 ) -> None:
     """Copy rows of ``src`` (``[rows, block_nbytes]`` uint8) into rows of ``dst``.
 
@@ -242,22 +325,28 @@ def copy_block_runs(
             raise RuntimeError("layer-wise CUDA copies need CuPy")
         for d, s, n in runs:
             memcpy2d(dst.data_ptr() + d * block + lo, block, src.data_ptr() + s * src.shape[1] + lo,
-                     src.shape[1], layer_nbytes, n, 4, stream.cuda_stream)  # 4: cudaMemcpyDefault
+                     src.shape[1], layer_nbytes, n, 4,
+                     stream.cuda_stream)  # type: ignore[attr-defined]  # 4: cudaMemcpyDefault
         return
     for d, s, n in runs:
         dst[d : d + n, lo:hi].copy_(src[s : s + n, lo:hi], non_blocking=stream is not None)
 
 
-def layerwise_supported(stream: torch.cuda.Stream | None) -> bool:
-    """Whether copies can be split per layer here (always on CPU; with CuPy on CUDA)."""
-    return stream is None or _cupy_memcpy2d() is not None
+def layerwise_supported(*tensors: torch.Tensor) -> bool:
+    """Whether copies between ``tensors`` can be split per layer here (always between host
+    tensors; with CuPy when one is on a CUDA device)."""
+    return not any(t.is_cuda for t in tensors) or _cupy_memcpy2d() is not None
 
 
-def mark_layer_done(t: Transfer, stream: torch.cuda.Stream | None, layer: int, events: list) -> None:
-    """Layer ``layer`` is copied (CPU: ready now) or queued (CUDA: record its event)."""
+def mark_layer_done(t: Transfer, stream: Stream | None, layer: int, events: list) -> None:
+    """Layer ``layer`` is copied (no stream: ready now) or queued (record its event)."""
     if stream is None:
         t.set_layers_ready(layer + 1)
     else:
-        ev = torch.cuda.Event()
-        ev.record(stream)
-        events.append(ev)
+        events.append(stream.record_event())
+
+
+def copy_done(stream: Stream | None) -> list[Event]:
+    """The events a job returns once its copies are enqueued: one on ``stream`` (none
+    without a stream: the copies already completed)."""
+    return [] if stream is None else [stream.record_event()]

@@ -43,8 +43,10 @@ def check_kv(lay: KVLayout, device: torch.device, kv: object, n: int) -> None:
         raise TensorMismatchError(f"kv is on {kv.device}; this store takes tensors on {device} or cpu")
 
 
-def check_out(lay: KVLayout, out: object, n: int) -> None:
-    """``out`` must be a contiguous ``[>= n, L, P, T, H, D]`` tensor of the layout's dtype."""
+def check_out(lay: KVLayout, out: object, n: int, *, device: torch.device | None = None) -> None:
+    """``out`` must be a contiguous ``[>= n, L, P, T, H, D]`` tensor of the layout's dtype, in
+    host memory or on ``device`` (when given): a copy into another GPU's memory would run on
+    that device's stream, which the store's events do not cover."""
     if not isinstance(out, torch.Tensor):
         raise TensorMismatchError("out must be a torch.Tensor [n, L, P, T, H, D]")
     if out.dtype != lay.dtype:
@@ -55,6 +57,15 @@ def check_out(lay: KVLayout, out: object, n: int) -> None:
         raise TensorMismatchError(f"out holds {out.shape[0]} blocks, {n} keys were asked for")
     if not out.is_contiguous():
         raise TensorMismatchError("out must be contiguous")
+    if device is not None and out.device.type != "cpu" and not _same_device(out.device, device):
+        raise TensorMismatchError(
+            f"out is on {out.device}; this store fetches into {device} or host memory "
+            f"(allocate out on {device}, or copy the result across afterwards)"
+        )
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:

@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import random_kv
 
-from kvstore import KVLayout, StoreClosedError, Transfer, open_store
+from kvstore import KVLayout, StoreClosedError, Transfer, TransferError, open_store
 from kvstore.copy_engine import CopyEngine, Job
 
 LAY = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype=torch.float32, block_tokens=4)
@@ -206,3 +206,44 @@ def test_close_with_transfers_in_flight(tmp_path):
     with store(tmp_path) as s2:
         keys = s2.block_keys([49] * 4 + list(range(8)))
         assert s2.lookup(keys) == 3
+
+
+class _FaultingEvent:
+    """An event whose query raises, as an asynchronous CUDA error surfaces."""
+
+    def query(self) -> bool:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+def test_an_event_that_raises_fails_its_job_and_the_worker_keeps_running():
+    eng = CopyEngine(torch.device("cpu"))
+    bad = Transfer(num_layers=2)
+
+    def finish(t):
+        return lambda ok, err: t.set_error(err) if err else t.set_result(ok)
+
+    eng.submit("h2d", Job(bad, lambda stream: [_FaultingEvent(), _FaultingEvent()], finish(bad)))
+    with pytest.raises(TransferError, match="illegal memory access"):
+        bad.wait_layer(0, 5)  # the old worker thread died here: this waited for ever
+    after = Transfer()
+    eng.submit("h2d", Job(after, lambda stream: [], finish(after)))
+    assert after.wait(5) is True
+    assert eng.drain(5)
+    assert eng.counters()["h2d"] == (2, 1, 1)
+    eng.close()
+
+
+class _StuckEvent:
+    def query(self) -> bool:
+        return False
+
+
+def test_a_copy_that_never_completes_fails_within_the_bound():
+    eng = CopyEngine(torch.device("cpu"), copy_timeout_s=0.2)
+    t = Transfer()
+    eng.submit("h2d", Job(t, lambda stream: [_StuckEvent()],
+                          lambda ok, err: t.set_error(err) if err else t.set_result(ok)))
+    with pytest.raises(TransferError, match="did not complete within"):
+        t.wait(5)
+    assert eng.drain(5)  # the old drain spun for ever: pending never reached 0
+    eng.close()

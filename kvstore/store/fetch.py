@@ -9,11 +9,19 @@ from typing import Any
 
 import torch
 
-from kvstore.copy_engine import Job, copy_block_runs, layerwise_supported, mark_layer_done
+from kvstore import streams as _streams
+from kvstore.copy_engine import (
+    Job,
+    copy_block_runs,
+    copy_done,
+    layerwise_supported,
+    mark_layer_done,
+)
 from kvstore.errors import StoreClosedError
 from kvstore.keys import BlockKey
 from kvstore.store.residency import Residency
 from kvstore.store.state import StoreState
+from kvstore.streams import NO_HANDOFF, Handoff, Stream, begin_copy, handoff, host_wait
 from kvstore.tiers.base import Located, LowerTier, ReadStatus
 from kvstore.tiers.slab import paired_runs
 from kvstore.transfer import Transfer
@@ -104,7 +112,7 @@ class Fetcher:
         return job.transfer, plan, job.result
 
     def check_out(self, out: torch.Tensor, n: int) -> None:
-        check_out(self.st.layout, out, n)
+        check_out(self.st.layout, out, n, device=self.st.device)
 
     def plan(
         self, ks: list[BlockKey], parent: BlockKey | None, *, want_result: bool,
@@ -168,16 +176,24 @@ class Fetcher:
         plan.warm = [(p, s) for p, s in plan.warm if p < cut]
         plan.lower = [(p, s) for p, s in plan.lower if p < cut and s >= 0]
 
-    def read_lower(self, plan: FetchPlan, result: torch.Tensor | None) -> None:
+    def read_lower(self, plan: FetchPlan, result: torch.Tensor | None,
+                   ready: Handoff = NO_HANDOFF) -> None:
         """Read the plan's lower-tier blocks (straight into ``result`` when it is in host
         memory, else into their warm slots or host staging rows), one call per tier with what
-        planning located, and cut ``plan.valid`` at the first block not read."""
+        planning located, and cut ``plan.valid`` at the first block not read. A host
+        ``result`` is written only after the work its caller queued on it (``ready``)."""
         assert self.st.warm is not None
         warm = self.st.warm.slab.data
         flat = None
         if result is not None and result.numel():
             flat = result.view(result.shape[0], -1).view(torch.uint8)
         plan.direct = flat is not None and flat.device.type == "cpu"
+        if plan.direct:
+            assert flat is not None
+            host_wait(ready.ready, what="the work queued on a fetch's out buffer")
+            streams = self.st.engine.streams if self.st.engine is not None else None
+            if streams is not None:
+                streams.access(None, writes=[flat[p] for p, _ in plan.lower], what="disk read")
         if not plan.direct and any(s < 0 for _, s in plan.lower):
             plan.staging = torch.empty((len(plan.lower), self.st.layout.block_nbytes),
                                        dtype=torch.uint8, pin_memory=self.st.config.pin_memory)
@@ -192,7 +208,9 @@ class Fetcher:
         only (a volatile tier's block read twice could have expired: the caller checks).
         Cuts ``plan.valid`` at the first block not read."""
         plan.direct = True
-        self._read_tiers(plan, [into(p) for p, _ in plan.lower])
+        assert self.st.engine is not None
+        with self.st.engine.foreground():  # not a job: tell background work it is running
+            self._read_tiers(plan, [into(p) for p, _ in plan.lower])
 
     def _read_tiers(self, plan: FetchPlan, dsts: Sequence[Any]) -> None:
         """Each lower tier reads its blocks of the plan into ``dsts`` (one per
@@ -266,16 +284,14 @@ class Fetcher:
 
     def copy(
         self, plan: FetchPlan, result: torch.Tensor | None, t: Transfer,
-        stream: torch.cuda.Stream | None, *, whole_blocks: bool = False,
+        stream: Stream | None, *, whole_blocks: bool = False, ready: Handoff = NO_HANDOFF,
     ) -> list:
         """Copy every block into ``result`` layer by layer, then promote into hot.
 
-        Runs on the ``h2d`` worker: returns one CUDA event per layer (or marks the layers
-        ready as it goes on the CPU).
+        Runs on the ``h2d`` worker: returns one event per layer (or marks the layers ready as
+        it goes without a stream).
         """
-        for p, dep in plan.deps:  # a put queued before us on this path has finished (FIFO)
-            if dep.done() and dep.exception() is None and dep.wait() == 0:
-                plan.valid = min(plan.valid, p)  # its copy failed: those bytes are not there
+        self.wait_deps(plan)
         n = plan.valid
         lay = self.st.layout
         if result is None or n == 0:
@@ -297,22 +313,39 @@ class Fetcher:
             if rows:
                 sources.append((plan.staging, list(paired_runs(rows))))
         events: list = []
-        if whole_blocks or not layerwise_supported(stream):  # every layer ready together
-            for data, runs in sources:
+        streams = self.st.engine.streams if self.st.engine is not None else None
+        begin_copy(streams, ready, stream)  # after the caller's work on result (rule 1)
+        if streams is not None:
+            streams.access(stream, reads=[data[s : s + m] for data, runs in sources
+                                          for _, s, m in runs],
+                           writes=[dst], what="fetch")
+        if whole_blocks or not layerwise_supported(dst, *(d for d, _ in sources)):
+            for data, runs in sources:  # every layer ready together
                 copy_block_runs(dst, data, runs, layer=None, layer_nbytes=lb, stream=stream)
             if stream is None:
                 t.set_layers_ready(L)
                 return []
-            ev = torch.cuda.Event()
-            ev.record(stream)
-            return [ev] * L
+            return copy_done(stream) * L
         for layer in range(L):
             for data, runs in sources:
                 copy_block_runs(dst, data, runs, layer=layer, layer_nbytes=lb, stream=stream)
             mark_layer_done(t, stream, layer, events)
         return events
 
-    def promote_copy(self, plan: FetchPlan, stream: torch.cuda.Stream | None) -> list:
+    def wait_deps(self, plan: FetchPlan) -> None:
+        """Wait (bounded) for the puts still copying blocks of the plan (they run on the
+        ``d2h`` path); a put that failed or stored nothing cuts the run before its block."""
+        for p, dep in plan.deps:
+            if p >= plan.valid:
+                continue
+            try:
+                stored = dep.wait(_streams.COPY_TIMEOUT_S)
+            except Exception:  # its copy failed or hung: those bytes are not there
+                stored = 0
+            if stored == 0:
+                plan.valid = min(plan.valid, p)
+
+    def promote_copy(self, plan: FetchPlan, stream: Stream | None) -> list:
         """Copy the fetched lower-tier blocks from their warm slots into reserved hot slots.
 
         Runs after the fetch completed (the caller already has its bytes), from the warm
@@ -324,14 +357,14 @@ class Fetcher:
         lower = sorted(plan.warm + [(p, s) for p, s in plan.lower if s >= 0])
         items = [(plan.promote[j], s) for j, (p, s) in enumerate(lower[: len(plan.promote)])
                  if p < plan.valid and p not in plan.unfilled]
+        streams = self.st.engine.streams if self.st.engine is not None else None
         for dst_first, src_first, length in paired_runs(items):
-            hot.slab.data[dst_first : dst_first + length].copy_(
-                warm.slab.data[src_first : src_first + length], non_blocking=stream is not None)
-        if stream is None:
-            return []
-        ev = torch.cuda.Event()
-        ev.record(stream)
-        return [ev]
+            d = hot.slab.data[dst_first : dst_first + length]
+            s = warm.slab.data[src_first : src_first + length]
+            if streams is not None:
+                streams.access(stream, reads=[s], writes=[d], what="promotion")
+            d.copy_(s, non_blocking=stream is not None)
+        return copy_done(stream)
 
     def count_served(self, plan: FetchPlan, n: int) -> None:
         """Attribute the first ``n`` blocks of ``plan`` to the tier each was served from
@@ -419,6 +452,7 @@ class FetchJob:
         self.want_result = want_result
         self.then = then
         self.result: torch.Tensor | None = None
+        self.ready: Handoff = NO_HANDOFF  # the caller's stream when it submitted (rule 1)
         self.transfer: Transfer = Transfer(self.st.layout.num_layers)
         assert self.st.engine is not None
         self.engine = self.st.engine
@@ -430,7 +464,8 @@ class FetchJob:
             if out is None:
                 out = torch.empty(lay.batch_shape(n), dtype=lay.dtype, device=self.st.device)
             self.result = out[:n]
-        if self.want_result and not self.engine.cuda and not plan.lower and not plan.deps:
+            self.ready = handoff(self.engine.streams, self.result)
+        if self.want_result and not self.engine.asynchronous and not plan.lower and not plan.deps:
             # Host memory only, nothing in flight that these bytes wait for: copying right
             # here in whole-block runs beats a hand-off to the worker (the blocks are pinned).
             try:
@@ -448,10 +483,10 @@ class FetchJob:
 
     def copy_job(self) -> Job:
         return Job(self.transfer, lambda stream: self.fetcher.copy(
-            self.plan, self.result, self.transfer, stream), self.finish)
+            self.plan, self.result, self.transfer, stream, ready=self.ready), self.finish)
 
-    def read(self, stream: torch.cuda.Stream | None) -> list:
-        self.fetcher.read_lower(self.plan, self.result)
+    def read(self, stream: Stream | None) -> list:
+        self.fetcher.read_lower(self.plan, self.result, self.ready)
         return []
 
     def after_read(self, ok: bool, error: BaseException | None) -> None:
@@ -520,7 +555,7 @@ class FetchJob:
         if not self.start_fill(ok):
             self.promote_or_settle(ok)
 
-    def fill(self, stream: torch.cuda.Stream | None) -> list:
+    def fill(self, stream: Stream | None) -> list:
         self.fetcher.fill_warm(self.plan)
         return []
 

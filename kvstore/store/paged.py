@@ -7,13 +7,16 @@ from collections.abc import Sequence
 
 import torch
 
+from kvstore import streams as _streams
 from kvstore.copy_engine import Job, mark_layer_done
+from kvstore.errors import TransferError
 from kvstore.kernels import gather_pages, scatter_pages
 from kvstore.keys import KeyChain
-from kvstore.paged import page_index, paged_geometry
+from kvstore.paged import _layer_tensors, page_index, paged_geometry
 from kvstore.store.fetch import Fetcher
 from kvstore.store.put import Putter
 from kvstore.store.state import StoreState
+from kvstore.streams import Stream, begin_copy, handoff
 from kvstore.transfer import Transfer
 
 
@@ -49,10 +52,17 @@ class PagedIO:
         # its plan: the scatter waits for it.
         handed: dict[str, object] = {}
         planned = threading.Event()
+        assert self.st.engine is not None
+        streams = self.st.engine.streams
+        # the scatter writes the engine's pages after the work it queued on them (rule 1)
+        page_tensors = [x for layer in pages for x in _layer_tensors(layer)]
+        ready = handoff(streams, *page_tensors)
 
-        def run(stream: torch.cuda.Stream | None) -> list:
+        def run(stream: Stream | None) -> list:
             # queued by the fetch's completion: its bytes are in ``staged``
-            planned.wait()
+            if not planned.wait(_streams.COPY_TIMEOUT_S):
+                raise TransferError("load_into's fetch was never planned (an internal error)")
+            begin_copy(streams, ready, stream)
             plan, staged = handed["plan"], handed["staged"]
             n = plan.valid
             sel = ids[: n * geo.pages_per_block]
@@ -60,6 +70,9 @@ class PagedIO:
             for layer in range(lay.num_layers):
                 if n:
                     assert staged is not None
+                    if streams is not None:
+                        streams.access(stream, reads=[staged[:n, layer]],
+                                       writes=list(_layer_tensors(pages[layer])), what="scatter")
                     scatter_pages(lay, geo, staged[:n, layer], pages[layer], sel)
                 mark_layer_done(t, stream, layer, events)
             return events
@@ -102,6 +115,11 @@ class PagedIO:
         geo = paged_geometry(lay, pages, page_size)
         ids = page_index(block_ids, len(ks) * geo.pages_per_block, geo)
         kv = torch.empty(lay.batch_shape(len(ks)), dtype=lay.dtype, device=geo.device)
+        streams = self.st.engine.streams if self.st.engine is not None else None
         for layer in range(lay.num_layers):
+            if streams is not None:  # on the caller's stream, after its forward wrote them
+                streams.access(streams.current(), reads=list(_layer_tensors(pages[layer])),
+                               writes=[kv[:, layer]], what="save_from gather")
             gather_pages(lay, geo, pages[layer], ids, kv[:, layer])
+        # put's copy waits for this gather on the caller's stream (kvstore.streams, rule 1)
         return self.putter.put(keys if isinstance(keys, KeyChain) else ks, kv)

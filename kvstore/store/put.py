@@ -8,10 +8,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstore.copy_engine import Job
+from kvstore.copy_engine import Job, copy_done
 from kvstore.keys import BlockKey
 from kvstore.store.residency import Residency
 from kvstore.store.state import StoreState
+from kvstore.streams import Event, Handoff, Stream, Streams, begin_copy, handoff, host_wait
 from kvstore.tiers.memory import MemoryTier
 from kvstore.transfer import Transfer
 from kvstore.validate import check_kv
@@ -32,7 +33,18 @@ class OverflowJob:
     transfer: Transfer[int]
     memory: Transfer[int] | None  # the same put's copy into memory, if any
     base: int  # blocks of the same put stored in memory
+    ready: Event | None = None  # recorded on the caller's stream after kv was produced
+    streams: Streams | None = None
 
+    def host_bytes(self, i: int) -> torch.Tensor:
+        """Block ``positions[i]`` of ``kv`` as host bytes, for the writer thread: after the
+        work that produced ``kv`` on the caller's stream (bounded wait; raises
+        :class:`~kvstore.errors.TransferError`), never before (kvstore.streams, rule 1)."""
+        host_wait(self.ready, what="the work that produced a put's kv")
+        row = self.kv[self.positions[i]]
+        if self.streams is not None:
+            self.streams.access(None, reads=[row], what="put overflow")
+        return row.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
 
 
 class Putter:
@@ -109,8 +121,10 @@ class Putter:
             self.res.touch_chain(ks)
         c.put_blocks += stored
         mem: Transfer[int] | None = None
+        streams = self.st.engine.streams if self.st.engine is not None else None
+        ready = handoff(streams, kv)  # after the work that produced kv (kvstore.streams)
         if writes:
-            mem = self.submit_copy(kv, writes, written, stored)
+            mem = self.submit_copy(kv, writes, written, stored, ready)
             for k in written:
                 self.st.pending[k] = mem
         if overflow_ok:
@@ -119,7 +133,7 @@ class Putter:
             overflow: Transfer[int] = Transfer()
             self.st.overflow.append(OverflowJob(
                 [ks[p] for p in rest], [new_parents[new_pos.index(p)] for p in rest], kv, rest,
-                overflow, mem, stored,
+                overflow, mem, stored, ready.ready, streams,
             ))
             self.st.overflow_bytes += len(rest) * self.st.layout.block_nbytes
             c.put_blocks += len(rest)
@@ -131,21 +145,24 @@ class Putter:
 
     def submit_copy(
         self, kv: torch.Tensor, writes: list[tuple[MemoryTier, list[int], list[int]]],
-        written: list[BlockKey], stored: int,
+        written: list[BlockKey], stored: int, ready: Handoff,
     ) -> Transfer[int]:
-        def run(stream: torch.cuda.Stream | None) -> list:
+        assert self.st.engine is not None
+        streams = self.st.engine.streams
+
+        def run(stream: Stream | None) -> list:
+            begin_copy(streams, ready, stream)  # wait for the producer of kv
             src = kv.reshape(kv.shape[0], -1).view(torch.uint8) if kv.is_contiguous() else None
             for tier, pos, slots in writes:
+                if streams is not None:
+                    streams.access(stream, reads=[kv[p] for p in pos],
+                                   writes=[tier.slab.data[s] for s in slots], what="put")
                 if src is not None and pos[-1] - pos[0] == len(pos) - 1:
                     tier.slab.write(slots, src[pos[0] : pos[-1] + 1], non_blocking=stream is not None)
                 else:
                     for p, s in zip(pos, slots, strict=True):
                         tier.slab.block(s).copy_(kv[p], non_blocking=stream is not None)
-            if stream is None:
-                return []
-            ev = torch.cuda.Event()
-            ev.record(stream)
-            return [ev]
+            return copy_done(stream)
 
         def finish(ok: bool, error: BaseException | None) -> None:
             with self.st.lock:
@@ -159,8 +176,9 @@ class Putter:
                 self.st.writer.notify()
 
         t: Transfer[int] = Transfer()
-        assert self.st.engine is not None
-        return self.st.engine.submit("h2d", Job(t, run, finish))
+        # puts have a path (and stream) of their own: a step's loads never queue behind the
+        # last step's saves; a fetch of a block still copying waits for it (FetchPlan.deps)
+        return self.st.engine.submit("d2h", Job(t, run, finish))
 
     def finish_copy(self, written: list[BlockKey], ok: bool) -> None:
         cat = self.st.catalog

@@ -243,10 +243,9 @@ class WriteBack:
         failure = ""
         try:
             assert durable is not None  # a put overflows only with a durable tier
-            durable.write([
-                BlockWrite(k, par,
-                           job.kv[p].detach().to("cpu").contiguous().reshape(-1).view(torch.uint8))
-                for k, par, p in zip(job.keys, job.parents, job.positions, strict=True)
+            durable.write([  # host_bytes: after the work that produced kv (kvstore.streams)
+                BlockWrite(k, par, job.host_bytes(i))
+                for i, (k, par) in enumerate(zip(job.keys, job.parents, strict=True))
             ])
             ok = True
         except Exception as e:  # DiskError or worse: the blocks are lost, the engine is not

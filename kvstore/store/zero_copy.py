@@ -9,12 +9,14 @@ from dataclasses import dataclass
 import torch
 
 from kvstore.api import BorrowedBlocks, PutGrant
-from kvstore.errors import ConfigError
+from kvstore.copy_engine import Job
+from kvstore.errors import ConfigError, StoreClosedError
 from kvstore.keys import BlockKey
 from kvstore.store.fetch import Fetcher, FetchJob, FetchPlan
 from kvstore.store.residency import Residency
 from kvstore.store.state import StoreState
 from kvstore.tiers.slab import paired_runs
+from kvstore.transfer import Transfer
 
 
 @dataclass(frozen=True, slots=True)
@@ -291,6 +293,27 @@ class ZeroCopyPlane:
         return BorrowedBlocks(blocks, got, zero_copy, self.unpin_borrowed)
 
     def unpin_borrowed(self, keys: list[BlockKey]) -> None:
+        """Release borrowed blocks. With streams, their slots stay pinned until the work the
+        caller queued on its stream so far (kernels still reading the view) has completed: an
+        event recorded now, awaited by the copy engine, then the unpin (kvstore.streams)."""
+        eng = self.st.engine
+        if keys and eng is not None and eng.streams is not None:
+            done = eng.streams.event()
+            done.record(eng.streams.current())
+            t: Transfer[int] = Transfer()
+
+            def unpin(ok: bool, error: BaseException | None) -> None:
+                self._unpin(keys)  # also when the event failed: never pinned for ever
+                t.set_result(len(keys))
+
+            try:
+                eng.submit("h2d", Job(t, lambda stream: [done], unpin))
+                return
+            except StoreClosedError:
+                pass
+        self._unpin(keys)
+
+    def _unpin(self, keys: list[BlockKey]) -> None:
         with self.st.lock:
             if not self.st.closed:
                 self.st.catalog.unpin_many(keys)

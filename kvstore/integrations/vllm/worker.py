@@ -54,6 +54,7 @@ class _Load:
     out: torch.Tensor  # [planned, L, P, T, H, D] staging slice the fetch writes
     ids: torch.Tensor  # vLLM page ids, one per planned block
     scattered: set[int] = field(default_factory=set)  # layers already in vLLM's pages
+    broken: bool = False  # a scatter failed: vLLM recomputes the whole request
 
 
 def openmp_spin_hint(environ: Mapping[str, str], maps: str) -> str | None:
@@ -359,8 +360,16 @@ class WorkerSide:
         # reported as load errors, so vLLM recomputes them before anything reads them.
         if n:
             assert self._pages is not None
-            scatter_pages(self.layout, self._geo, ld.out[:n, layer], self._pages[layer],
-                          ld.ids[:n])
+            # on the forward's stream, after wait_layer saw the copy's event complete (the
+            # fetch into the reused staging buffer waited for this step's earlier scatters:
+            # kvstore.streams); a failure is a load error, never an exception into vLLM
+            try:
+                scatter_pages(self.layout, self._geo, ld.out[:n, layer], self._pages[layer],
+                              ld.ids[:n])
+            except Exception:
+                log.exception("kvstore: scattering layer %d of request %s failed", layer,
+                              ld.run.req_id)
+                ld.broken = True
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if not self._loading:
@@ -382,7 +391,7 @@ class WorkerSide:
             for layer in range(self.layout.num_layers):  # layers the forward did not wait for
                 self._scatter(ld, layer)
             try:
-                n = int(ld.transfer.wait().shape[0])
+                n = 0 if ld.broken else int(ld.transfer.wait().shape[0])
             except Exception:
                 log.exception("kvstore: a load failed for request %s", ld.run.req_id)
                 n = 0
