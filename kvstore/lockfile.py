@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvstore.errors import ConfigError
+from kvstore.filemodes import StoreModes, create_file, file_mode_in, make_dirs
 
 LOCK_NAME = "daemon.lock"
 #: earlier clean instances remembered (a client that missed more restarts than this while
@@ -82,8 +83,10 @@ class DaemonLock:
         holds it. Creates the store directory if missing."""
         path = lock_path(store_path)
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            # private (0700), unless the store is shared with a group; the file likewise
+            # (0600, or 0640), whatever the umask
+            make_dirs(path.parent, StoreModes())
+            fd = create_file(path, os.O_RDWR | os.O_CLOEXEC, file_mode_in(path.parent))
         except OSError as e:
             raise ConfigError(f"cannot create the daemon lock file {path} ({e.strerror}); the "
                               "daemon needs a writable --path") from None

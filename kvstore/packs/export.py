@@ -176,7 +176,8 @@ def _write(t: DiskTier, fields: NamespaceFields, nid: bytes, chosen: _Chosen, ou
     record = encode_namespace(fields.record_fields())
     header = encode_header(record, n, manifest_checksum(manifest))
     tmp = f"{out}.tmp-{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    # a pack is KV (it reveals prompts): private, as a store is (chmod it to share it)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     published = False
     try:
         _write_all(fd, header + manifest, 0)

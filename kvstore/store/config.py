@@ -42,6 +42,9 @@ class StoreConfig:
     warm_eviction: str = "lru"
     hot_admission: str = "always"  # kvstore.tiers.admission.ADMISSIONS
     warm_admission: str = "always"
+    # the store's files shared with this gid (directories 2750, files 0640); None: as the
+    # store records it, private (0700/0600) when new (kvstore.filemodes)
+    group: int | None = None
 
 
 def resolve_eviction(eviction: str | Mapping[str, str]) -> tuple[str, str]:

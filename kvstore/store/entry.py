@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvstore.errors import ConfigError
+from kvstore.filemodes import resolve_group
 from kvstore.layout import KVLayout
 from kvstore.namespace import Namespace
 from kvstore.store.config import (
@@ -49,6 +50,7 @@ def open_store(
     remote_ttl_s: float | None = None,
     remote_codec: str = "zstd",
     events: EventSink | None = None,
+    group: str | int | None = None,
 ) -> Store:
     """Open (or create) a store. Sizes are ints or strings like ``"4GiB"``.
 
@@ -69,6 +71,11 @@ def open_store(
     used twice; nothing is refused), see :mod:`kvstore.tiers.admission`.
     ``events`` (a :class:`kvstore.events.EventSink`, e.g. an ``EventPublisher``'s sink) is told
     every block that joins or leaves the hot, warm and disk tiers, in order (KV events).
+    ``group`` (a group name or gid) shares the store's files with that group: directories
+    2750 (setgid), files 0640. Without it a new store is private (directories 0700, files
+    0600) whatever the umask, and an existing one keeps the sharing it records. A store that
+    other users can write is refused (:class:`~kvstore.errors.StorePermissionError`); one
+    they can read is tightened, with a WARNING. See docs/operations.md, "File modes".
     """
     if not isinstance(layout, KVLayout):
         raise ConfigError(f"layout must be a KVLayout, got {type(layout).__name__}")
@@ -80,6 +87,7 @@ def open_store(
         raise ConfigError(f"remote_codec must be 'none' or 'zstd', got {remote_codec!r}")
     if disk_codec not in ("none", "zstd"):
         raise ConfigError(f"disk_codec must be 'none' or 'zstd', got {disk_codec!r}")
+    gid = resolve_group(group)  # an unknown group: before anything is allocated
     hot_admission, warm_admission, disk_admission = resolve_admission(admission)
     hot_eviction, warm_eviction = resolve_eviction(eviction)
     dev = resolve_device(device)
@@ -107,5 +115,6 @@ def open_store(
         warm_eviction=warm_eviction,
         hot_admission=hot_admission,
         warm_admission=warm_admission,
+        group=gid,
     )
     return Store(config, events=events)

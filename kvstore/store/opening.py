@@ -38,7 +38,7 @@ def open_state(config: StoreConfig) -> StoreState:
         from kvstore.tiers.disk.bound import BoundDisk
 
         disk = DiskTier(config.path, capacity_bytes=config.disk_capacity,
-                        codec=config.disk_codec)
+                        codec=config.disk_codec, group=config.group)
         try:
             disk.register_namespace(config.namespace)
         except BaseException:

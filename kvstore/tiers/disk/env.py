@@ -19,6 +19,7 @@ from contextlib import contextmanager
 
 import lmdb
 
+from kvstore import filemodes as _modes
 from kvstore.errors import DiskError, FormatVersionError
 from kvstore.tiers.disk import guard as _guard
 from kvstore.tiers.disk import tombstones as _tomb
@@ -40,6 +41,7 @@ from kvstore.tiers.disk.index import (
 log = logging.getLogger("kvstore.disk")
 
 DEFAULT_MAP_SIZE = 64 << 30
+_LMDB_FILES = ("data.mdb", _modes.LMDB_LOCK)
 
 # -- a readers/writer gate: every transaction holds it shared; map resizes and fork hold it
 #    exclusively (LMDB: set_mapsize only while no transaction is active in the process) ----
@@ -161,7 +163,7 @@ def _open_env(index_dir: str, *, create: bool, readonly: bool, map_size: int) ->
     _guard.before_open(index_dir)
     if create and not readonly:
         try:
-            os.makedirs(index_dir, exist_ok=True)
+            _modes.make_dirs(index_dir)  # as the store records it: 0700, or 2750 shared
         except OSError as e:
             raise DiskError(e.errno, f"cannot create the disk index directory {index_dir}: {e.strerror}") from e
     elif not os.path.isdir(index_dir):
@@ -190,7 +192,12 @@ def _open_env(index_dir: str, *, create: bool, readonly: bool, map_size: int) ->
 
 def _lmdb_open(index_dir: str, *, create: bool, readonly: bool, kw: dict) -> lmdb.Environment:
     try:
-        return lmdb.open(index_dir, readonly=False, create=create and not readonly, **kw)
+        env = lmdb.open(index_dir, readonly=False, create=create and not readonly,
+                        mode=_modes.file_mode_in(index_dir), **kw)
+        if not readonly:  # data.mdb and lock.mdb as the store records, whatever the umask
+            with contextlib.suppress(OSError):  # ours (checked): only a read-only mount fails
+                _modes.settle_files(index_dir, _LMDB_FILES)
+        return env
     except _guard.LMDB_CORRUPT as e:
         raise _guard.corrupt_error(index_dir, e) from e
     except lmdb.Error as e:

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import lmdb
 
+from kvstore import filemodes as _modes
 from kvstore.errors import KVStoreError, StoreLockedError
 from kvstore.tiers.disk import env as _env
 from kvstore.tiers.disk import guard as _guard
@@ -234,10 +235,13 @@ def _rec(en: Entry, sid: int, t_us: int) -> di.Rec:
 
 def _write_index(new_dir: str, segdir: str, chosen: list[tuple[Segment, Entry]],
                  ns_records: dict[bytes, bytes], next_segment: int) -> None:
-    os.makedirs(new_dir)
+    if not _modes.make_dirs(new_dir):  # the store's modes (0700, or 2750 shared), umask or not
+        raise FileExistsError(errno.EEXIST, "already exists", new_dir)
     # not live until swapped in: commits without fsync, one sync at the end
     env = lmdb.open(new_dir, subdir=True, max_dbs=len(di.DB_NAMES) + 2, max_readers=126,
-                    map_size=_env.DEFAULT_MAP_SIZE, max_spare_txns=0, sync=False, metasync=False)
+                    map_size=_env.DEFAULT_MAP_SIZE, max_spare_txns=0, sync=False, metasync=False,
+                    mode=_modes.file_mode_in(new_dir))
+    _modes.settle_files(new_dir, ("data.mdb", _modes.LMDB_LOCK))
     try:
         dbs = _env.init_dbs(env, new_dir, create=True)
         sh = _env.SharedEnv(os.path.realpath(new_dir), env, dbs, True)

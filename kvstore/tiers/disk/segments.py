@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import xxhash
 
 from kvstore.errors import HeaderFormatError
+from kvstore.filemodes import create_file, file_mode_in
 from kvstore.header_json import load_header
 
 SEGMENT_SUFFIX = ".safetensors"
@@ -306,11 +307,12 @@ def create_segment(segdir: str, segment_id: int, entries: Sequence[SegmentEntry]
     tmp = os.path.join(segdir, temp_name(segment_id))
     final = os.path.join(segdir, segment_name(segment_id))
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+    mode = file_mode_in(segdir)  # 0600, or 0640 in a store shared with a group, whatever the umask
     try:
-        fd = os.open(tmp, flags, 0o644)
+        fd = create_file(tmp, flags, mode)
     except FileExistsError:  # a leftover of a crashed writer holding the same id: not ours
         os.unlink(tmp)
-        fd = os.open(tmp, flags, 0o644)
+        fd = create_file(tmp, flags, mode)
     seg = OpenSegment(fd, tmp, final, len(header) + sum(e.nbytes for e in entries), offsets)
     try:
         _write_all(fd, [header, *(e.payload for e in entries)])

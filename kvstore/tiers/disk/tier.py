@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import lmdb
 
+from kvstore import filemodes as _modes
 from kvstore.errors import ConfigError, DiskError, KVStoreError, StoreClosedError
 from kvstore.keys import all_keys
 from kvstore.sizes import parse_size
@@ -79,6 +80,12 @@ class DiskTier:
     ``orphan_grace_s`` (``check`` leaves younger unreferenced files alone: they may belong to
     an in-flight writer of another process), ``touch_flush_entries``/``touch_flush_interval_s``
     (when buffered touches are persisted) and ``clock`` (seconds since the epoch; tests).
+
+    ``group`` (a group name or gid) shares the store with that group (directories 2750,
+    files 0640); without it the store stays as it records its sharing, private when new
+    (0700/0600), whatever the umask. Opening refuses a store others can write
+    (:class:`~kvstore.errors.StorePermissionError`); a writable open sets the modes of one
+    others can read, with a WARNING (:mod:`kvstore.filemodes`).
     """
 
     def __init__(
@@ -98,6 +105,7 @@ class DiskTier:
         touch_flush_entries: int = 4096,
         touch_flush_interval_s: float = 30.0,
         clock: Callable[[], float] = time.time,
+        group: str | int | None = None,
     ) -> None:
         self._closed = True
         if codec not in _codec.TIER_CODECS:
@@ -126,9 +134,14 @@ class DiskTier:
         self._clock = clock
         self._index_dir = os.path.join(self.path, "index")
         self._segdir = os.path.join(self.path, "segments")
+        # before anything is created or read: refused if others can write it (read-only
+        # opens too: an export would ship what they wrote), tightened if they can read it
+        modes = _modes.resolve_modes(self.path, group)
+        _modes.check_store(self.path, modes, writable=not self.readonly)
         if not self.readonly:
             try:
-                os.makedirs(self._segdir, exist_ok=True)
+                _modes.make_dirs(self.path, modes)
+                _modes.make_dirs(self._segdir)  # as the store records it (private, or shared)
             except OSError as e:
                 raise DiskError(e.errno, f"cannot create the disk tier directory {self._segdir}: "
                                 f"{e.strerror}") from e
