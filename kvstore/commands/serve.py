@@ -44,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
             warm_admission=args.warm_admission, eviction=args.eviction,
             disk_codec=args.disk_codec,
             shutdown_timeout=args.shutdown_timeout, kv_events=config_from_args(args),
+            group=args.group,
         )
         return run_daemon(config)
     except KVStoreError as e:
@@ -86,6 +87,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "tier: memory only)")
     s.add_argument("--allow-uid", type=a.integer(minimum=0), action="append", metavar="UID",
                    help="uid allowed to connect (repeatable; default: the daemon's own uid)")
+    s.add_argument("--group", metavar="NAME",
+                   help="share the store's files with this group (a name or gid): "
+                   "directories 2750, files 0640. Default: private (0700/0600) whatever the "
+                   "umask; a store shared before stays shared")
     m = s.add_mutually_exclusive_group()
     m.add_argument("--metrics-path", metavar="FILE",
                    help="write Prometheus metrics to FILE every 10 s (node-exporter textfile)")

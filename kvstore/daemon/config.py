@@ -8,6 +8,7 @@ from pathlib import Path
 from kvstore.daemon.security import Limits
 from kvstore.errors import ConfigError
 from kvstore.events.config import EventsConfig
+from kvstore.filemodes import resolve_group
 from kvstore.tiers.admission import check_admission
 from kvstore.tiers.policy import EVICTIONS
 
@@ -35,6 +36,9 @@ class DaemonConfig:
     disk_codec: str = "none"
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish on SIGTERM
     kv_events: EventsConfig | None = None  # publish KV events (kvstore.daemon.events)
+    # share the store's files with this group (name or gid; directories 2750, files 0640);
+    # None: as the store records it, private (0700/0600) when new (kvstore.filemodes)
+    group: str | int | None = None
 
     def __post_init__(self) -> None:
         if self.salt_policy not in DAEMON_SALT_POLICIES:
@@ -51,3 +55,4 @@ class DaemonConfig:
         if self.eviction not in EVICTIONS:
             raise ConfigError(f"eviction must be one of {', '.join(EVICTIONS)}, "
                               f"got {self.eviction!r}")
+        resolve_group(self.group)  # an unknown group: at start, naming it

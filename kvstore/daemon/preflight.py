@@ -41,12 +41,17 @@ def _check_creatable_dir(p: Path, flag: str, what: str) -> None:
         raise ConfigError(f"{flag} {p} cannot be created: no permission to write in {base}")
 
 
-def check_store_dir(path: Path, *, disk: bool) -> None:
-    """The store directory: writable (the daemon's lock lives there) and, when it holds an
-    index and the disk tier is on, one the engines can open (format version, damage)."""
+def check_store_dir(path: Path, *, disk: bool, group: str | int | None = None) -> None:
+    """The store directory: writable (the daemon's lock lives there), not writable by
+    other users (and private, or shared with ``group``: kvstore.filemodes) and, when it holds
+    an index and the disk tier is on, one the engines can open (format version, damage)."""
+    from kvstore import filemodes
+
     _check_creatable_dir(path, "--store", "the store directory")
+    modes = filemodes.resolve_modes(path, group)
+    filemodes.check_store(path, modes, writable=True)  # refused, or set as promised
     try:  # the lock file is created in it next: create it now, so an error names it
-        path.mkdir(parents=True, exist_ok=True)
+        filemodes.make_dirs(path, modes)
     except OSError as e:
         raise ConfigError(f"--store {path} cannot be created: {e.strerror or e}") from None
     if not disk or not (path / "index" / "data.mdb").exists():
@@ -89,7 +94,7 @@ def check_socket_path(path: Path) -> None:
 
 def check_config(cfg: DaemonConfig) -> None:
     """Every path the daemon will use, before it uses any (see the module docstring)."""
-    check_store_dir(cfg.path, disk=bool(cfg.disk_capacity))
+    check_store_dir(cfg.path, disk=bool(cfg.disk_capacity), group=cfg.group)
     check_socket_path(cfg.socket_path)
     if not cfg.shm_base.is_dir():
         raise ConfigError(f"--shm-dir {cfg.shm_base} is not a directory (is /dev/shm mounted?)")
