@@ -99,7 +99,8 @@ def test_verify_clean_store(store, capsys):
                         "drop_blocks": 0, "drop_bytes": 0, "unreachable_blocks": 0,
                         "unreachable_bytes": 0, "repair_blocks": 0, "repair_bytes": 0,
                         "repair_segments": 0, "remove_files": 0, "remove_file_bytes": 0,
-                        "rebuild_index": False, "young_unreachable": 0}}
+                        "rebuild_index": False, "young_unreachable": 0,
+                        "chmod_paths": 0}}
 
 
 def test_verify_finds_planted_damage_and_fix_removes_it(store, capsys):

@@ -44,14 +44,14 @@ class FindingEntry:
 
     kind: str  # orphan_segment | temp_file | missing_segment | short_segment |
     #            checksum_mismatch | bad_record | bad_header | unreachable | bad_index |
-    #            unknown_file
+    #            unknown_file | loose_mode (a path more open than the store promises)
     path: str
     key: str | None  # the block (hex), for record findings
     detail: str
     fixed: bool
     nbytes: int  # file bytes (orphan_segment, temp_file, unknown_file), the block's stored
     #              bytes (record findings), 0 when not known (bad_index)
-    action: str = "none"  # drop | repair | remove | rebuild | none
+    action: str = "none"  # drop | repair | remove | rebuild | chmod | none
     namespace_id: str | None = None  # the block's namespace (hex), for record findings
 
 

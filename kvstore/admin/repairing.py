@@ -37,11 +37,12 @@ class RepairPlan:
     remove_file_bytes: int
     rebuild_index: bool  # side indexes are rebuilt from the block records
     young_unreachable: int  # unreachable blocks written less than grace ago: left alone
+    chmod_paths: int = 0  # files and directories more open than the store promises
 
     @property
     def empty(self) -> bool:
         return not (self.drop_blocks or self.unreachable_blocks or self.repair_blocks
-                    or self.remove_files or self.rebuild_index)
+                    or self.remove_files or self.rebuild_index or self.chmod_paths)
 
 
 def plan_repair(findings: Iterable[FindingEntry], young: int) -> RepairPlan:
@@ -54,7 +55,8 @@ def plan_repair(findings: Iterable[FindingEntry], young: int) -> RepairPlan:
     return RepairPlan(len(drop), sum(f.nbytes for f in drop), len(unreach),
                       sum(f.nbytes for f in unreach), len(rep), sum(f.nbytes for f in rep),
                       len({f.path for f in rep}), len(files), sum(f.nbytes for f in files),
-                      any(f.action == "rebuild" for f in todo), young)
+                      any(f.action == "rebuild" for f in todo), young,
+                      sum(1 for f in todo if f.action == "chmod"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +68,7 @@ class _Todo:
     rebuild: bool  # side indexes to rebuild
     rewrite: tuple[bytes, ...]  # blocks of damaged headers to rewrite (block ids)
     unreachable: tuple[bytes, ...]  # blocks no lookup can reach (block ids)
+    chmod: tuple[str, ...] = ()  # paths more open than the store promises
 
     @classmethod
     def of(cls, todo: list[FindingEntry]) -> _Todo:
@@ -77,6 +80,7 @@ class _Todo:
             rewrite=tuple(entry_block_id(f) for f in todo
                           if f.action == "repair" and f.key is not None),
             unreachable=tuple(entry_block_id(f) for f in todo if f.kind == "unreachable"),
+            chmod=tuple(f.path for f in todo if f.action == "chmod"),
         )
 
 
@@ -88,6 +92,7 @@ class _Fixes:
     dropped: set[bytes] = dataclasses.field(default_factory=set)  # records removed by this pass
     notes: dict[bytes, str] = dataclasses.field(default_factory=dict)  # why a block was kept
     files: set[str] = dataclasses.field(default_factory=set)  # files removed
+    modes: set[str] = dataclasses.field(default_factory=set)  # paths now as promised
     index_left: bool = False  # side indexes still inconsistent
     late: list[FindingEntry] = dataclasses.field(default_factory=list)  # blocks beyond the plan
 
@@ -112,6 +117,7 @@ def repair(result: VerifyResult) -> VerifyResult:
         _recheck_damaged(rw, recheck, fixes)
         _rewrite_headers(rw, plan.rewrite, fixes)
         _remove_unreachable(rw, plan.unreachable, fixes)
+        _set_modes(rw.path, plan.chmod, fixes)
     findings = [_settled(f, fixes) for f in result.findings] + fixes.late
     unfixed = sum(1 for f in findings if not f.fixed)
     return dataclasses.replace(result, fix=True, findings=tuple(findings), unfixed=unfixed)
@@ -188,12 +194,28 @@ def _remove_unreachable(rw: DiskTier, unreachable: tuple[bytes, ...], fixes: _Fi
     fixes.late = late_entries(late, os.path.join(rw.path, "segments"))
 
 
+def _set_modes(store: str, paths: tuple[str, ...], fixes: _Fixes) -> None:
+    """Step 5, loose modes: each path set to the store's (opening the store writable has
+    set its directories' already); paths of other users are left as they are."""
+    from kvstore.filemodes import modes_of, tighten
+
+    modes = modes_of(store)
+    for p in paths:
+        try:
+            if tighten(p, modes):
+                fixes.modes.add(p)
+        except OSError:
+            continue
+
+
 def _settled(f: FindingEntry, fixes: _Fixes) -> FindingEntry:
     """``f`` with ``fixed`` (and a note on why a block was kept or dropped) as repaired."""
     if f.fixed or f.action == "none":
         return f
     if f.action == "remove":
         ok = f.path in fixes.files
+    elif f.action == "chmod":
+        ok = f.path in fixes.modes
     elif f.action == "rebuild":
         ok = not fixes.index_left
     else:

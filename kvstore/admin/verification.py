@@ -93,12 +93,30 @@ def verify(path: str | os.PathLike[str] | None = None, *, fix: bool = False,
         findings, young = _add_unreachable(findings, snapshot, segdir, grace_s)
         if only is not None:
             findings = [f for f in findings if f.namespace_id == only.hex()]
+        else:  # 4. files and directories more open than the store promises (store-wide)
+            findings += mode_findings(ro.path)
         store = ro.path
     unfixed = sum(1 for f in findings if not f.fixed)
     res = VerifyResult(store, False, len(recs), sum(r.raw_nbytes for r in recs),
                        len({r.segment for r in recs}), tuple(findings), unfixed, float(grace_s),
                        plan_repair(findings, young))
     return repair(res) if fix else res
+
+
+def mode_findings(store: str) -> list[FindingEntry]:
+    """``loose_mode``: every path of the store that users it is not shared with can read
+    (or write: a store whose gates others can write is refused before this), as
+    :mod:`kvstore.filemodes` promises (0700/0600, or 2750/0640 shared with a group)."""
+    from kvstore.filemodes import loose_paths, modes_of
+
+    modes = modes_of(store)
+    out = []
+    for x in loose_paths(store):
+        out.append(FindingEntry(
+            "loose_mode", x.path, None,
+            f"{x.why}: mode {x.mode:04o}, the store promises {x.want:04o} (it is "
+            f"{modes.describe()}); --fix sets it ({x.fix(modes)})", False, 0, "chmod"))
+    return out
 
 
 def _namespace_id(ro: DiskTier, namespace: str | None) -> bytes | None:

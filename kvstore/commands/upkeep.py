@@ -17,8 +17,8 @@ from kvstore.commands.output import (
     table,
 )
 
-#: at most this many ``unreachable`` rows in a human table (a lost root can orphan a whole
-#: tree; ``--format json`` lists every one)
+#: at most this many ``unreachable`` (and ``loose_mode``) rows in a human table (a lost root
+#: can orphan a whole tree; ``--format json`` lists every one)
 _UNREACHABLE_ROWS = 20
 
 
@@ -40,23 +40,26 @@ def findings_table(findings, *, show_fixed: bool, show_action: bool = False):
     cols.append(("DETAIL", "left"))
     if show_fixed:
         cols.append(("FIXED", "left"))
-    unreachable = [f for f in findings if f.kind == "unreachable"]
-    shown = findings
-    if len(unreachable) > _UNREACHABLE_ROWS:
-        skip = {id(f) for f in unreachable[_UNREACHABLE_ROWS:]}
-        shown = [f for f in findings if id(f) not in skip]
-    rows = [_finding_row(f, show_fixed=show_fixed, show_action=show_action) for f in shown]
-    more = len(findings) - len(shown)
-    if more:
-        n = more + _UNREACHABLE_ROWS
-        row = ["unreachable", f"+ {more} more",
-               size(sum(f.nbytes for f in unreachable[_UNREACHABLE_ROWS:]))]
+    skip: set[int] = set()
+    extra = []
+    # a lost root can orphan a whole tree, an old store's modes every file: a few rows each
+    for kind, action, what in (("unreachable", "drop", "unreachable block(s)"),
+                               ("loose_mode", "chmod", "path(s) more open than promised")):
+        many = [f for f in findings if f.kind == kind]
+        if len(many) <= _UNREACHABLE_ROWS:
+            continue
+        skip.update(id(f) for f in many[_UNREACHABLE_ROWS:])
+        more = len(many) - _UNREACHABLE_ROWS
+        row = [kind, f"+ {more} more", size(sum(f.nbytes for f in many[_UNREACHABLE_ROWS:]))
+               if kind == "unreachable" else "-"]
         if show_action:
-            row.append("drop")
-        row.append(f"{n} unreachable block(s) in all; --format json lists every one")
+            row.append(action)
+        row.append(f"{len(many)} {what} in all; --format json lists every one")
         if show_fixed:
-            row.append(f"{sum(1 for f in unreachable if f.fixed)} of {n}")
-        rows.append(row)
+            row.append(f"{sum(1 for f in many if f.fixed)} of {len(many)}")
+        extra.append(row)
+    rows = [_finding_row(f, show_fixed=show_fixed, show_action=show_action)
+            for f in findings if id(f) not in skip] + extra
     return table(cols, rows, wrap=("WHERE", "DETAIL"))
 
 
@@ -162,6 +165,9 @@ def plan_summary(plan, *, verb: str) -> str:
                      f"({size(plan.remove_file_bytes)})")
     if plan.rebuild_index:
         parts.append("rebuild the side indexes")
+    if plan.chmod_paths:
+        parts.append(f"set the modes of {plan.chmod_paths} file(s) or directory(ies) more "
+                     "open than the store promises")
     return f"{verb} " + "; ".join(parts) + "."
 
 
