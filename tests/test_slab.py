@@ -1,3 +1,5 @@
+import mmap
+
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -138,3 +140,91 @@ def test_prefault_stops_at_close(monkeypatch):
     threading.Timer(0.05, gate.set).start()
     slab.close()  # waits for the chunk in flight, then no more
     assert slab.prefault.done.is_set() and len(calls) == 1
+
+
+def _gated_madvise(monkeypatch):
+    """The prefault's ``madvise`` held at its first call until ``go`` is set; ``calls``."""
+    import ctypes
+    import threading
+
+    import pytest
+
+    from kvstore.tiers import slab as slab_mod
+
+    probe = ctypes.create_string_buffer(3 * mmap.PAGESIZE)
+    addr = -(-ctypes.addressof(probe) // mmap.PAGESIZE) * mmap.PAGESIZE
+    if slab_mod._madvise(addr, mmap.PAGESIZE, slab_mod.MADV_POPULATE_WRITE):
+        pytest.skip("no MADV_POPULATE_WRITE here (Linux < 5.14): nothing to pace")
+    real, go, calls = slab_mod._madvise, threading.Event(), []
+
+    def gated(addr, n, advice):
+        calls.append(n)
+        go.wait(10)
+        return real(addr, n, advice)
+
+    monkeypatch.setattr(slab_mod, "_madvise", gated)
+    return go, calls
+
+
+def test_prefault_stands_aside_while_the_foreground_is_busy(tmp_path, monkeypatch):
+    """Issue 31 item 7: the prefault waits between calls while ``busy()`` is true."""
+    import threading
+    import time
+
+    go, calls = _gated_madvise(monkeypatch)
+    busy = threading.Event()
+    busy.set()
+    lay = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, dtype=torch.float16, block_tokens=16)
+    slab = Slab(lay, 512 * lay.block_nbytes, torch.device("cpu"), pin_memory=False,  # 16 MiB
+                shared_path=str(tmp_path / "warm"), prefault=True)
+    pf = slab.prefault
+    assert pf is not None
+    pf.pace(busy.is_set)
+    go.set()  # the call begun before pace() ends; then it stands aside
+    time.sleep(0.3)
+    assert len(calls) == 1 and not pf.done.is_set() and pf.pauses == 1
+    assert pf.faulted == 2 << 20
+    busy.clear()  # the foreground went quiet: it goes on to the end
+    assert pf.done.wait(30) and len(calls) == -(-slab.nbytes // (2 << 20))
+    if pf.error is None:
+        assert _resident_pages(slab.data) >= (slab.nbytes - 2 * mmap.PAGESIZE) // mmap.PAGESIZE
+    slab.close()
+
+
+def test_store_prefault_waits_for_a_copy_in_flight(tmp_path, monkeypatch):
+    """Issue 31 item 7, through open_store: while a copy runs on the store's copy engine (a
+    fetch's read, a put's copy) the warm slab's prefault faults nothing in; afterwards it
+    does the whole slab. Before, it ran alongside the first operations after an open."""
+    import threading
+    import time
+
+    from kvstore import open_store
+    from kvstore.copy_engine import Job
+    from kvstore.transfer import Transfer
+
+    go, calls = _gated_madvise(monkeypatch)
+    lay = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, dtype=torch.float16, block_tokens=16)
+    with open_store(None, layout=lay, model_id="m", device="cpu", cpu_capacity="16MiB",
+                    warm_shared_memory=str(tmp_path / "warm")) as s:
+        warm = s.state.warm.slab
+        pf, engine = warm.prefault, s.state.engine
+        assert pf is not None
+        release, t = threading.Event(), Transfer()
+
+        def copying(stream):  # a copy that takes until release is set
+            release.wait(10)
+            return []
+
+        engine.submit("disk_read", Job(t, copying, lambda ok, err: t.set_result(ok)))
+        go.set()
+        time.sleep(0.3)
+        assert len(calls) <= 2 and not pf.done.is_set()  # the call in flight, at most
+        assert engine.busy() and pf.faulted <= 2 << 20
+        release.set()
+        assert t.wait() is True and pf.done.wait(30) and len(calls) == 8
+        if pf.error is None:
+            assert pf.faulted == warm.nbytes
+            assert _resident_pages(warm.data) >= (warm.nbytes - 2 * mmap.PAGESIZE) // mmap.PAGESIZE
+        with engine.foreground():  # a caller's own reads (Fetcher.read_into) count too
+            assert engine.busy()
+        assert not engine.busy()

@@ -30,6 +30,8 @@ def open_state(config: StoreConfig) -> StoreState:
         raise ConfigError("gpu_capacity and cpu_capacity are both 0: give at least one memory "
                           "tier room")
     st = StoreState(config, hot, warm, engine=CopyEngine(config.device))
+    if warm is not None and warm.slab.prefault is not None and st.engine is not None:
+        warm.slab.prefault.pace(st.engine.busy)  # behind the store's own fetches and puts
     if config.path is not None and config.disk_capacity:
         if warm is None:
             raise ConfigError("a disk tier stages reads and writes in the warm tier: set "
