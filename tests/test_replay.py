@@ -19,6 +19,7 @@ from kvstore.replay import (
     unbounded,
 )
 from kvstore.replay.driver import replay_layout, replay_namespace
+from kvstore.replay.families import generate
 from kvstore.replay.trace import Request, Trace, block_tokens_of, facts, store_keys
 from kvstore.replay.workloads import ChatWorkload, chat_trace
 
@@ -107,7 +108,7 @@ def test_bounds_order(chat):
 
 
 # -- through the store ----------------------------------------------------------------------
-@pytest.mark.parametrize("policy", ["lru", "reuse"])
+@pytest.mark.parametrize("policy", ["lru", "reuse", "adaptive"])
 def test_store_replay_equals_the_simulator(chat, policy):
     blocks = store_keys(chat, NS, 512)
     n = 40
@@ -119,7 +120,7 @@ def test_store_replay_equals_the_simulator(chat, policy):
     assert got.tiers[0].evictions == sim.evictions
 
 
-@pytest.mark.parametrize("policy", ["lru", "reuse"])
+@pytest.mark.parametrize("policy", ["lru", "reuse", "adaptive"])
 def test_store_replay_equals_the_simulator_under_second_hit_admission(chat, policy):
     blocks = store_keys(chat, NS, 512)
     for n in (10, 40, 120):
@@ -134,7 +135,7 @@ def test_mooncake_slice_store_equals_simulator():
     t = load_trace(MOONCAKE, limit=250)
     blocks = store_keys(t, NS, 512)
     n = max(1, facts(blocks, 512).unique_blocks // 20)
-    for policy in ("lru", "reuse"):
+    for policy in ("lru", "reuse", "adaptive"):
         for adm in ("always", "second-hit"):
             got = replay(t, StoreSpec(policy, n * BN, admission=adm), keys=blocks)
             sim = simulate_policy(blocks, n, policy, admission=adm)
@@ -161,6 +162,20 @@ def test_smaller_store_blocks_replay_like_the_simulator(chat):
     assert got.hits == simulate_policy(blocks, 100, "reuse").hits
 
 
+@pytest.mark.parametrize("family", ["rag", "agentic"])
+def test_tuned_adaptive_tier_replays_like_the_simulator(family):
+    """A tier big enough to tune (its shadows sample every key and switch scales): the store
+    still equals the simulator block for block, evictions included."""
+    t = generate(family, 500, seed=5)
+    blocks = store_keys(t, NS, 512)
+    n = 160
+    sim = simulate_policy(blocks, n, "adaptive")
+    got = replay(t, StoreSpec("adaptive", n * BN), keys=blocks)
+    assert got.wrong_blocks == 0
+    assert (got.hits, got.tiers[0].evictions) == (sim.hits, sim.evictions)
+    assert sim.evictions > 0
+
+
 # -- the report -----------------------------------------------------------------------------
 def test_report_rows(chat):
     plan = ReplayPlan(capacities=(parse_capacity("5%"), parse_capacity(f"{30 * BN}")))
@@ -169,9 +184,10 @@ def test_report_rows(chat):
     assert [r.capacity for r in rep.rows] == ["5%", str(30 * BN)]
     row = rep.rows[1]
     assert row.blocks == 30 and row.nbytes == 30 * BN
-    assert [s.policy for s in row.simulated] == ["lru", "reuse", "belady", "unbounded"]
-    assert [r.eviction for r in row.replayed] == ["lru", "reuse"]
-    for p in ("lru", "reuse"):
+    assert [s.policy for s in row.simulated] == ["lru", "reuse", "adaptive", "arc", "s3fifo",
+                                                 "belady", "unbounded"]
+    assert [r.eviction for r in row.replayed] == ["lru", "reuse", "adaptive"]
+    for p in ("lru", "reuse", "adaptive"):
         assert row.store(p).hits == row.sim(p).hits
     assert any("store reuse" in w for w in seen)
 
@@ -186,6 +202,17 @@ def test_bad_capacity(text, match):
 def test_capacity_below_one_block(chat):
     with pytest.raises(ConfigError, match="smaller than one block"):
         run_report(chat.head(10), ReplayPlan(capacities=(parse_capacity("100"),)))
+
+
+def test_report_baselines_are_simulated_only(chat):
+    plan = ReplayPlan(capacities=(parse_capacity("10%"),), policies=("lru",),
+                      baselines=("arc",), store=False)
+    row = run_report(chat.head(150), plan).rows[0]
+    assert [s.policy for s in row.simulated] == ["lru", "arc", "belady", "unbounded"]
+    assert row.sim("arc").hit_ratio <= row.sim("belady").hit_ratio
+    with pytest.raises(ConfigError, match="unknown baseline"):
+        run_report(chat.head(10), ReplayPlan(capacities=(parse_capacity("10%"),),
+                                             baselines=("fifo",), store=False))
 
 
 def test_chat_workload_is_deterministic_and_shares_prefixes():

@@ -124,9 +124,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="always: a new block joins the warm tier like any other; second-hit: "
                    "a block not seen lately joins on probation, first to go unless used again "
                    "(scan protection; docs/architecture.md, eviction policies)")
-    s.add_argument("--eviction", choices=["lru", "reuse"], default="reuse",
-                   help="eviction order of each namespace's warm tier: reuse (recency plus "
-                   "reuse, the default) or lru (docs/architecture.md, eviction policies)")
+    s.add_argument("--eviction", choices=["lru", "reuse", "adaptive"], default="adaptive",
+                   help="eviction order of each namespace's warm tier: adaptive (recency plus "
+                   "reuse weighed online, never worse than LRU on the measured traces; the "
+                   "default), reuse or lru (docs/architecture.md, eviction policies)")
     s.add_argument("--disk-codec", choices=["none", "zstd"], default="none",
                    help="compression of blocks on disk (zstd: smaller, more CPU per read)")
     s.add_argument("--shutdown-timeout", type=a.seconds(), default=30.0, metavar="SECONDS",

@@ -10,7 +10,7 @@ from kvstore.errors import ConfigError
 from kvstore.events.config import EventsConfig
 from kvstore.filemodes import resolve_group
 from kvstore.tiers.admission import check_admission
-from kvstore.tiers.policy import EVICTIONS
+from kvstore.tiers.policy import DEFAULT_EVICTION, EVICTIONS
 
 #: "client": honour each hello's salt policy; "per-uid": every namespace is per uid
 DAEMON_SALT_POLICIES = ("client", "per-uid")
@@ -32,7 +32,7 @@ class DaemonConfig:
     shm_base: Path = Path("/dev/shm")
     admission: str = "always"  # the disk tier's: written on a block's first or second put
     warm_admission: str = "always"  # the warm tiers' (kvstore.tiers.admission)
-    eviction: str = "reuse"  # the warm tiers' eviction policy (kvstore.tiers.policy)
+    eviction: str = DEFAULT_EVICTION  # the warm tiers' eviction policy (kvstore.tiers.policy)
     disk_codec: str = "none"
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish on SIGTERM
     kv_events: EventsConfig | None = None  # publish KV events (kvstore.daemon.events)

@@ -1,5 +1,6 @@
 """A replay report: per capacity, the store's policies replayed through a real store beside
-the simulators (the same policies, LRU, the farthest-next-use bound, the unbounded cache)."""
+the simulators (the same policies, LRU, the published baselines ARC and S3-FIFO, the
+farthest-next-use bound, the unbounded cache)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass
 
 from kvstore.errors import ConfigError, SizeError
 from kvstore.keys import BlockKey
+from kvstore.replay.baselines import SIM_ONLY
 from kvstore.replay.driver import ReplayResult, StoreSpec, replay, replay_layout, replay_namespace
 from kvstore.replay.simulate import (
     SimResult,
@@ -67,7 +69,7 @@ class CapacityRow:
     share: float  # of the trace's unique blocks
     blocks: int
     nbytes: int
-    simulated: tuple[SimResult, ...]  # the store's policies, then belady, unbounded
+    simulated: tuple[SimResult, ...]  # the store's policies, the baselines, belady, unbounded
     replayed: tuple[ReplayResult, ...]  # the store's policies through a real store
 
     def sim(self, policy: str) -> SimResult | None:
@@ -103,6 +105,7 @@ class ReplayPlan:
     store: bool = True  # False: the simulators only
     speed: float | None = None
     path: str | None = None
+    baselines: tuple[str, ...] = SIM_ONLY  # simulated beside them (kvstore.replay.baselines)
 
     @property
     def variants(self) -> tuple[tuple[str, str], ...]:
@@ -133,11 +136,16 @@ def run_report(trace: Trace, plan: ReplayPlan, *,
     for a in plan.admissions:
         if a not in ADMISSIONS:
             raise ConfigError(f"unknown admission {a!r}; choose from {', '.join(ADMISSIONS)}")
+    for b in plan.baselines:
+        if b not in SIM_ONLY:
+            raise ConfigError(f"unknown baseline {b!r}; choose from {', '.join(SIM_ONLY)}")
+    variants = plan.variants + tuple((b, DEFAULT_ADMISSION) for b in plan.baselines
+                                     if (b, DEFAULT_ADMISSION) not in plan.variants)
     top = unbounded(blocks)
     rows = []
     for cap in plan.capacities:
         n = cap.blocks(fx, bn)
-        sims = _simulate(blocks, n, plan.variants, progress, cap.text)
+        sims = _simulate(blocks, n, variants, progress, cap.text)
         sims.append(top)
         runs = (_replays(trace, blocks, plan, fx, n * bn, bn, progress, cap.text)
                 if plan.store else ())

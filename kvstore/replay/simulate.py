@@ -1,7 +1,8 @@
 """Offline cache simulators over a trace's block references, without bytes.
 
 * :func:`simulate_policy` drives a store eviction policy (:mod:`kvstore.tiers.policy`, the
-  same code the store runs) through exactly the calls a memory-only store makes for a fetch
+  same code the store runs; or a published one the store does not offer,
+  :mod:`kvstore.replay.baselines`: ARC, S3-FIFO) through exactly the calls a memory-only store makes for a fetch
   then a put of each request's new blocks, with the store's rules: leaf-first removal (what
   is cached stays prefix-closed) and the put's blocks that find no room dropped; with
   ``admission="second-hit"`` it inserts through the tier's doorkeeper
@@ -20,6 +21,8 @@ import heapq
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
+from kvstore.errors import ConfigError
+from kvstore.replay.baselines import SIM_ONLY, make_baseline
 from kvstore.tiers.admission import DEFAULT_ADMISSION, tier_admission
 from kvstore.tiers.policy import EvictionPolicy, make_policy
 
@@ -72,7 +75,13 @@ def simulate_policy(requests: Sequence[Sequence[Hashable]], capacity_blocks: int
     """Hit ratio of the store's eviction policy ``policy`` with ``capacity_blocks`` slots,
     new blocks admitted by ``admission`` (the tier's, as ``MemoryTier`` applies it)."""
     door = tier_admission(admission, capacity_blocks)
-    pol: EvictionPolicy = make_policy(policy, capacity_blocks, probation=door is not None)
+    pol: EvictionPolicy
+    if policy in SIM_ONLY:
+        if door is not None:
+            raise ConfigError(f"{policy!r} is simulated under admission 'always' only")
+        pol = make_baseline(policy, capacity_blocks)
+    else:
+        pol = make_policy(policy, capacity_blocks, probation=door is not None)
     parent: dict[Hashable, Hashable | None] = {}
     children: dict[Hashable, int] = {}
     hits = refs = evictions = dropped = 0

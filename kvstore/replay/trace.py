@@ -37,6 +37,7 @@ class Request:
     input_length: int
     output_length: int
     hash_ids: tuple[int, ...]
+    session: int | None = None  # the optional ``session`` field (synthetic families carry it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +73,10 @@ def _request(obj: object, where: str) -> Request:
     if not isinstance(ids, list) or not all(
             isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in ids):
         raise TraceError(f"{where}: hash_ids must be a list of non-negative integers")
-    return Request(ts, inp, out, tuple(ids))
+    sess = obj.get("session")
+    if sess is not None and not (isinstance(sess, int) and not isinstance(sess, bool)):
+        raise TraceError(f"{where}: session must be an integer when given")
+    return Request(ts, inp, out, tuple(ids), sess)
 
 
 def iter_requests(path: str | os.PathLike[str]) -> Iterator[Request]:

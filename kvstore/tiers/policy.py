@@ -34,6 +34,7 @@ Not thread-safe: the store serialises access under its lock.
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Iterator
 from functools import partial
@@ -41,12 +42,19 @@ from itertools import chain
 from typing import Protocol
 
 from kvstore.errors import ConfigError
-from kvstore.tiers.tuning import MIN_SLOTS, ScaleTuner, make_shadow
+from kvstore.tiers.tuning import (
+    ADAPTIVE_GUARD,
+    ADAPTIVE_MIN_SLOTS,
+    MIN_SLOTS,
+    ScaleTuner,
+    adaptive_mask,
+    make_shadow,
+)
 
 #: eviction policy names accepted by ``open_store(eviction=...)``
-EVICTIONS = ("lru", "reuse")
+EVICTIONS = ("lru", "reuse", "adaptive")
 #: the default eviction policy of the memory tiers
-DEFAULT_EVICTION = "reuse"
+DEFAULT_EVICTION = "adaptive"
 #: use classes of :class:`ReusePolicy` (0, 1, 2, 3+ uses)
 USE_CLASSES = 4
 MAX_CLASS = USE_CLASSES - 1
@@ -426,6 +434,204 @@ class ReusePolicy:
         return self._info[key][1]
 
 
+class AdaptivePolicy:
+    """Recency plus reuse whose weight is chosen online and switches at once (``"adaptive"``,
+    the default; see the module docstring).
+
+    A block's rank is ``last use + class x scale x slots`` as under :class:`ReusePolicy`,
+    but the order is one LRU list per use class (0, 1, 2, 3+ uses) and the rank is computed
+    only at eviction time, from the lists' oldest entries: a new ``scale`` applies to every
+    block at once, with no ranks given under the old one left to age out. The
+    :class:`~kvstore.tiers.tuning.ScaleTuner`'s shadows are this very structure in
+    miniature, so what they measure is what the tier would do; its scale 0 is LRU (the
+    victim is the oldest head), so a tier whose shadows show reuse not paying evicts exactly
+    as LRU does from the next eviction on. A parent joins at least its child's class on a
+    touch (every use of a child is a use of its parent), so a parent never ranks below a
+    child touched with it and leaves stay first. Blocks on probation wait in a FIFO before
+    all others.
+    """
+
+    name = "adaptive"
+    __slots__ = ("_lists", "_info", "_ghost", "_ghost_old", "_ghost_cap", "_slots", "_clock",
+                 "_call", "_tuner", "_scale", "_off", "_mask", "_prob", "_fresh")
+
+    def __init__(self, slots: int, *, ghosts: int = GHOSTS_PER_SLOT, scale: float | None = None,
+                 tune: bool = True, probation: bool = False) -> None:
+        # one LRU list per use class, oldest use first
+        self._lists: list[OrderedDict[Hashable, None]] = [OrderedDict()
+                                                          for _ in range(USE_CLASSES)]
+        # per key held: [use class, last touch call, clock at its last use]
+        self._info: dict[Hashable, list[int]] = {}
+        self._ghost: dict[Hashable, int] = {}
+        self._ghost_old: dict[Hashable, int] = {}
+        self._slots = max(1, slots)
+        self._ghost_cap = max(1, ghosts * self._slots // 2)
+        self._clock = 0  # blocks inserted: the tier's turnover
+        self._call = 0  # touch calls
+        tuned = tune and slots >= ADAPTIVE_MIN_SLOTS
+        start = scale if scale is not None else (TUNED_START if tuned else UNTUNED_SCALE)
+        self._scale = start
+        self._off = [int(c * start * self._slots) for c in range(USE_CLASSES)]
+        self._tuner = (ScaleTuner(slots, start, partial(make_shadow, classes=USE_CLASSES,
+                                                        ghosts=ghosts),
+                                  mask=adaptive_mask(slots), guard=ADAPTIVE_GUARD)
+                       if tuned else None)
+        self._mask = self._tuner.mask if self._tuner is not None else 0
+        # blocks on probation (a tier with second-hit admission): first in first out, before
+        # every class list; None without probation
+        self._prob: OrderedDict[Hashable, None] | None = OrderedDict() if probation else None
+        self._fresh: dict[Hashable, None] = {}
+
+    def __len__(self) -> int:
+        return len(self._info)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._info
+
+    @property
+    def scale(self) -> float:
+        """Retention a use buys, in tier turnovers (the tuner's current choice)."""
+        return self._scale
+
+    def _sample(self, key: Hashable) -> None:
+        tuner = self._tuner
+        assert tuner is not None
+        tuner.reference(key)
+        if tuner.scale != self._scale:
+            self._scale = s = tuner.scale
+            self._off = [int(c * s * self._slots) for c in range(USE_CLASSES)]
+
+    def insert(self, key: Hashable, *, probation: bool = False) -> None:
+        self._clock = clock = self._clock + 1
+        info = self._info
+        e = info.get(key)
+        if e is not None:  # republished under another slot
+            e[1] = self._call
+            prob = self._prob
+            if not (prob and key in prob):
+                e[2] = clock
+                self._lists[e[0]].move_to_end(key)
+            return
+        back = self._ghost.pop(key, None)
+        if back is None and self._ghost_old:
+            back = self._ghost_old.pop(key, None)
+        if back is None:
+            c = 0
+            if probation:
+                if self._prob is None:
+                    raise TypeError("this AdaptivePolicy has no probation: "
+                                    "make_policy(..., probation=True)")
+                info[key] = [0, self._call, clock]
+                self._prob[key] = None
+                self._fresh[key] = None
+                self._after_insert(key)
+                return
+        else:  # its uses came back from the ghost list: seen before, no probation
+            c = back + 1 if back < MAX_CLASS else MAX_CLASS
+        info[key] = [c, self._call, clock]  # seen by this call: its next touch is no use
+        self._lists[c][key] = None
+        self._after_insert(key)
+
+    def _after_insert(self, key: Hashable) -> None:
+        if self._tuner is not None and not (
+                key[-1] if type(key) is bytes else hash(key)) & self._mask:  # type: ignore[index]
+            self._sample(key)  # a miss of the tier
+
+    def remove(self, key: Hashable, *, for_room: bool) -> None:
+        e = self._info.pop(key)
+        prob = self._prob
+        if prob and key in prob:
+            del prob[key]
+            self._fresh.pop(key, None)
+        else:
+            del self._lists[e[0]][key]
+        if for_room:
+            ghost = self._ghost
+            ghost[key] = e[0]
+            if len(ghost) >= self._ghost_cap:
+                self._ghost_old, self._ghost = ghost, {}
+
+    def touch(self, keys: Iterable[Hashable]) -> None:
+        info = self._info
+        if not info:
+            return
+        self._call = call = self._call + 1
+        last = call - 1
+        clock = self._clock
+        tuner, mask, lists, prob = self._tuner, self._mask, self._lists, self._prob
+        floor = 0  # the class of the block below: a parent is used whenever its child is
+        for k in keys:  # leaf first
+            e = info.get(k)
+            if e is None:
+                continue
+            c = old = e[0]
+            if e[1] < last:
+                if c < MAX_CLASS:
+                    c += 1
+                if tuner is not None and not (
+                        k[-1] if type(k) is bytes else hash(k)) & mask:  # type: ignore[index]
+                    self._sample(k)  # a hit of the tier
+            e[1] = call
+            if c < floor:
+                c = floor
+            floor = c
+            e[2] = clock
+            if prob and k in prob:
+                if k in self._fresh:
+                    continue  # the insert's own touch: stays on probation
+                del prob[k]
+                e[0] = c
+                lists[c][k] = None
+            elif c == old:
+                lists[c].move_to_end(k)
+            else:
+                del lists[old][k]
+                lists[c][k] = None
+                e[0] = c
+        if self._fresh:
+            # behind the earlier probation blocks, a chain's leaf first (inserted root first)
+            assert prob is not None
+            for k in reversed(self._fresh):
+                if k in prob:
+                    prob.move_to_end(k)
+            self._fresh = {}
+
+    def peek(self) -> Hashable | None:
+        prob = self._prob
+        if prob:
+            return next(iter(prob))
+        info, off = self._info, self._off
+        best = None
+        rank = 0
+        for c, d in enumerate(self._lists):
+            if d:
+                k = next(iter(d))
+                r = info[k][2] + off[c]
+                if best is None or r < rank:
+                    best, rank = k, r
+        return best
+
+    def _ranked(self, c: int) -> Iterator[tuple[int, int, Hashable]]:
+        info, o = self._info, self._off[c]
+        return ((info[k][2] + o, c, k) for k in self._lists[c])
+
+    def victims(self) -> Iterator[Hashable]:
+        lists = self._lists
+        live = [c for c in range(USE_CLASSES) if lists[c]]
+        if len(live) <= 1:
+            out: Iterator[Hashable] = iter(lists[live[0]]) if live else iter(())
+        else:
+            out = (k for _, _, k in heapq.merge(*(self._ranked(c) for c in live)))
+        return chain(self._prob, out) if self._prob else out
+
+    def order(self) -> list[Hashable]:
+        return list(self.victims())
+
+    def uses(self, key: Hashable) -> int:
+        """Uses of a held key (ghost uses included), counted up to ``USE_CLASSES - 1``."""
+        return self._info[key][0]
+
+
 def make_policy(name: str, slots: int, *, probation: bool = False) -> EvictionPolicy:
     """The eviction policy ``name`` for a tier of ``slots`` blocks; ``probation``: one whose
     ``insert`` takes ``probation=True`` (a tier with second-hit admission)."""
@@ -433,4 +639,6 @@ def make_policy(name: str, slots: int, *, probation: bool = False) -> EvictionPo
         return ProbationLRU() if probation else LRUPolicy()
     if name == "reuse":
         return ReusePolicy(slots)
+    if name == "adaptive":
+        return AdaptivePolicy(slots, probation=probation)
     raise ConfigError(f"eviction must be one of {', '.join(map(repr, EVICTIONS))}, got {name!r}")

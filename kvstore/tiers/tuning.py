@@ -27,6 +27,15 @@ SCALES = (0.0, 1.0, 2.0, 4.0)
 SAMPLE_MASK = 31  # a key is sampled when its last byte & the mask == 0: 1 in 32 ...
 SHADOW_KEYS = 512  # ... or fewer in big tiers, while the shadows still hold this many keys
 MIN_SLOTS = 512  # below this the sample is too small to tell: the scale stays fixed
+#: the adaptive policy's shadows hold at least this many keys (its tiers sample more keys)
+ADAPTIVE_SHADOW_KEYS = 256
+#: the adaptive policy tunes tiers of this many slots and more (smaller ones: every key)
+ADAPTIVE_MIN_SLOTS = 64
+#: the adaptive policy's long memory: each decision period's hits weigh this much less in
+#: the next one (~100 periods); a shadow that lost to LRU over it does not replace LRU
+ADAPTIVE_GUARD = 0.99
+#: the adaptive policy leaves LRU for a shadow that hit this many times as often lately
+ADAPTIVE_LEAVE = 1.10
 MEMORY = 0.9  # each decision period's hits weigh this much less in the next one
 MARGIN = 1.02  # switch when the best shadow hit this many times as often as the current one
 
@@ -42,6 +51,18 @@ def sample_mask(slots: int) -> int:
     cost per block falls as the tier grows, its accuracy does not."""
     rate = SAMPLE_MASK + 1
     while rate < 256 and slots // (2 * rate) >= SHADOW_KEYS:
+        rate *= 2
+    return rate - 1
+
+
+def adaptive_mask(slots: int) -> int:
+    """The sampling mask of an adaptive tier of ``slots``: every key in tiers up to
+    2 x :data:`ADAPTIVE_SHADOW_KEYS` slots, then 1 in 2, 4, ... (down to 1 in 256) while the
+    shadows still hold that many keys. Its switches cost no transient, so it relies on what
+    the shadows tell more than the reuse policy does: bigger shadows in small tiers, a thin
+    sample in big ones (the cost per block falls as they grow)."""
+    rate = 1
+    while rate < 256 and slots // (2 * rate) >= ADAPTIVE_SHADOW_KEYS:
         rate *= 2
     return rate - 1
 
@@ -138,17 +159,23 @@ def make_shadow(slots: int, scale: float, *, classes: int = 4, ghosts: int = 6) 
 class ScaleTuner:
     """Shadows at each of :data:`SCALES`; :attr:`scale` is the best one lately."""
 
-    __slots__ = ("scale", "mask", "_shadows", "_hits", "_period", "_refs")
+    __slots__ = ("scale", "mask", "_shadows", "_hits", "_period", "_refs", "_long", "_guard")
 
     def __init__(self, slots: int, start: float,
-                 make: Callable[[int, float], Shadow] = make_shadow) -> None:
+                 make: Callable[[int, float], Shadow] = make_shadow, *,
+                 mask: int | None = None, guard: float | None = None) -> None:
         self.scale = start
-        self.mask = sample_mask(slots)  # the tier samples a key when its last byte & mask == 0
+        # the tier samples a key when its last byte & mask == 0
+        self.mask = sample_mask(slots) if mask is None else mask
         n = max(1, slots // (self.mask + 1))
         self._shadows = [make(n, s) for s in SCALES]
         self._hits = [0.0] * len(SCALES)
         self._period = max(64, n)  # sampled references between decisions
         self._refs = 0
+        # guard (the adaptive policy's): hits over a long memory; leave LRU (scale 0) only
+        # for a shadow that has not lost to LRU's over it
+        self._long = [0.0] * len(SCALES)
+        self._guard = guard
 
     def reference(self, key: Hashable) -> None:
         """A use or a miss of a sampled key (see ``ReusePolicy.insert``) in the tier."""
@@ -161,6 +188,18 @@ class ScaleTuner:
             self._refs = 0
             now = hits[SCALES.index(self.scale)] if self.scale in SCALES else 0.0
             best = max(range(len(SCALES)), key=lambda i: (hits[i], -abs(SCALES[i] - self.scale)))
-            if hits[best] > MARGIN * now:
+            g = self._guard
+            if g is not None:
+                long = self._long
+                for i in range(len(long)):
+                    long[i] = long[i] * g + hits[i]
+                if SCALES[best] and long[best] < long[0]:
+                    best = 0  # lost to LRU in the long run: not worth leaving it
+            margin = MARGIN if g is None or self.scale or not SCALES[best] else ADAPTIVE_LEAVE
+            if hits[best] > margin * now or (g is not None and best == 0 and self.scale
+                                             and self._long[self._cur()] < self._long[0]):
                 self.scale = SCALES[best]
             self._hits = [h * MEMORY for h in hits]  # the last few periods, mostly the last
+
+    def _cur(self) -> int:
+        return SCALES.index(self.scale) if self.scale in SCALES else 0
