@@ -1,35 +1,48 @@
 """Paged gather/scatter: CUDA kernels (``kvstore/paged_copy.cu``, package data, through CuPy)
 or torch.
 
-The kernels serve the ``flash`` layout on CUDA when CuPy is importable and
-``KVSTORE_NO_CUDA_KERNELS`` is unset; everything else uses the torch reference in
-:mod:`kvstore.paged`, which is also what the kernels are tested against.
+The kernels serve the ``flash`` layout on CUDA when CuPy is importable, the source compiles
+(NVRTC, which ships no C headers: the source includes none) and ``KVSTORE_NO_CUDA_KERNELS``
+is unset; everything else uses the torch reference in :mod:`kvstore.paged`, which is also what
+the kernels are tested against. Compilation is forced up front (both kernels, per device), so
+:func:`cuda_kernels_available` means they compiled; a compile or launch failure is logged
+once, with NVRTC's log, and every later call takes the torch path.
 """
 
 from __future__ import annotations
 
-import functools
+import logging
 import os
+import threading
+from dataclasses import dataclass
 from importlib.resources import files
+from typing import Any
 
 import torch
 
 from kvstore.layout import KVLayout
 from kvstore.paged import FLASH, PagedGeometry, _layer_tensors, gather_layer, scatter_layer
 
+log = logging.getLogger("kvstore.kernels")
+
 _THREADS = 256
+KERNELS = ("kvstore_scatter_pages", "kvstore_gather_pages")
 
 
-@functools.lru_cache(maxsize=1)
-def _module():  # a cupy.RawModule
-    """The compiled kernels, or None when CUDA kernels are unavailable here."""
-    if os.environ.get("KVSTORE_NO_CUDA_KERNELS") or not torch.cuda.is_available():
-        return None
-    try:
-        import cupy
-    except ImportError:
-        return None
-    return cupy.RawModule(code=kernel_source(), options=("-std=c++14",), name_expressions=None)
+@dataclass(frozen=True, slots=True)
+class KernelStatus:
+    """What :func:`preflight` found: whether the kernels serve copies here, and why not."""
+
+    available: bool
+    reason: str  # "" when available
+    cupy: str  # CuPy's version, or "" when not importable
+    nvrtc: str  # NVRTC's version, or ""
+    log: str  # NVRTC's compile log (errors, warnings), or the launch error
+
+
+_lock = threading.Lock()
+_compiled: dict[int, dict[str, Any]] = {}  # device index -> kernel name -> cupy RawKernel
+_failed: KernelStatus | None = None  # set once compiling or launching failed: torch from then on
 
 
 def kernel_source() -> str:
@@ -38,40 +51,140 @@ def kernel_source() -> str:
     return (files("kvstore") / "paged_copy.cu").read_text()
 
 
-def cuda_kernels_available() -> bool:
-    return _module() is not None
+def _disabled_reason() -> str:
+    if os.environ.get("KVSTORE_NO_CUDA_KERNELS"):
+        return "KVSTORE_NO_CUDA_KERNELS is set"
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    return ""
 
 
-def _use_kernel(geo: PagedGeometry, t: torch.Tensor) -> bool:
-    return geo.kind == FLASH and t.is_cuda and t.is_contiguous() and _module() is not None
+def _fail(reason: str, detail: str, cupy_version: str = "", nvrtc: str = "") -> None:
+    """Fall back to torch for good, saying why once."""
+    global _failed
+    if _failed is None:
+        _failed = KernelStatus(False, reason, cupy_version, nvrtc, detail)
+        log.warning("kvstore: CUDA paged-copy kernels disabled, using the torch path: %s%s",
+                    reason, f"\n{detail}" if detail else "")
+
+
+def _kernels(device: torch.device) -> dict[str, Any] | None:
+    """The compiled kernels on ``device`` (compiling them the first time), or None."""
+    if _failed is not None or _disabled_reason():
+        return None
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    with _lock:
+        got = _compiled.get(idx)
+        if got is not None or _failed is not None:
+            return got
+        try:
+            import cupy
+        except ImportError as e:
+            _fail("CuPy is not importable (pip install 'kvstore[cuda]')", str(e))
+            return None
+        mismatch = _cuda_mismatch(cupy)
+        if mismatch:
+            _fail(mismatch, "", cupy.__version__)
+            return None
+        try:
+            with cupy.cuda.Device(idx):
+                mod = cupy.RawModule(code=kernel_source(), options=("-std=c++14",))
+                got = {name: mod.get_function(name) for name in KERNELS}  # compiles now
+        except Exception as e:  # CompileException carries NVRTC's log
+            _fail(f"compiling kvstore/paged_copy.cu failed ({type(e).__name__})",
+                  str(e), cupy.__version__, _nvrtc_version())
+            return None
+        _compiled[idx] = got
+        return got
+
+
+def _cuda_mismatch(cupy: Any) -> str:
+    """Why CuPy's CUDA does not fit torch's (different majors), or ""."""
+    try:
+        theirs = int(cupy.cuda.runtime.runtimeGetVersion()) // 1000
+        ours = int(str(torch.version.cuda).split(".")[0])
+    except Exception:  # unknown on either side: let compiling tell
+        return ""
+    if theirs == ours:
+        return ""
+    extra = "kvstore[cuda]" if ours >= 13 else f"kvstore[cuda{ours}]"
+    return (f"CuPy is built for CUDA {theirs}, torch for CUDA {ours}: pip uninstall "
+            f"cupy-cuda{theirs}x and pip install '{extra}'")
+
+
+def _nvrtc_version() -> str:
+    try:
+        import cupy
+
+        major, minor = cupy.cuda.nvrtc.getVersion()
+        return f"{major}.{minor}"
+    except Exception:
+        return ""
+
+
+def preflight(device: torch.device | None = None) -> KernelStatus:
+    """Compile both kernels on ``device`` now and say how it went (tools/gpu_check.py)."""
+    reason = _disabled_reason()
+    if reason:
+        return KernelStatus(False, reason, "", "", "")
+    dev = device or torch.device("cuda", torch.cuda.current_device())
+    if _kernels(dev) is None:
+        assert _failed is not None
+        return _failed
+    import cupy
+
+    return KernelStatus(True, "", cupy.__version__, _nvrtc_version(), "")
+
+
+def cuda_kernels_available(device: torch.device | None = None) -> bool:
+    """Whether the kernels compiled (on ``device``, default the current CUDA device)."""
+    if _disabled_reason():
+        return False
+    return _kernels(device or torch.device("cuda", torch.cuda.current_device())) is not None
+
+
+def _use_kernel(geo: PagedGeometry, t: torch.Tensor, other: torch.Tensor) -> bool:
+    return (geo.kind == FLASH and t.is_cuda and other.is_cuda and t.device == other.device
+            and t.is_contiguous() and _failed is None)
 
 
 def _launch(name: str, a: torch.Tensor, b: torch.Tensor, ids: torch.Tensor, planes: int,
-            num_pages: int, chunk_bytes: int, ppb: int) -> None:
-    import cupy
-
-    kernel = _module().get_function(name)
+            num_pages: int, chunk_bytes: int, ppb: int) -> bool:
+    """Launch ``name`` on ``a``'s device and current stream; False (logged once, torch from
+    then on) when the kernels are unavailable or the launch fails."""
+    kernels = _kernels(a.device)
+    if kernels is None:
+        return False
     m = ids.numel()
     if m == 0:
-        return
-    stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(a.device).cuda_stream)
-    with stream:
-        kernel((m, planes), (_THREADS,), (
-            a.data_ptr(), b.data_ptr(), ids.data_ptr(), cupy.int64(m), cupy.int64(planes),
-            cupy.int64(num_pages), cupy.int64(chunk_bytes), cupy.int64(ppb),
-        ))
+        return True
+    try:
+        import cupy
+
+        with cupy.cuda.Device(a.device.index):
+            stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(a.device).cuda_stream)
+            with stream:
+                kernels[name]((m, planes), (_THREADS,), (
+                    a.data_ptr(), b.data_ptr(), ids.data_ptr(), cupy.int64(m),
+                    cupy.int64(planes), cupy.int64(num_pages), cupy.int64(chunk_bytes),
+                    cupy.int64(ppb),
+                ))
+    except Exception as e:  # a launch error (config, driver): never wrong KV, torch instead
+        _fail(f"launching {name} failed ({type(e).__name__})", str(e))
+        return False
+    return True
 
 
 def scatter_pages(layout: KVLayout, geo: PagedGeometry, blocks_layer: torch.Tensor,
                   dst: object, ids: torch.Tensor) -> None:
     """Write one layer of blocks (``[n, P, T, H, D]``) into engine pages ``ids``."""
     (t,) = _layer_tensors(dst) if geo.kind == FLASH else (None,)
-    if t is not None and _use_kernel(geo, t) and blocks_layer.is_cuda:
+    if t is not None and _use_kernel(geo, t, blocks_layer):
         src = blocks_layer.contiguous()
         chunk = geo.page_size * layout.num_kv_heads * layout.head_dim * layout.itemsize
-        _launch("kvstore_scatter_pages", src, t, ids.to(torch.int64).contiguous(),
-                layout.kv_planes, geo.num_pages, chunk, geo.pages_per_block)
-        return
+        if _launch("kvstore_scatter_pages", src, t, ids.to(t.device, torch.int64).contiguous(),
+                   layout.kv_planes, geo.num_pages, chunk, geo.pages_per_block):
+            return
     scatter_layer(layout, geo, blocks_layer, dst, ids)
 
 
@@ -79,9 +192,9 @@ def gather_pages(layout: KVLayout, geo: PagedGeometry, src: object, ids: torch.T
                  out: torch.Tensor) -> None:
     """Read engine pages ``ids`` of one layer into ``out`` (``[n, P, T, H, D]``)."""
     (t,) = _layer_tensors(src) if geo.kind == FLASH else (None,)
-    if t is not None and _use_kernel(geo, t) and out.is_cuda and out.is_contiguous():
+    if t is not None and _use_kernel(geo, t, out) and out.is_contiguous():
         chunk = geo.page_size * layout.num_kv_heads * layout.head_dim * layout.itemsize
-        _launch("kvstore_gather_pages", t, out, ids.to(torch.int64).contiguous(),
-                layout.kv_planes, geo.num_pages, chunk, geo.pages_per_block)
-        return
+        if _launch("kvstore_gather_pages", t, out, ids.to(t.device, torch.int64).contiguous(),
+                   layout.kv_planes, geo.num_pages, chunk, geo.pages_per_block):
+            return
     gather_layer(layout, geo, src, ids, out)

@@ -6,9 +6,10 @@
 //
 // One CUDA block copies one (page, plane) chunk of ps * H * D elements, 16 bytes per thread
 // per step when the chunk is 16-byte aligned (the common case), byte-wise otherwise.
-// Compiled at run time by CuPy's RawModule; the torch index_copy_ path is the reference.
+// Compiled at run time by CuPy's RawModule (NVRTC, no headers: nothing is #included; uint4 is
+// an NVRTC builtin); the torch index_copy_ path is the reference.
 
-#include <stdint.h>
+typedef unsigned long long kvstore_uintptr;  // NVRTC ships no C headers: no <stdint.h>
 
 extern "C" __global__ void kvstore_scatter_pages(
     const unsigned char* __restrict__ src, unsigned char* __restrict__ pages,
@@ -21,7 +22,7 @@ extern "C" __global__ void kvstore_scatter_pages(
     const long long b = m / ppb, j = m % ppb;
     const unsigned char* s = src + ((b * planes + p) * ppb + j) * chunk_bytes;
     unsigned char* d = pages + (p * num_pages + ids[m]) * chunk_bytes;
-    if ((chunk_bytes & 15) == 0 && (((uintptr_t)s | (uintptr_t)d) & 15) == 0) {
+    if ((chunk_bytes & 15) == 0 && (((kvstore_uintptr)s | (kvstore_uintptr)d) & 15) == 0) {
         const uint4* s4 = reinterpret_cast<const uint4*>(s);
         uint4* d4 = reinterpret_cast<uint4*>(d);
         for (long long i = threadIdx.x; i < chunk_bytes / 16; i += blockDim.x) d4[i] = s4[i];
@@ -41,7 +42,7 @@ extern "C" __global__ void kvstore_gather_pages(
     const long long b = m / ppb, j = m % ppb;
     const unsigned char* s = pages + (p * num_pages + ids[m]) * chunk_bytes;
     unsigned char* d = dst + ((b * planes + p) * ppb + j) * chunk_bytes;
-    if ((chunk_bytes & 15) == 0 && (((uintptr_t)s | (uintptr_t)d) & 15) == 0) {
+    if ((chunk_bytes & 15) == 0 && (((kvstore_uintptr)s | (kvstore_uintptr)d) & 15) == 0) {
         const uint4* s4 = reinterpret_cast<const uint4*>(s);
         uint4* d4 = reinterpret_cast<uint4*>(d);
         for (long long i = threadIdx.x; i < chunk_bytes / 16; i += blockDim.x) d4[i] = s4[i];
