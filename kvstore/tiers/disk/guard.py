@@ -10,12 +10,19 @@ Two levels:
 
 * :func:`~kvstore.tiers.disk.lmdb_meta.read_meta` — the two meta pages (magic, version, page
   size, last page, txnid, the roots of the free and main databases) against the file size.
-  O(1), always (:func:`before_open`).
+  O(1), always (:func:`before_open`), unless the file ends early (then the free list too).
 * :func:`~kvstore.tiers.disk.lmdb_trees.check_trees` — every B-tree page reachable from the
   current meta, and the kvstore schema of every named database. Above ``full_pages`` pages
   only the main and free databases and the root page of each named database are walked
   (bounded time at open: ~25 ms for 1,000,000 records, cold; :func:`check_snapshot`);
   :func:`check_index` / :func:`require_intact` walk everything.
+
+A store that other processes use is never taken for damaged because they write to it: the
+file size is taken after the meta page (a writer grows the file before it writes the meta
+page naming the new pages); a file that ends before the meta page's last page is damaged
+only if a page past its end is not free (LMDB never writes a page that one transaction
+allocated and freed again); and damage counts only when a second read, a moment later,
+finds the same (:func:`settled`).
 
 The structures (LMDB 0.9, 64-bit little-endian) are described in ``docs/format.md``.
 """
@@ -23,15 +30,20 @@ The structures (LMDB 0.9, 64-bit little-endian) are described in ``docs/format.m
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import lmdb
 
 from kvstore.errors import StoreCorruptError
 from kvstore.tiers.disk import segments as _seg
 from kvstore.tiers.disk.index import DB_NAMES
-from kvstore.tiers.disk.lmdb_meta import IndexDamage, read_meta
+from kvstore.tiers.disk.lmdb_meta import IndexDamage, ShortFile, read_meta
 from kvstore.tiers.disk.lmdb_trees import TreeReport, check_trees
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,15 +64,55 @@ def validate_file(path: str, *, full_pages: int | None = None,
     except OSError as e:
         raise IndexDamage(f"cannot open {path}: {e.strerror}") from None
     try:
-        size = os.fstat(fd).st_size
-        if size == 0:
+        if os.fstat(fd).st_size == 0:
             raise IndexDamage(f"{path} is empty")
-        meta = read_meta(fd, size)
-        return check_trees(fd, meta, full_pages=full_pages, required=required)
+        return settled(fd, lambda f: _walk(f, full_pages=full_pages, required=required))
     except OSError as e:
         raise IndexDamage(f"cannot read {path}: {e.strerror}") from None
     finally:
         os.close(fd)
+
+
+def _walk(fd: int, *, full_pages: int | None, required: tuple[bytes, ...]) -> TreeReport:
+    """:func:`read_meta` + :func:`check_trees`: a file that ends before the meta page's last
+    page is damaged only when a page past its end is not free (:class:`ShortFile`)."""
+    try:
+        meta = read_meta(fd)
+    except ShortFile as e:
+        meta = e.meta
+    return check_trees(fd, meta, full_pages=full_pages, required=required)
+
+
+def _meta_fits(fd: int) -> None:
+    """:func:`read_meta`, O(1) unless the file ends before the meta page's last page: then
+    the pages past its end must be free ones (the free list is walked, and the named
+    databases at their root pages)."""
+    try:
+        read_meta(fd)
+    except ShortFile as e:
+        check_trees(fd, e.meta, full_pages=0)
+
+
+#: a live index is read again this many times before its damage counts, after these waits
+_SETTLE_WAITS_S = (0.002, 0.005, 0.01, 0.02)
+
+
+def settled(fd: int, check: Callable[[int], T]) -> T:
+    """``check(fd)``, not fooled by a writer in another process: a damaged-looking read is
+    repeated after a short wait, and the damage counts only once two reads in a row find the
+    same (the same message, the same file size) — a file that another process commits to
+    while it is read changes between them (its size, the txn its meta page names)."""
+    last: tuple[str, int] | None = None
+    for wait in (*_SETTLE_WAITS_S, None):
+        try:
+            return check(fd)
+        except IndexDamage as e:
+            seen = (str(e), os.fstat(fd).st_size)
+            if seen == last or wait is None:
+                raise
+            last = seen
+        time.sleep(wait)
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def check_index(index_dir: str, *, full: bool = True) -> IndexCheck:
@@ -166,7 +218,7 @@ def before_open(index_dir: str) -> None:
     except OSError:
         return  # unreadable (permissions): LMDB reports it
     try:
-        read_meta(fd, os.fstat(fd).st_size)
+        settled(fd, _meta_fits)
     except IndexDamage as e:
         raise corrupt_error(index_dir, e) from None
     except OSError as e:
@@ -187,8 +239,7 @@ def check_snapshot(env: lmdb.Environment, index_dir: str, *,
         except OSError as e:
             raise corrupt_error(index_dir, f"cannot open data.mdb: {e.strerror}") from None
         try:
-            meta = read_meta(fd)
-            rep = check_trees(fd, meta, full_pages=full_pages, required=DB_NAMES)
+            rep = settled(fd, lambda f: _walk(f, full_pages=full_pages, required=DB_NAMES))
         except IndexDamage as e:
             raise corrupt_error(index_dir, e) from None
         except OSError as e:

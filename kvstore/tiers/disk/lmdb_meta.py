@@ -63,6 +63,24 @@ class Meta:
     txnid: int
 
 
+class ShortFile(IndexDamage):
+    """data.mdb ends before the last page of its current meta page (every other check of the
+    meta page passed). Not damage by itself: LMDB never writes a page that one transaction
+    allocated and freed again, so a healthy file can end before pages that are all free;
+    :func:`~kvstore.tiers.disk.lmdb_trees.check_trees` of :attr:`meta` decides."""
+
+    def __init__(self, meta: Meta, size: int) -> None:
+        super().__init__(cut_off(meta, size))
+        self.meta = meta
+        self.size = size
+
+
+def cut_off(m: Meta, size: int) -> str:
+    need = (m.last_pg + 1) * m.psize
+    return (f"data.mdb has {size} bytes but its meta page {m.slot} (txn {m.txnid}) says it has "
+            f"{m.last_pg + 1} pages of {m.psize} bytes ({need} bytes): the file is cut off")
+
+
 # -- meta pages -------------------------------------------------------------------------------
 
 def db_stat(b: bytes, off: int) -> DbStat:
@@ -95,19 +113,24 @@ def read_meta(fd: int, size: int | None = None) -> Meta:
 
     LMDB refuses the file unless both meta pages have the right magic and version, so both
     are checked; then the current one must describe a file that fits: page size a power of
-    two in [512, 65536], ``(last_pg + 1) * psize <= file size``, database roots and depths
-    in range."""
-    if size is None:
-        size = os.fstat(fd).st_size
+    two in [512, 65536], database roots and depths in range, and ``(last_pg + 1) * psize <=
+    file size`` (else :class:`ShortFile`, raised last).
+
+    The size (when not given) is taken *after* the meta pages are read: a writer in another
+    process extends the file before it writes the meta page naming the new pages, so a size
+    taken before could be older than the meta page read after it."""
     first = os.pread(fd, META_TAIL + TAIL.size, 0)
     m0 = _parse_meta(first, 0)
     psize = m0.psize
     if psize < MIN_PSIZE or psize > MAX_PSIZE or psize & (psize - 1):
         raise IndexDamage(f"meta page 0 has page size {psize}")
+    second = os.pread(fd, META_TAIL + TAIL.size, psize)
+    if size is None:
+        size = os.fstat(fd).st_size
     if size < 2 * psize:
         raise IndexDamage(f"data.mdb has {size} bytes, less than its two meta pages "
                           f"({2 * psize} bytes)")
-    m1 = _parse_meta(os.pread(fd, META_TAIL + TAIL.size, psize), 1)
+    m1 = _parse_meta(second, 1)
     cur = m1 if m1.txnid > m0.txnid else m0  # mdb_env_pick_meta
     check_meta(cur, size, psize)
     return cur
@@ -119,10 +142,6 @@ def check_meta(m: Meta, size: int, psize: int) -> None:
     need = (m.last_pg + 1) * psize
     if m.last_pg < 1 or m.last_pg >= (1 << 48) // psize:
         raise IndexDamage(f"meta page {m.slot} has last page {m.last_pg}")
-    if need > size:
-        raise IndexDamage(
-            f"data.mdb has {size} bytes but its meta page {m.slot} (txn {m.txnid}) says it has "
-            f"{m.last_pg + 1} pages of {psize} bytes ({need} bytes): the file is cut off")
     if not need <= m.mapsize <= MAX_MAP:
         raise IndexDamage(f"meta page {m.slot} has map size {m.mapsize} (file needs {need})")
     for name, db in (("free", m.free), ("main", m.main)):
@@ -139,20 +158,26 @@ def check_meta(m: Meta, size: int, psize: int) -> None:
     if m.free.flags != MDB_INTEGERKEY or m.main.flags != 0:
         raise IndexDamage(f"meta page {m.slot} has database flags {m.free.flags:#x}/"
                           f"{m.main.flags:#x}")
+    if need > size:
+        raise ShortFile(m, size)
 
 
 # -- pages ---------------------------------------------------------------------------------------
 
 class Pages:
-    """Pages by number with plain file I/O (the whole file read once when it is small)."""
+    """Pages by number with plain file I/O (the whole file read once when it is small).
+    ``present``: the pages the file holds, when fewer than ``npages`` (a page past them is
+    cut off)."""
 
-    def __init__(self, fd: int, psize: int, npages: int, preload: bool) -> None:
+    def __init__(self, fd: int, psize: int, npages: int, preload: bool,
+                 present: int | None = None) -> None:
         self.fd = fd
         self.psize = psize
         self.npages = npages
+        self.present = npages if present is None else min(npages, present)
         self.arr: np.ndarray | None = None
         if preload:
-            want = psize * npages
+            want = psize * self.present
             arr = np.empty(want, dtype=np.uint8)
             view = memoryview(arr)
             got = 0
@@ -163,11 +188,13 @@ class Pages:
                 got += n
             if got != want:
                 raise IndexDamage(f"data.mdb reads {got} of {want} bytes")
-            self.arr = arr.reshape(npages, psize)
+            self.arr = arr.reshape(self.present, psize)
 
     def get(self, pgno: int, count: int = 1) -> bytes:
         ps = self.psize
         if self.arr is not None:
+            if pgno + count > self.present:
+                raise IndexDamage(f"page {pgno} is cut off")
             return self.arr[pgno:pgno + count].tobytes()
         b = os.pread(self.fd, ps * count, pgno * ps)
         if len(b) != ps * count:
@@ -177,10 +204,11 @@ class Pages:
     def many(self, pgnos: np.ndarray) -> np.ndarray:
         """Pages ``pgnos`` as a ``[len, psize]`` uint8 array."""
         if self.arr is not None:
+            if len(pgnos) and int(pgnos.max()) >= self.present:
+                raise IndexDamage(f"page {int(pgnos.max())} is cut off")
             return self.arr[pgnos]
         out = np.empty((len(pgnos), self.psize), dtype=np.uint8)
         for i, pg in enumerate(pgnos.tolist()):
             if os.preadv(self.fd, [out[i]], pg * self.psize) != self.psize:
                 raise IndexDamage(f"page {pg} is cut off")
         return out
-

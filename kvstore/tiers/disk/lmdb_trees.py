@@ -36,6 +36,7 @@ from kvstore.tiers.disk.lmdb_meta import (
     IndexDamage,
     Meta,
     Pages,
+    cut_off,
     db_stat,
 )
 
@@ -357,11 +358,20 @@ def check_trees(fd: int, meta: Meta, *, full_pages: int | None = None,
                 required: tuple[bytes, ...] = ()) -> TreeReport:
     """Walk the trees of ``meta`` (from :func:`read_meta`); IndexDamage when anything is off.
 
-    ``required``: named databases that must exist (when the main database is not empty)."""
+    ``required``: named databases that must exist (when the main database is not empty).
+
+    The file may end before ``meta``'s last page (:class:`ShortFile`) only when every page
+    past its end is on the free list: LMDB does not write a page that one transaction
+    allocated and freed again, and never reads a free page; any other page past the end is
+    cut off (LMDB would take a SIGBUS on it)."""
     npages = meta.last_pg + 1
+    # after ``meta`` was read: the file only grows, and a page is written before the meta
+    # page that names it
+    present = os.fstat(fd).st_size // meta.psize
     limit = DEFAULT_FULL_PAGES if full_pages is None else full_pages
     full = npages <= limit
-    pages = Pages(fd, meta.psize, npages, preload=full and npages * meta.psize <= (256 << 20))
+    pages = Pages(fd, meta.psize, npages, preload=full and npages * meta.psize <= (256 << 20),
+                  present=present)
     w = _Walk(pages, meta, full=full)
     subdbs: list[tuple[bytes, DbStat]] = []
 
@@ -416,5 +426,9 @@ def check_trees(fd: int, meta: Meta, *, full_pages: int | None = None,
         if seen[pg]:
             raise IndexDamage(f"the free list names page {pg}, which is in use (or listed twice)")
         seen[pg] = 1
+    if present < npages:
+        free = set(free_pgnos)
+        if not all(pg in free for pg in range(present, npages)):
+            raise IndexDamage(cut_off(meta, os.fstat(fd).st_size))
     return TreeReport(txnid, npages, full, found, len(free_pgnos))
 
