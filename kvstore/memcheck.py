@@ -4,7 +4,9 @@ allocator error (or, for memory the kernel hands out lazily, an OOM kill once th
 
 Host memory available is ``MemAvailable`` of ``/proc/meminfo`` (what can be had without
 swapping), or less where a cgroup v2 memory limit says so; elsewhere
-``os.sysconf`` free pages. GPU memory is ``torch.cuda.mem_get_info`` of the device.
+``os.sysconf`` free pages. GPU memory is ``torch.cuda.mem_get_info`` of the device. Shared
+memory (``kvstore serve``'s warm tiers, files in ``/dev/shm``) needs both: host memory and
+room in that filesystem (a tmpfs is usually half the RAM).
 """
 
 from __future__ import annotations
@@ -115,3 +117,29 @@ def check_memory(device: object, *, hot: int, host: int) -> None:
             raise ConfigError(
                 f"gpu_capacity={format_size(hot)} (the hot tier) does not fit on {device}: "
                 f"{format_size(free)} free of {format_size(total)}; lower gpu_capacity")
+
+
+def check_shared_memory(nbytes: int, shm_dir: str | os.PathLike[str], *, what: str) -> None:
+    """Raise :class:`ConfigError` when ``nbytes`` of shared memory in ``shm_dir`` cannot be
+    had: more than the free space of that filesystem or than the host's available memory.
+    ``what`` names the setting (``"--cpu-capacity"``), which the message starts with."""
+    short: list[str] = []
+    shm = os.fspath(shm_dir)
+    try:
+        st = os.statvfs(shm)
+    except OSError:
+        st = None
+    no_room = st is not None and st.f_blocks > 0 and nbytes > st.f_bavail * st.f_frsize
+    if st is not None and no_room:
+        short.append(f"{shm} has {format_size(st.f_bavail * st.f_frsize)} free of "
+                     f"{format_size(st.f_blocks * st.f_frsize)}")
+    avail = host_available()
+    if avail is not None and nbytes > avail.nbytes:
+        total = f" of {format_size(avail.total)}" if avail.total else ""
+        short.append(f"the host has {format_size(avail.nbytes)} of memory available{total} "
+                     f"({avail.source})")
+    if short:
+        grow = f", or grow {shm}" if no_room else ""
+        raise ConfigError(
+            f"{what} {format_size(nbytes)} does not fit in shared memory: {' and '.join(short)}; "
+            f"lower {what} to what the host can spare (the disk tier keeps the rest){grow}")

@@ -5,6 +5,7 @@ human sizes and says when a client's hello creates a new namespace (issue 16).""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -15,6 +16,7 @@ from support.daemon import DaemonProcess
 
 from kvstore.cli import main
 from kvstore.daemon.preflight import MAX_SOCKET_PATH
+from kvstore.sizes import format_size
 
 LAY = small_layout()
 
@@ -81,6 +83,28 @@ def test_segments_without_index_refused_at_start(tmp_path):
     sock = tmp_path / "run" / "kvstore.sock"
     line = _refused(_serve("--store", str(store), "--socket", str(sock)))
     assert "kvstore recover" in line and not sock.exists()
+
+
+def test_warm_tier_that_does_not_fit_is_refused_at_start(tmp_path):
+    """A --cpu-capacity larger than /dev/shm or the host's memory: one line and exit 2 at
+    start (issue 31: the daemon started, and the first client's connect got a traceback)."""
+    st = os.statvfs("/dev/shm")
+    too_big = 2 * max(st.f_blocks * st.f_frsize, os.sysconf("SC_PHYS_PAGES") * os.sysconf(
+        "SC_PAGE_SIZE"))
+    sock = tmp_path / "run" / "kvstore.sock"
+    p = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--store",
+                          str(tmp_path / "store"), "--socket", str(sock), "--cpu-capacity",
+                          str(too_big)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, stdin=subprocess.DEVNULL)
+    try:
+        out, err = p.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.communicate()
+        pytest.fail(f"kvstore serve --cpu-capacity {too_big} started")
+    line = _refused(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    assert f"--cpu-capacity {format_size(too_big)} does not fit in shared memory" in line
+    assert "lower --cpu-capacity" in line and not sock.exists()
 
 
 @pytest.fixture

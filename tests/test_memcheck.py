@@ -98,3 +98,30 @@ def test_gpu_capacity_beyond_the_device_is_a_config_error(monkeypatch):
                                           r"of 80.0 GiB"):
         check_memory(dev, hot=4 << 30, host=0)
     check_memory(dev, hot=1 << 30, host=0)
+
+
+def test_shared_memory_names_the_filesystem_and_the_host(monkeypatch, tmp_path):
+    """``kvstore serve``'s warm tier (a file in /dev/shm) needs room there and host memory."""
+    from collections import namedtuple
+
+    from kvstore.memcheck import check_shared_memory
+
+    fs = namedtuple("fs", "f_bavail f_blocks f_frsize")
+    monkeypatch.setattr(memcheck, "host_available",
+                        lambda: Available(20 << 30, 24 << 30, "MemAvailable in /proc/meminfo"))
+    monkeypatch.setattr(memcheck.os, "statvfs", lambda p: fs(3 << 18, 3 << 18, 4096))  # 3 GiB
+    check_shared_memory(2 << 30, tmp_path, what="--cpu-capacity")  # fits both
+    with pytest.raises(ConfigError) as e:
+        check_shared_memory(4 << 30, tmp_path, what="--cpu-capacity")
+    msg = str(e.value)
+    assert msg.startswith("--cpu-capacity 4.0 GiB does not fit in shared memory: ")
+    assert f"{tmp_path} has 3.0 GiB free of 3.0 GiB" in msg and "grow" in msg
+    assert "memory available" not in msg
+    with pytest.raises(ConfigError) as e:
+        check_shared_memory(100 << 30, tmp_path, what="--cpu-capacity")
+    assert "20.0 GiB of memory available of 24.0 GiB (MemAvailable in /proc/meminfo)" in \
+        str(e.value)
+    monkeypatch.setattr(memcheck.os, "statvfs", lambda p: fs(1 << 30, 1 << 30, 4096))  # 4 TiB
+    with pytest.raises(ConfigError) as e:
+        check_shared_memory(100 << 30, tmp_path, what="--cpu-capacity")
+    assert "free of" not in str(e.value) and "grow" not in str(e.value)

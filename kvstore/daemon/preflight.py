@@ -100,6 +100,11 @@ def check_config(cfg: DaemonConfig) -> None:
         raise ConfigError(f"--shm-dir {cfg.shm_base} is not a directory (is /dev/shm mounted?)")
     if not os.access(cfg.shm_base, os.W_OK | os.X_OK):
         raise ConfigError(f"--shm-dir {cfg.shm_base}: no permission to write in it")
+    # a namespace's warm tier is a --cpu-capacity file there, created at its first hello:
+    # one that cannot fit is refused now, not in the first client's connect
+    from kvstore.memcheck import check_shared_memory
+
+    check_shared_memory(cfg.cpu_capacity, cfg.shm_base, what="--cpu-capacity")
     if cfg.metrics_path is not None:
         d = cfg.metrics_path.parent
         if not d.is_dir() or not os.access(d, os.W_OK | os.X_OK):
