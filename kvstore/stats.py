@@ -19,6 +19,7 @@ class TierStats:
     promotions_in: int = 0
     hits: int = 0  # blocks a fetch or lease was served from this tier
     hit_bytes: int = 0  # their raw bytes
+    policy: str = ""  # a memory tier's eviction policy ("adaptive", "reuse", "lru")
 
 
 @dataclass(frozen=True, slots=True)

@@ -154,3 +154,21 @@ def test_adaptive_is_not_worse_than_lru_on_a_family_slice(family):
     for b in ("arc", "s3fifo", "adaptive"):
         assert simulate_policy(blocks, cap, b).hit_ratio <= simulate_belady(blocks, cap).hit_ratio
     assert ours >= 0.99 * lru
+
+
+def test_stats_name_each_memory_tiers_policy_across_the_wire():
+    import torch
+
+    from kvstore import KVLayout, open_store
+    from kvstore.wire.stats import store_stats_from_wire, store_stats_to_wire
+
+    lay = KVLayout(num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float16, block_tokens=2)
+    with open_store(None, layout=lay, model_id="pol", device="cpu",
+                    gpu_capacity=4 * lay.block_nbytes, cpu_capacity=8 * lay.block_nbytes,
+                    eviction={"hot": "lru", "warm": "adaptive"}) as s:
+        st = s.stats()
+    assert [(t.name, t.policy) for t in st.tiers] == [("hot", "lru"), ("warm", "adaptive")]
+    wire = store_stats_to_wire(st)
+    assert [t.policy for t in store_stats_from_wire(wire).tiers] == ["lru", "adaptive"]
+    del wire["tier_policies"]  # an older daemon's reply
+    assert [t.policy for t in store_stats_from_wire(wire).tiers] == ["", ""]

@@ -80,11 +80,12 @@ def _namespace_parts(n) -> list[Any]:
                  ("free warm slots", f"{sv.free_warm_slots} of {sv.warm_slots}")]
     t = Table(box=None, header_style="bold", pad_edge=False)
     for c, j in (("TIER", "left"), ("DEVICE", "left"), ("USED", "right"),
-                 ("CAPACITY", "right"), ("BLOCKS", "right"), ("EVICTIONS", "right")):
+                 ("CAPACITY", "right"), ("BLOCKS", "right"), ("EVICTIONS", "right"),
+                 ("POLICY", "left")):
         t.add_column(c, justify=j, no_wrap=True)
     for tier in st.tiers:
         t.add_row(tier.name, tier.device, size(tier.used_bytes), size(tier.capacity_bytes),
-                  str(tier.blocks), str(tier.evictions))
+                  str(tier.blocks), str(tier.evictions), tier.policy or "-")
     return ["", f"[bold]{n.model_id}[/bold] {n.layout} (namespace {n.namespace_id[:12]})",
             kv_grid(rows), t]
 

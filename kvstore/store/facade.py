@@ -291,7 +291,7 @@ class Store:
                 TierStats(name=t.name, device=str(t.device), capacity_bytes=t.slab.nbytes,
                           used_bytes=t.used_bytes, blocks=len(t), evictions=t.counters.evictions,
                           demotions_in=t.counters.demotions_in,
-                          promotions_in=t.counters.promotions_in)
+                          promotions_in=t.counters.promotions_in, policy=t.policy.name)
                 for t in (st.hot, st.warm) if t is not None
             ]
             tiers += [t.stats() for t in st.lower]

@@ -94,6 +94,8 @@ def store_stats_to_wire(s: StoreStats) -> dict:
     out: dict = {f.name: getattr(s, f.name) for f in dataclasses.fields(s)
                  if f.name != "tiers"}
     out["tiers"] = [[getattr(t, n) for n in _TIER_FIELDS] for t in s.tiers]
+    # a map an older client ignores (it reads the counters by name): tier -> its policy
+    out["tier_policies"] = {t.name: t.policy for t in s.tiers if t.policy}
     return out
 
 
@@ -107,6 +109,11 @@ def store_stats_from_wire(body: object) -> StoreStats:
             raise BadRequest(f"store stats: each tier is an array of {len(_TIER_FIELDS)} fields")
         tiers.append(TierStats(check_str(t[0], "tier name"), check_str(t[1], "tier device", 4096),
                                *(check_int(x, "tier counter") for x in t[2:])))
+    pol = body.get("tier_policies") or {}  # absent from an older daemon
+    if not isinstance(pol, dict):
+        raise BadRequest("store stats: tier_policies must be a map")
+    tiers = [dataclasses.replace(t, policy=check_str(pol[t.name], "tier policy"))
+             if t.name in pol else t for t in tiers]
     kw = {f.name: check_int(body.get(f.name, 0), f.name)
           for f in dataclasses.fields(StoreStats) if f.name != "tiers"}
     return StoreStats(**kw, tiers=tuple(tiers))
