@@ -12,14 +12,31 @@ def test_json_report(capsys):
     assert main(["replay", "--chat", "150", "--capacity", "5%,20%", "--format", "json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["schema"] == "kvstore.replay/1"
-    assert out["policies"] == ["lru", "reuse"]
+    assert out["policies"] == ["lru", "adaptive"]
     row = out["rows"][1]
     assert row["capacity"] == "20%"
     sims = {s["policy"]: s for s in row["simulated"]}
     stores = {r["eviction"]: r for r in row["replayed"]}
-    for p in ("lru", "reuse"):
+    assert "arc" in sims and "s3fifo" in sims and "arc" not in stores
+    for p in ("lru", "adaptive"):
         assert stores[p]["hits"] == sims[p]["hits"] and stores[p]["wrong_blocks"] == 0
     assert sims["belady"]["hits"] <= sims["unbounded"]["hits"]
+
+
+def test_generate_a_family_and_save_it(tmp_path, capsys):
+    out_file = tmp_path / "agentic.jsonl"
+    assert main(["replay", "--generate", "agentic", "--requests", "200", "--seed", "3",
+                 "--capacity", "10%", "--simulate-only", "--save-trace", str(out_file),
+                 "--baselines", "s3fifo"]) == 0
+    out = capsys.readouterr().out
+    assert "agentic synthetic (seed 3)" in out and "S3FIFO SIM" in out and "ARC SIM" not in out
+    lines = out_file.read_text().splitlines()
+    assert len(lines) == 200 and '"session"' in lines[0]
+    assert main(["replay", str(out_file), "--capacity", "10%", "--simulate-only"]) == 0
+
+
+def test_generate_and_a_file_are_exclusive(tmp_path, capsys):
+    assert main(["replay", "x.jsonl", "--generate", "rag", "--simulate-only"]) == 2
 
 
 def test_table_and_plot(tmp_path, capsys):
@@ -65,7 +82,7 @@ def test_trace_file_with_disk_tier(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv,msg", [
-    (["replay"], "give a trace file, or --chat N"),
+    (["replay"], "give a trace file, or --generate FAMILY"),
     (["replay", "/nonexistent.jsonl"], "cannot read trace"),
     (["replay", "--chat", "10", "--capacity", "0%"], "a share must be"),
     (["replay", "--chat", "10", "--eviction", "fifo"], "unknown eviction policy 'fifo'"),

@@ -18,6 +18,8 @@ examples:
   kvstore replay trace.jsonl --capacity 5% --disk 20% --hot 1% --eviction reuse
   kvstore replay trace.jsonl --simulate-only --eviction lru,reuse --admission always,second-hit
   kvstore replay --chat 12000 --capacity 2%,5%,10%   # the synthetic multi-turn chat workload
+  kvstore replay --generate rag --requests 4000 --seed 7 --simulate-only
+  kvstore replay --generate agentic --save-trace agentic.jsonl --simulate-only
   kvstore replay trace.jsonl --engines 4 --capacity 2%,5% --router prefix,round-robin,hash
 capacities: a share of the trace's unique blocks (5%) or a size (64MiB) of the warm tier;
 the simulators model one memory tier of that size. With --engines N the trace runs through
@@ -28,8 +30,17 @@ N stores in this process behind a router fed by their KV events; capacities are 
 def _trace(args: argparse.Namespace):
     from kvstore.errors import ConfigError
 
-    if (args.trace is None) == (args.chat is None):
-        raise ConfigError("give a trace file, or --chat N for the synthetic chat workload")
+    given = (args.trace is not None) + (args.chat is not None) + (args.generate is not None)
+    if given != 1:
+        raise ConfigError("give a trace file, or --generate FAMILY (or --chat N) for a "
+                          "synthetic one")
+    if args.generate is not None:
+        from kvstore.replay.families import generate, write_trace
+
+        trace = generate(args.generate, args.requests, args.seed)
+        if args.save_trace:
+            write_trace(trace, args.save_trace)
+        return trace
     if args.chat is not None:
         from kvstore.replay.workloads import ChatWorkload, chat_trace
 
@@ -44,7 +55,9 @@ def _plan(args: argparse.Namespace):
 
     caps = tuple(parse_capacity(c) for c in args.capacity.split(",") if c.strip())
     return ReplayPlan(
-        capacities=caps, policies=tuple((args.eviction or "lru,reuse").split(",")),
+        capacities=caps, policies=tuple((args.eviction or "lru,adaptive").split(",")),
+        baselines=tuple(b for b in (args.baselines or "arc,s3fifo").split(",")
+                        if b and b != "none"),
         admissions=tuple((args.admission or "always").split(",")),
         block_tokens=args.block_tokens,
         hot=parse_capacity(args.hot) if args.hot else None,
@@ -89,6 +102,8 @@ def _ratio(x: float | None) -> str:
 
 
 def _print(report, a, *, plot: str | None) -> None:
+    from kvstore.replay.baselines import SIM_ONLY
+
     con = a.out_console()
     con.print(f"Trace {report.trace}: {report.requests:,} requests, {report.references:,} "
               f"block references, {report.unique_blocks:,} unique {report.block_tokens}-token "
@@ -97,6 +112,9 @@ def _print(report, a, *, plot: str | None) -> None:
     cols = [("CAPACITY", "right"), ("BLOCKS", "right")]
     for p in report.policies:
         cols += [(f"{p.upper()} SIM", "right"), (f"{p.upper()} STORE", "right")]
+    base = [s.policy for s in report.rows[0].simulated if s.policy in SIM_ONLY] \
+        if report.rows else []
+    cols += [(f"{b.upper()} SIM", "right") for b in base]
     cols += [("BELADY", "right"), ("UNBOUNDED", "right")]
     rows = []
     for r in report.rows:
@@ -105,6 +123,7 @@ def _print(report, a, *, plot: str | None) -> None:
         for p in report.policies:
             sim, st = r.sim(p), r.store(p)
             cells += [_ratio(sim.hit_ratio if sim else None), _ratio(st.hit_ratio if st else None)]
+        cells += [_ratio(r.sim(b).hit_ratio) for b in base]  # type: ignore[union-attr]
         cells += [_ratio(r.sim("belady").hit_ratio), _ratio(r.sim("unbounded").hit_ratio)]
         rows.append(cells)
     con.print(a.table(cols, rows))
@@ -130,14 +149,25 @@ def _args(p: argparse.ArgumentParser) -> None:
                    "output_length, hash_ids)")
     p.add_argument("--chat", type=integer(minimum=1), metavar="N",
                    help="instead of a file: N requests of the synthetic multi-turn chat workload")
+    p.add_argument("--generate", metavar="FAMILY",
+                   choices=["chat", "mooncake", "rag", "agentic", "batch"],
+                   help="instead of a file: a synthetic trace family (chat, mooncake, rag, "
+                   "agentic, batch; kvstore/replay/families.py) of --requests requests")
+    p.add_argument("--requests", type=integer(minimum=1), default=4000, metavar="N",
+                   help="requests of --generate (default 4000)")
+    p.add_argument("--save-trace", metavar="FILE.jsonl",
+                   help="also write the --generate trace as Mooncake-format JSON lines")
     p.add_argument("--seed", type=integer(minimum=0), default=0, metavar="N",
-                   help="seed of --chat (default 0)")
+                   help="seed of --generate and --chat (default 0)")
+    p.add_argument("--baselines", metavar="LIST",
+                   help="published policies simulated beside the store's: arc, s3fifo "
+                   "(default arc,s3fifo; none for none)")
     p.add_argument("--capacity", default="2%,5%,10%", metavar="LIST",
                    help="warm-tier capacities, comma-separated: shares of the trace's unique "
                    "blocks (5%%) or sizes (64MiB) (default 2%%,5%%,10%%)")
     p.add_argument("--eviction", metavar="LIST",
-                   help="eviction policies to replay and simulate (default lru,reuse; with "
-                   "--engines: reuse, the store's default)")
+                   help="eviction policies to replay and simulate: lru, reuse, adaptive "
+                   "(default lru,adaptive; with --engines: reuse)")
     p.add_argument("--admission", metavar="LIST",
                    help="warm-tier admissions to replay and simulate with each policy: always "
                    "(the default), second-hit (a block the tier has not seen lately starts at "
