@@ -154,3 +154,14 @@ def test_cupy_built_for_another_cuda_major_is_refused(fresh_kernels, monkeypatch
 def test_the_cuda_extra_pins_cupy_for_torchs_cuda_major():
     text = (ROOT / "pyproject.toml").read_text()
     assert 'cuda = ["cupy-cuda13x' in text and 'cuda12 = ["cupy-cuda12x' in text
+
+
+# -- tools/gpu_check.py ----------------------------------------------------------------------
+def test_gpu_check_runs_every_check_it_can_on_the_cpu():
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--cpu"],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    for check in ("preflight", "kernels == torch reference", "race", "round trip with a hot tier",
+                  "layer-wise", "forced device fault"):
+        assert f"| {check}" in r.stdout
+    assert "**NO**" not in r.stdout and "all passed" in r.stdout
