@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from kvstore.errors import (
     ConfigError,
+    DaemonUnavailableError,
     DiskError,
     FormatVersionError,
     KeyFormatError,
@@ -78,6 +79,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BlockKey",
     "ConfigError",
+    "DaemonUnavailableError",
     "DiskError",
     "FormatVersionError",
     "KVLayout",

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import msgpack
 
 from kvstore.errors import ConfigError
-from kvstore.layout import KVLayout, dtype_name
+from kvstore.layout import KVLayout
 
 #: Version of the block byte format and key scheme. Changing it changes every namespace.
 FORMAT_VERSION = 1
@@ -95,7 +95,7 @@ class Namespace:
                 self.format_version,
                 self.model_id,
                 self.model_revision,
-                dtype_name(lay.dtype),
+                lay.dtype_name,
                 [lay.num_layers, lay.kv_planes, lay.block_tokens, lay.num_kv_heads, lay.head_dim],
                 [self.tp_rank, self.tp_size],
                 [list(kv) for kv in self.extras],

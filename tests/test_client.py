@@ -2,6 +2,9 @@
 back, or goes away; paged engines; what a connection holds when it closes."""
 
 import logging
+import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -10,6 +13,7 @@ from conftest import wait_until
 
 from kvstore import KVLayout, StoreStats, connect
 from kvstore.api import PinReceipt
+from kvstore.errors import DaemonUnavailableError
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.bfloat16, block_tokens=4)
 MEMORY = ("--cpu-capacity", "1MiB", "--disk-capacity", "0")
@@ -31,7 +35,8 @@ _until = wait_until
 def test_daemon_down_means_misses_and_a_warning_then_reconnect(serve, tmp_path, caplog):
     sock = tmp_path / "run" / "kvstore.sock"
     with caplog.at_level(logging.WARNING, logger="kvstore.client"):
-        c = connect(sock, layout=LAYOUT, model_id="m", device="cpu", timeout=5)
+        c = connect(sock, layout=LAYOUT, model_id="m", device="cpu", timeout=5,
+                    wait_for_daemon=True)  # a daemon that is still starting
     assert "unavailable" in caplog.text and "reconnecting" in caplog.text
     keys = c.block_keys(list(range(16)))  # computed locally, no daemon needed
     kv = _kv(4)
@@ -205,3 +210,61 @@ def test_lookup_reports_get_no_reply(shared):
         time.sleep(0.2)
         assert select.select([sock], [], [], 0)[0] == []
         assert c.stats().hits == before + 200
+
+
+def test_connect_to_a_socket_nobody_serves_raises(tmp_path, caplog):
+    """A mistyped path, or a daemon not started, is an error at connect (issue 31): not a
+    client that misses everything. Reconnecting is for a daemon that was there."""
+    sock = tmp_path / "run" / "kvstore.sock"
+    with pytest.raises(DaemonUnavailableError) as e:
+        connect(sock, layout=LAYOUT, model_id="m", device="cpu", timeout=5)
+    msg = str(e.value)
+    assert f"no kvstore daemon answers at {sock} (No such file or directory)" in msg
+    assert "wait_for_daemon=True" in msg and "\n" not in msg
+    assert isinstance(e.value, ConnectionError)
+    sock.parent.mkdir()
+    stale = socket.socket(socket.AF_UNIX)  # a socket file nobody listens on (a dead daemon's)
+    stale.bind(str(sock))
+    stale.close()
+    with pytest.raises(DaemonUnavailableError, match="Connection refused"):
+        connect(sock, layout=LAYOUT, model_id="m", device="cpu", timeout=5)
+    with caplog.at_level(logging.WARNING, logger="kvstore.client"):
+        c = connect(sock, layout=LAYOUT, model_id="m", device="cpu", wait_for_daemon=True)
+    assert not c.connected and "unavailable" in caplog.text
+    c.close()
+
+
+def test_a_layout_given_by_dtype_name_works_with_tensors(shared):
+    by_name = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype="bfloat16", block_tokens=4)
+    assert by_name == LAYOUT and by_name.dtype is torch.bfloat16
+    with connect(shared.socket_path, layout=by_name, model_id="by-name", device="cpu") as c:
+        keys = c.block_keys(list(range(16)))
+        assert c.put(keys, _kv(4)).wait() == 4
+        got = c.fetch(keys).wait()
+        assert got.dtype == torch.bfloat16 and torch.equal(got, _kv(4))
+
+
+def _python(code: str) -> subprocess.CompletedProcess:
+    from kvstore.commands.entry import env
+
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env=env(), stdin=subprocess.DEVNULL)
+
+
+def test_importing_the_client_does_not_import_torch():
+    """``import kvstore.client`` stays light (issue 31: it took 5.6 s of torch); the keys,
+    namespace ids and hello of a layout given by dtype name need no torch either."""
+    r = _python(
+        "import sys, kvstore.client\n"
+        "assert 'torch' not in sys.modules, 'import kvstore.client imported torch'\n"
+        "from kvstore import KVLayout\n"
+        "from kvstore.namespace import Namespace\n"
+        "from kvstore.wire.protocol import make_hello\n"
+        "lay = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype='bfloat16', block_tokens=4)\n"
+        "make_hello(lay, 'm')\n"
+        "print(Namespace.create('m', lay).id.hex(), lay.block_nbytes)\n"
+        "assert 'torch' not in sys.modules, 'a layout by name imported torch'\n")
+    assert r.returncode == 0, r.stderr
+    from kvstore.namespace import Namespace
+
+    assert r.stdout.split() == [Namespace.create("m", LAYOUT).id.hex(), str(LAYOUT.block_nbytes)]

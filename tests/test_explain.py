@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from support.admin import kv_for, open_test_store, prompt_tokens, small_layout
+from support.admin import cli_without_torch, kv_for, open_test_store, prompt_tokens, small_layout
 
 from kvstore.admin.explain import Status, explain
 from kvstore.admin.nsmatch import (
@@ -354,3 +354,21 @@ def test_live_daemon_reports_the_warm_tier(tmp_path, serve):
     other = parse_layout(LAYOUT, model_id="m/typo")
     e = explain(d.path, _tokens(), namespace=other, socket=str(d.socket_path))
     assert e.socket is None and "not asked" in e.live_note  # a hello would open it
+
+
+def test_explain_socket_never_imports_torch(tmp_path, serve):
+    """``kvstore explain --socket`` asks a daemon and reads the disk: no torch (issue 31:
+    4.5 s)."""
+    from kvstore.client import connect
+
+    d = serve("--cpu-capacity", "64KiB")
+    with connect(d.socket_path, layout=LAY, model_id="m/a", device="cpu") as c:
+        keys = c.block_keys(_tokens())
+        assert c.put(keys[:3], kv_for(keys[:3], LAY)).wait() == 3
+    p, took = cli_without_torch("explain", "--store", str(d.path), "--socket", str(d.socket_path),
+                                "--namespace", "m/a", "--tokens", json.dumps(_tokens()),
+                                "--format", "json")
+    assert p.returncode == 0, p.stderr  # 99: it imported torch
+    data = json.loads(p.stdout)
+    assert [b["tier"] for b in data["per_block"]] == ["warm", "warm", "warm", None]
+    print(f"kvstore explain --socket: {took:.2f} s in process")

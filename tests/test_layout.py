@@ -50,3 +50,25 @@ def test_layout_is_frozen_and_hashable():
     with pytest.raises(AttributeError):
         lay.num_layers = 3  # type: ignore[misc]
     assert hash(lay) == hash(KVLayout(num_layers=2, num_kv_heads=2, head_dim=4))
+
+
+def test_dtype_by_name_equals_the_torch_dtype():
+    """A layout may name its dtype (what a torch-free caller, the CLI's daemon commands, does):
+    it is the same layout, and ``dtype`` is still the torch dtype."""
+    import pickle
+
+    by_dtype = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float16)
+    by_name = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype="float16")
+    assert by_name == by_dtype and hash(by_name) == hash(by_dtype)
+    assert by_name.dtype is torch.float16 and by_name.dtype_name == "float16"
+    assert by_name.block_nbytes == by_dtype.block_nbytes == 2 * 2 * 16 * 2 * 4 * 2
+    assert KVLayout(num_layers=1, num_kv_heads=1, head_dim=1).dtype is torch.bfloat16
+    assert repr(by_name) == ("KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, "
+                             "dtype=torch.float16, block_tokens=16, kv_planes=2)")
+    assert pickle.loads(pickle.dumps(by_dtype)) == by_dtype
+    for dt, size in ((torch.float32, 4), (torch.float64, 8), (torch.int8, 1), (torch.half, 2)):
+        assert KVLayout(num_layers=1, num_kv_heads=1, head_dim=1, dtype=dt).itemsize == size
+        assert KVLayout(num_layers=1, num_kv_heads=1, head_dim=1, dtype=dt).dtype_name == \
+            dtype_name(dt)
+    with pytest.raises(AttributeError):
+        by_name.dtype_name = "float32"  # type: ignore[misc]

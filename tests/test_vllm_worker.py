@@ -16,3 +16,27 @@ def test_openmp_spin_hint_is_quiet_when_the_spin_is_set_or_no_libgomp():
     assert openmp_spin_hint({"GOMP_SPINCOUNT": "10000"}, _GOMP) is None
     assert openmp_spin_hint({"OMP_WAIT_POLICY": "passive"}, _GOMP) is None
     assert openmp_spin_hint({}, "7f00-7f10 r-xp 0 00:00 1 /usr/lib/libiomp5.so\n") is None
+
+
+def test_daemon_mode_refuses_a_socket_nobody_serves_unless_told_to_wait(tmp_path):
+    """Issue 31: a mistyped socket is an error at engine start; ``wait_for_daemon`` is for a
+    daemon starting with the engine."""
+    import pytest
+
+    from kvstore import KVLayout
+    from kvstore.errors import DaemonUnavailableError
+    from kvstore.integrations.vllm.config import ConnectorConfig
+    from kvstore.integrations.vllm.store_registry import open_connector_store, release_store
+
+    lay = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype="bfloat16", block_tokens=4)
+    kw = dict(layout=lay, model_id="m", model_revision="", ns_extras={}, page_kind="cpu",
+              is_scheduler=True)
+    sock = str(tmp_path / "typo.sock")
+    with pytest.raises(DaemonUnavailableError, match="typo.sock"):
+        open_connector_store(ConnectorConfig.from_extra({"socket": sock}), **kw)
+    c = ConnectorConfig.from_extra({"socket": sock, "wait_for_daemon": True})
+    store, key = open_connector_store(c, **kw)
+    try:
+        assert not store.connected and store.lookup(store.block_keys(list(range(8)))) == 0
+    finally:
+        release_store(key)

@@ -40,16 +40,17 @@ class LiveView:
 
 
 def _layout(f: NamespaceFields):
-    from kvstore.layout import KVLayout, dtype_from_name
+    from kvstore.layout import KVLayout
 
     return KVLayout(num_layers=f.num_layers, num_kv_heads=f.num_kv_heads, head_dim=f.head_dim,
-                    dtype=dtype_from_name(f.dtype), block_tokens=f.block_tokens,
+                    dtype=f.dtype, block_tokens=f.block_tokens,
                     kv_planes=f.kv_planes)
 
 
 def hello_namespace(socket: str, fields: NamespaceFields, *, salt_policy: str = "shared",
-                    timeout: float = 10.0):
-    """Connect and say hello; returns ``(channel, hello reply)`` (the caller closes it)."""
+                    timeout: float = 10.0, client: str = ""):
+    """Connect and say hello (as ``client``, for the daemon's log); returns ``(channel, hello
+    reply)`` (the caller closes it)."""
     from kvstore.errors import KVStoreError
     from kvstore.wire import messages as m
     from kvstore.wire.channel import Channel, ChannelClosed
@@ -62,7 +63,7 @@ def hello_namespace(socket: str, fields: NamespaceFields, *, salt_policy: str = 
                            model_revision=fields.model_revision or None,
                            tp_rank=fields.tp_rank, tp_size=fields.tp_size,
                            namespace_extras=extras or None, salt_policy=salt_policy,
-                           client=f"kvstore explain pid {os.getpid()}")
+                           client=client or f"kvstore explain pid {os.getpid()}")
     except KVStoreError as e:
         raise AdminError(f"cannot ask the daemon about this namespace: {e}") from None
     try:
@@ -86,8 +87,7 @@ def probe_daemon(socket: str, fields: NamespaceFields, keys_of, *,
                  salt_policy: str = "shared") -> LiveView:
     """Ask the daemon at ``socket`` about the chain ``keys_of(namespace_id)`` (a callable:
     the keys depend on the id the daemon derives)."""
-    from kvstore.tiers.key_directory import KeyDirectory
-    from kvstore.tiers.slab import directory_path
+    from kvstore.tiers.key_directory import KeyDirectory, directory_path
 
     ch, reply = hello_namespace(socket, fields, salt_policy=salt_policy)
     try:

@@ -1,4 +1,5 @@
-"""Counters of a running daemon (``kvstore stats --socket S``), through ``kvstore.client``.
+"""Counters of a running daemon (``kvstore stats --socket S``), over its wire protocol
+(a hello per namespace, then ``stats``; torch is never imported).
 
 The daemon keeps its counters per namespace and answers a ``stats`` request only on a
 connection that has said hello for one namespace, so the namespaces to ask about come from
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvstore.admin.common import AdminError
+from kvstore.errors import DaemonUnavailableError as _DaemonUnavailable
 
 if TYPE_CHECKING:
     from kvstore.stats import StoreStats
@@ -35,8 +37,9 @@ __all__ = [
 _REMOVE_BATCH = 4096
 
 
-class DaemonUnavailableError(AdminError):
-    """No daemon answering at the socket, or it refused a namespace."""
+class DaemonUnavailableError(AdminError, _DaemonUnavailable):
+    """No daemon answering at the socket, or it refused a namespace (also a
+    :class:`kvstore.errors.DaemonUnavailableError`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,11 +63,13 @@ class DaemonStats:
 def daemon_stats(socket: str | os.PathLike[str], store: str | os.PathLike[str] | None = None,
                  *, filters: Iterable[str] = ()) -> DaemonStats:
     """One stats sample from the daemon listening at ``socket``, for every namespace of
-    ``store`` (the daemon's ``--path``) that passes ``filters`` (``kvstore ls`` filters)."""
-    from kvstore import client
+    ``store`` (the daemon's ``--store``) that passes ``filters`` (``kvstore ls`` filters)."""
+    from kvstore.admin.explain_live import hello_namespace
     from kvstore.admin.inventory import list_namespaces
-    from kvstore.errors import KVStoreError
-    from kvstore.layout import KVLayout, dtype_from_name
+    from kvstore.admin.nsmatch import NamespaceFields
+    from kvstore.wire import messages as m
+    from kvstore.wire.channel import ChannelClosed
+
     sock = os.path.abspath(os.path.expanduser(os.fspath(socket)))
     if not os.path.exists(sock):
         raise DaemonUnavailableError(f"no daemon socket at {sock} (is 'kvstore serve' running "
@@ -74,7 +79,7 @@ def daemon_stats(socket: str | os.PathLike[str], store: str | os.PathLike[str] |
         raise AdminError(
             f"no namespace in {listing.store} to ask the daemon about"
             + (" matches the filters" if listing.filters else "")
-            + "; the daemon counts per namespace: pass --store (the daemon's --path) and "
+            + "; the daemon counts per namespace: pass --store (the daemon's --store) and "
             "-f model=... to choose"
         )
     out = []
@@ -82,25 +87,24 @@ def daemon_stats(socket: str | os.PathLike[str], store: str | os.PathLike[str] |
         if not e.dtype:
             continue  # unreadable namespace record
         L, P, T, H, D = e.block_shape
-        layout = KVLayout(num_layers=L, num_kv_heads=H, head_dim=D,
-                          dtype=dtype_from_name(e.dtype), block_tokens=T, kv_planes=P)
+        fields = NamespaceFields(e.model_id, e.model_revision, e.dtype, L, P, T, H, D,
+                                 e.tp_rank, e.tp_size, e.format_version, e.extras)
         try:
-            c = client.connect(sock, layout=layout, model_id=e.model_id,
-                               model_revision=e.model_revision or None, device="cpu",
-                               tp_rank=e.tp_rank, tp_size=e.tp_size,
-                               namespace_extras=dict(e.extras) or None, timeout=10.0)
-        except (KVStoreError, OSError) as err:
-            raise DaemonUnavailableError(f"the daemon at {sock} refused namespace "
-                                         f"{e.namespace_id[:12]} ({e.model_id}): {err}") from err
+            ch, hello = hello_namespace(sock, fields, client=f"kvstore stats pid {os.getpid()}")
+        except AdminError as err:
+            raise DaemonUnavailableError(f"namespace {e.namespace_id[:12]} ({e.model_id}): "
+                                         f"{err}") from None
         try:
-            if not c.connected:
-                raise DaemonUnavailableError(f"no daemon answers at {sock}")
-            st = c.stats()
-            srv = c.server_stats()
-            nid = c.namespace_id.hex()
+            r = ch.call(m.Stats())
+        except (m.ServerError, ChannelClosed) as err:
+            raise DaemonUnavailableError(f"the daemon at {sock} could not answer stats for "
+                                         f"namespace {e.namespace_id[:12]} ({e.model_id}): "
+                                         f"{err}") from None
         finally:
-            c.close()
-        out.append(DaemonNamespaceStats(nid, e.model_id, e.layout, st.hit_rate, st, srv))
+            ch.close()
+        st = r.store
+        out.append(DaemonNamespaceStats(hello.namespace_id.hex(), e.model_id, e.layout,
+                                        st.hit_rate, st, r.server))
     return DaemonStats(sock, listing.store, time.time(), tuple(out))
 
 

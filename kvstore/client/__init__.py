@@ -7,9 +7,11 @@ device; the mapping is registered as pinned memory where CUDA exists, so those c
 and releases the lease without waiting; a put asks for slots, writes them, then commits. Keys
 are computed here, with the daemon's namespace id.
 
-If the daemon is down, or goes away, nothing raises into the engine: lookups and fetches
-miss, puts are dropped, a warning is logged once, and the client reconnects (with backoff)
-when the daemon is back. Only configuration errors raise: a daemon that refuses this uid,
+If the daemon goes away, nothing raises into the engine: lookups and fetches miss, puts are
+dropped, a warning is logged once, and the client reconnects (with backoff) when the daemon
+is back. A daemon that does not answer at ``connect`` raises (a mistyped socket path would
+otherwise miss silently), unless ``connect(..., wait_for_daemon=True)`` waits for one that
+is starting, the same way. Configuration errors raise too: a daemon that refuses this uid,
 speaks another protocol version or cannot serve the namespace; and ``flush``, the durability
 barrier, when it cannot vouch for puts made since the last flush (the daemon restarted
 without a clean stop, or none answers).

@@ -1,6 +1,9 @@
 """The :class:`Client`: the embedded store's API, over a ``kvstore serve`` daemon (see
 :mod:`kvstore.client`). Round trips go through its :class:`~kvstore.client.link.Link`; the
-KV bytes are copied through the session's mapping of the namespace's warm slab."""
+KV bytes are copied through the session's mapping of the namespace's warm slab.
+
+Importing this module does not import torch (``kvstore stats --socket`` and other daemon-only
+commands never load it); a :class:`Client` imports it when it is created."""
 
 from __future__ import annotations
 
@@ -10,26 +13,24 @@ import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
-
-import torch
+from typing import TYPE_CHECKING
 
 from kvstore.api import PinReceipt
 from kvstore.client.link import CLOSED_MESSAGE, Link
 from kvstore.client.session import Session, open_session
 from kvstore.errors import NamespaceMismatchError, PutsLostError, StoreClosedError
-from kvstore.kernels import gather_pages, scatter_pages
 from kvstore.keys import KEY_BYTES, BlockKey, KeyChain, check_key, join_keys
 from kvstore.keys import block_keys as _block_keys
 from kvstore.layout import KVLayout
 from kvstore.namespace import Namespace
-from kvstore.paged import page_index, paged_geometry
 from kvstore.stats import StoreStats
-from kvstore.tiers.slab import paired_runs, runs
 from kvstore.transfer import Transfer
-from kvstore.validate import check_kv, check_out, resolve_device
 from kvstore.wire import messages as m
 from kvstore.wire.channel import ChannelClosed
 from kvstore.wire.protocol import derive_namespace, make_hello
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["Client", "connect"]
 
@@ -56,6 +57,8 @@ class Client:
             from kvstore.errors import ConfigError
 
             raise ConfigError(f"layout must be a KVLayout, got {type(layout).__name__}")
+        from kvstore.validate import resolve_device  # imports torch
+
         self.socket_path = os.fspath(socket_path)
         self.layout = layout
         self.device = resolve_device(device)
@@ -87,9 +90,10 @@ class Client:
             self.namespace_id = s.hello.namespace_id
         return s
 
-    def _connect_first(self) -> None:
-        """At ``connect``: configuration errors raise; an absent daemon only warns."""
-        self._link.connect_first()
+    def _connect_first(self, wait: bool = False) -> None:
+        """At ``connect``: configuration errors and a daemon that does not answer raise
+        (unless ``wait``: then an absent daemon only warns)."""
+        self._link.connect_first(wait)
 
     @property
     def _session(self) -> Session | None:
@@ -155,9 +159,13 @@ class Client:
         return blob, n, parent
 
     def _check_kv(self, kv: torch.Tensor, n: int) -> None:
+        from kvstore.validate import check_kv
+
         check_kv(self.layout, self.device, kv, n)
 
     def _check_out(self, out: torch.Tensor, n: int) -> None:
+        from kvstore.validate import check_out
+
         check_out(self.layout, out, n)
 
     # -- lookup / fetch / prefetch ---------------------------------------------------------------
@@ -230,6 +238,10 @@ class Client:
 
     def _fetch(self, blob: bytes, n: int, parent: bytes | None, out: torch.Tensor | None,
                device: torch.device) -> torch.Tensor:
+        import torch
+
+        from kvstore.tiers.slab import runs
+
         lease: m.Lease | None = None
         s = self._get() if n else None
         if s is not None:
@@ -304,6 +316,10 @@ class Client:
 
     def _write_slots(self, slab: torch.Tensor, kv: torch.Tensor, positions: list[int],
                      slots: list[int]) -> None:
+        import torch
+
+        from kvstore.tiers.slab import paired_runs
+
         lay = self.layout
         if kv.is_contiguous():
             src = kv.reshape(kv.shape[0], -1).view(torch.uint8)
@@ -318,6 +334,9 @@ class Client:
                   page_size: int | None = None) -> Transfer[int]:
         """Scatter the leading held blocks into an engine's paged KV cache (see
         :meth:`kvstore.store.Store.load_into`); the transfer yields the blocks loaded."""
+        from kvstore.kernels import scatter_pages
+        from kvstore.paged import page_index, paged_geometry
+
         blob, n, parent = self._keys(keys)
         lay = self.layout
         geo = paged_geometry(lay, pages, page_size)
@@ -334,6 +353,11 @@ class Client:
     def save_from(self, pages: Sequence[object], block_ids: object, keys: Sequence[bytes], *,
                   page_size: int | None = None) -> Transfer[int]:
         """Gather the blocks for ``keys`` out of an engine's paged cache and ``put`` them."""
+        import torch
+
+        from kvstore.kernels import gather_pages
+        from kvstore.paged import page_index, paged_geometry
+
         _blob, n, _parent = self._keys(keys)
         lay = self.layout
         geo = paged_geometry(lay, pages, page_size)
@@ -486,13 +510,21 @@ def connect(
     model_revision: str | None = None, device: str | torch.device | None = None,
     tp_rank: int = 0, tp_size: int = 1, namespace_extras: Mapping[str, object] | None = None,
     timeout: float | None = 30.0, salt_policy: str = "shared", warm_capacity: int | str | None = None,
+    wait_for_daemon: bool = False,
 ) -> Client:
     """Connect to a ``kvstore serve`` daemon; the client has the embedded store's API.
 
     ``salt_policy="per-uid"`` asks for a namespace of this uid's own. ``warm_capacity`` asks
     for the namespace's warm tier size when this client is the one to open it (capped by the
-    daemon's ``--cpu-capacity``). A daemon that is not running is not an error: the client
-    misses until it comes up. A daemon that refuses us (uid, protocol version, namespace) is.
+    daemon's ``--cpu-capacity``).
+
+    No daemon answering at ``socket_path`` (a mistyped path, a daemon not started) raises
+    :class:`~kvstore.errors.DaemonUnavailableError`, as does a daemon that refuses us (uid,
+    protocol version, namespace). ``wait_for_daemon=True`` is for a daemon that is still
+    starting (started together with the engine): ``connect`` returns at once, and the client
+    misses (lookups find nothing, puts are dropped) until the daemon answers, then connects
+    (retrying with backoff). A daemon that answered and later goes away is never an error:
+    the client misses and reconnects when it is back, with or without the flag.
     """
     from kvstore.sizes import parse_size
 
@@ -501,5 +533,5 @@ def connect(
                device=device, tp_rank=tp_rank, tp_size=tp_size,
                namespace_extras=namespace_extras, timeout=timeout, salt_policy=salt_policy,
                warm_capacity=cap)
-    c._connect_first()
+    c._connect_first(wait_for_daemon)
     return c

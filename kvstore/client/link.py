@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 
 from kvstore.client.session import Session
-from kvstore.errors import StoreClosedError
+from kvstore.errors import DaemonUnavailableError, StoreClosedError
 from kvstore.wire import messages as m
 from kvstore.wire.channel import ChannelClosed
 from kvstore.wire.errors import ErrorCode, PermissionDeniedError, ProtocolVersionError, ServerError
@@ -49,18 +49,27 @@ class Link:
         self._down = False
         self._warned: dict[int, float] = {}
 
-    def connect_first(self) -> None:
-        """At ``connect``: configuration errors raise; an absent daemon only warns."""
+    def connect_first(self, wait: bool = False) -> None:
+        """At ``connect``: configuration errors raise, and so does a daemon that does not
+        answer (:class:`DaemonUnavailableError`: a mistyped path, a daemon not started),
+        unless ``wait``: then it only warns, and :meth:`get` connects once it answers."""
         try:
             with self._lock:
                 self.session = self._open()
         except _CONFIG_ERRORS:
             raise
         except ServerError as e:
-            if e.code in (ErrorCode.CONFIG, ErrorCode.BAD_REQUEST):
+            if not wait or e.code in (ErrorCode.CONFIG, ErrorCode.BAD_REQUEST):
                 raise
             self._mark_down(e)
         except (OSError, ChannelClosed) as e:
+            if not wait:
+                why = (e.strerror if isinstance(e, OSError) else None) or str(e) or type(e).__name__
+                raise DaemonUnavailableError(
+                    f"no kvstore daemon answers at {self.socket_path} ({why}): start "
+                    f"'kvstore serve --socket {self.socket_path}' or fix the path; "
+                    "connect(..., wait_for_daemon=True) waits for a daemon that is starting"
+                ) from None
             self._mark_down(e)
 
     def _mark_down(self, e: BaseException) -> None:

@@ -7,16 +7,18 @@ import contextlib
 import logging
 import threading
 from collections.abc import Iterator
-
-import torch
+from typing import TYPE_CHECKING
 
 from kvstore.layout import KVLayout
-from kvstore.tiers.key_directory import KeyDirectory
-from kvstore.tiers.slab import directory_path, map_shared, register_pinned, unregister_pinned
 from kvstore.wire import messages as m
 from kvstore.wire.channel import Channel
 from kvstore.wire.errors import ErrorCode, ProtocolVersionError, ServerError
 from kvstore.wire.protocol import PROTOCOL_VERSION
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvstore.tiers.key_directory import KeyDirectory
 
 __all__ = ["Session", "open_session"]
 
@@ -64,6 +66,8 @@ class Session:
         if self.directory is not None:
             self.directory.close()
         if self.pinned:
+            from kvstore.tiers.slab import unregister_pinned
+
             with contextlib.suppress(Exception):  # best effort
                 unregister_pinned(self.slab)
 
@@ -95,6 +99,10 @@ def open_session(socket_path: str, timeout: float | None, hello: m.Hello, layout
 
 
 def _map_slab(reply: m.HelloReply) -> torch.Tensor:
+    import torch
+
+    from kvstore.tiers.slab import map_shared
+
     mapping = map_shared(reply.shm_path, reply.slots * reply.block_nbytes, create=False)
     slab = torch.frombuffer(mapping, dtype=torch.uint8).view(reply.slots, reply.block_nbytes)
     del mapping  # the tensor keeps the mapping alive for as long as it is used
@@ -102,6 +110,8 @@ def _map_slab(reply: m.HelloReply) -> torch.Tensor:
 
 
 def _pin(slab: torch.Tensor) -> bool:
+    from kvstore.tiers.slab import register_pinned
+
     try:
         register_pinned(slab)
     except OSError as e:
@@ -112,6 +122,8 @@ def _pin(slab: torch.Tensor) -> bool:
 
 
 def _open_directory(shm_path: str) -> KeyDirectory | None:
+    from kvstore.tiers.key_directory import KeyDirectory, directory_path
+
     try:
         return KeyDirectory.open_readonly(directory_path(shm_path))
     except (OSError, ValueError) as e:  # an older daemon: every lookup asks it

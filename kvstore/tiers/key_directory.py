@@ -35,6 +35,12 @@ _ZERO_KEY = bytes(32)
 _MAX_PROBE = 64  # entries a reader probes before it gives up (and asks the daemon)
 
 
+def directory_path(slab_path: str) -> str:
+    """Where the key directory of the shared slab at ``slab_path`` lives (torch-free: the
+    client and ``kvstore explain --socket`` find it without loading the slab module)."""
+    return slab_path + ".keys"
+
+
 def capacity_for(slots: int) -> int:
     """Entries for ``slots`` blocks: a power of two at least twice as large (80 bytes a
     block at most)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from kvstore.errors import ConfigError, KVStoreError
-from kvstore.layout import KVLayout, dtype_from_name, dtype_name
+from kvstore.layout import KVLayout
 from kvstore.namespace import Namespace
 from kvstore.wire.errors import BadRequest, ErrorCode
 from kvstore.wire.handshake import Hello
@@ -60,7 +60,7 @@ def make_hello(
                      tp_size=tp_size, extras=extras)
     return Hello(
         version=PROTOCOL_VERSION, model_id=model_id, model_revision=model_revision or "",
-        dtype=dtype_name(layout.dtype),
+        dtype=layout.dtype_name,
         block_shape=(layout.num_layers, layout.kv_planes, layout.block_tokens,
                      layout.num_kv_heads, layout.head_dim),
         tp_rank=tp_rank, tp_size=tp_size, extras=tuple(sorted(extras.items())),
@@ -70,7 +70,7 @@ def make_hello(
 
 def hello_layout(hello: Hello) -> KVLayout:
     L, P, T, H, D = hello.block_shape
-    return KVLayout(num_layers=L, num_kv_heads=H, head_dim=D, dtype=dtype_from_name(hello.dtype),
+    return KVLayout(num_layers=L, num_kv_heads=H, head_dim=D, dtype=hello.dtype,
                     block_tokens=T, kv_planes=P)
 
 

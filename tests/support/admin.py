@@ -11,6 +11,7 @@ import argparse
 import hashlib
 import json
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -148,6 +149,30 @@ def _worker(args: argparse.Namespace) -> int:
     with open(args.out, "w") as f:
         json.dump(res, f)
     return 0 if mismatches == 0 else 1
+
+
+#: ``kvstore ARGS`` in a fresh interpreter that fails (exit 99) if the command imported torch
+_CLI_WITHOUT_TORCH = (
+    "import sys, time\n"
+    "t = time.perf_counter()\n"
+    "from kvstore.cli import main\n"
+    "rc = main(sys.argv[1:])\n"
+    "sys.stdout.flush()\n"
+    "print(f'seconds {time.perf_counter() - t:.3f}', file=sys.stderr)\n"
+    "sys.exit(99 if 'torch' in sys.modules else rc)\n"
+)
+
+
+def cli_without_torch(*args: str) -> tuple[subprocess.CompletedProcess, float]:
+    """Run ``kvstore ARGS`` in a subprocess; exit status 99 means it imported torch. Also
+    returns the seconds it took in-process (imports included, interpreter start not)."""
+    from kvstore.commands.entry import env
+
+    p = subprocess.run([sys.executable, "-c", _CLI_WITHOUT_TORCH, *args], capture_output=True,
+                       text=True, timeout=120, env=env(), stdin=subprocess.DEVNULL)
+    lines = p.stderr.splitlines()
+    took = float(lines[-1].split()[1]) if lines and lines[-1].startswith("seconds ") else -1.0
+    return p, took
 
 
 def main(argv: Sequence[str] | None = None) -> int:

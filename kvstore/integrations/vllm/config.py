@@ -59,7 +59,7 @@ PAGE_LAYOUT_FLASH = "vllm-flash/v1 [2, num_blocks, block_size, num_kv_heads, hea
 _EXTRA_KEYS = {
     "store_path", "cpu_capacity", "disk_capacity", "gpu_capacity", "admission", "disk_codec",
     "eviction", "socket", "warm_capacity", "salt_policy", "model_id", "model_revision", "stats_path",
-    "timeout", "prefault", "layerwise",
+    "timeout", "prefault", "layerwise", "wait_for_daemon",
 }
 
 
@@ -71,7 +71,9 @@ class ConnectorConfig:
     Embedded mode: ``store_path`` (None = memory only), ``cpu_capacity``, ``disk_capacity``,
     ``gpu_capacity``, ``admission``, ``eviction``, ``disk_codec`` (as
     :func:`kvstore.open_store`).
-    Daemon mode: ``socket`` (and optionally ``warm_capacity``, ``salt_policy``, ``timeout``).
+    Daemon mode: ``socket`` (and optionally ``warm_capacity``, ``salt_policy``, ``timeout``,
+    ``wait_for_daemon``: as :func:`kvstore.connect`; without it a daemon that does not answer
+    when the engine starts is an error).
     ``prefault`` (embedded, default ``"1GiB"``, ``0`` = off): how much of the warm tier to
     fault in at start, so the first loads after a restart do not pay page faults.
     ``layerwise``: scatter each layer when the forward reaches it (overlapping the rest of
@@ -93,6 +95,7 @@ class ConnectorConfig:
     warm_capacity: int | str | None = None
     salt_policy: str | None = None
     timeout: float | None = None
+    wait_for_daemon: bool | None = None
     model_id: str | None = None
     model_revision: str | None = None
     stats_path: str | None = None

@@ -96,7 +96,7 @@ def _connect(c: ConnectorConfig, kw: dict[str, Any], ident: tuple, *, page_kind:
 
     device = "cpu" if is_scheduler or page_kind == "cpu" else None
     ckw: dict[str, Any] = {}
-    for name in ("warm_capacity", "salt_policy", "timeout"):
+    for name in ("warm_capacity", "salt_policy", "timeout", "wait_for_daemon"):
         if getattr(c, name) is not None:
             ckw[name] = getattr(c, name)
     key = ("daemon", os.path.abspath(os.path.expanduser(c.socket or "")), *ident, device)
