@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -18,7 +19,12 @@ from typing import TYPE_CHECKING
 from kvstore.api import PinReceipt
 from kvstore.client.link import CLOSED_MESSAGE, Link
 from kvstore.client.session import Session, open_session
-from kvstore.errors import NamespaceMismatchError, PutsLostError, StoreClosedError
+from kvstore.errors import (
+    NamespaceMismatchError,
+    NotDurableError,
+    PutsLostError,
+    StoreClosedError,
+)
 from kvstore.keys import KEY_BYTES, BlockKey, KeyChain, check_key, join_keys
 from kvstore.keys import block_keys as _block_keys
 from kvstore.layout import KVLayout
@@ -27,6 +33,7 @@ from kvstore.stats import StoreStats
 from kvstore.transfer import Transfer
 from kvstore.wire import messages as m
 from kvstore.wire.channel import ChannelClosed
+from kvstore.wire.errors import ErrorCode, ServerError
 from kvstore.wire.protocol import derive_namespace, make_hello
 
 if TYPE_CHECKING:
@@ -440,7 +447,14 @@ class Client:
             return
         survived = {s.instance, *s.hello.flushed_instances}  # this daemon, or stopped clean
         gone = sum(n for inst, n in pending.items() if inst not in survived)
-        if self._request(s, m.Flush(timeout), None) is None:  # lost while flushing
+        refused: ServerError | None = None
+        try:
+            answered = self._request(s, m.Flush(timeout), None) is not None
+        except ServerError as e:  # the daemon's disk could not write some of them
+            if e.code != ErrorCode.NOT_DURABLE:
+                raise
+            answered, refused = True, e
+        if not answered:  # lost while flushing
             self._unconfirmed(pending)
             return
         with self._put_lock:  # puts committed meanwhile stay for the next flush
@@ -456,6 +470,8 @@ class Client:
                 f"daemon at {self.socket_path} restarted without a clean stop (killed or "
                 "crashed) before confirming them on disk; put them again if they matter "
                 "(later puts are flushed)", gone)
+        if refused is not None:
+            raise not_durable(refused.message)
 
     def _unconfirmed(self, pending: dict[bytes, int]) -> None:
         """No daemon answered the flush: puts not yet flushed cannot be vouched for (they stay
@@ -535,3 +551,16 @@ def connect(
                warm_capacity=cap)
     c._connect_first(wait_for_daemon)
     return c
+
+
+def not_durable(message: str) -> NotDurableError:
+    """The daemon's NOT_DURABLE reply as the embedded store raises it (protocol.md: the
+    message starts ``flush: N block(s)`` and names the cause after the colon)."""
+    match = _NOT_DURABLE.match(message)
+    blocks = int(match.group(1)) if match else 0
+    reason = match.group(2) if match else ""
+    return NotDurableError(message, blocks, reason)
+
+
+_NOT_DURABLE = re.compile(r"flush: (\d+) block\(s\) put before this flush are not on disk: "
+                          r"(.*?)\. \d+ of them")
