@@ -18,6 +18,7 @@ what it has and commits once it has drained (before ``flush`` returns) or has st
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -40,6 +41,8 @@ from kvstore.tiers.disk.txn import (
 if TYPE_CHECKING:
     from kvstore.tiers.disk.tier import DiskTier
 
+log = logging.getLogger("kvstore.disk")
+
 _csum = _seg.block_checksum
 
 #: a block to write: (key, parent, namespace id, its namespace, its bytes)
@@ -51,9 +54,12 @@ Encoded = tuple[bytes, bytes | None, bytes, int, int, int, _seg.SegmentEntry]
 @dataclass(slots=True)
 class StagedWrite:
     """Segments written under temp names and not yet committed (:func:`stage_blocks`): their
-    blocks are neither durable nor visible until :func:`commit_staged`."""
+    blocks are neither durable nor visible until :func:`commit_staged`. ``parents``: the
+    dbkeys of their parents that were in the index when they were staged (and not staged
+    with them): one gone by the commit was evicted or removed meanwhile."""
 
     segments: list[tuple[int, _seg.OpenSegment, list[Encoded]]] = field(default_factory=list)
+    parents: set[bytes] = field(default_factory=set)
 
     @property
     def nbytes(self) -> int:
@@ -72,11 +78,13 @@ def stage_blocks(t: DiskTier, items: Sequence[DiskWrite]) -> StagedWrite:
     does, for any number of staged batches at once (one fsync per file, one directory fsync,
     one index commit), or :func:`abort_staged` removes them. Present keys are skipped.
     Raises DiskError with nothing left behind."""
-    todo = _prepare(t, items)
+    todo, parents = _prepare(t, items)
     if not todo:
         return StagedWrite()
     try:
-        return _stage_new(t, todo)
+        staged = _stage_new(t, todo)
+        staged.parents = parents
+        return staged
     except DiskError:
         t._counters.add("write_errors")
         raise
@@ -90,8 +98,9 @@ def _disk_error(t: DiskTier, e: OSError) -> DiskError:
                      f"{e.strerror or e}" + hint(e))
 
 
-def _prepare(t: DiskTier, items: Sequence[DiskWrite]) -> list[Prepared]:
-    """The items checked, less those already present in their namespace."""
+def _prepare(t: DiskTier, items: Sequence[DiskWrite]) -> tuple[list[Prepared], set[bytes]]:
+    """The items checked, less those already present in their namespace; and the dbkeys of
+    their parents present in the index (the parents not among them)."""
     sh = t._ensure_writable()
     prepared: list[Prepared] = []
     for i, it in enumerate(items):
@@ -113,10 +122,11 @@ def _prepare(t: DiskTier, items: Sequence[DiskWrite]) -> list[Prepared]:
             )
         prepared.append((key, parent, ns_id, ns, buf))
     if not prepared:
-        return []
+        return [], set()
     db = sh.dbs[DB_BLOCKS]
     seen: set[bytes] = set()
     todo = []
+    parents: set[bytes] = set()
     with sh.read() as txn:
         for p in prepared:
             ck = p[2] + p[0]  # present *in this namespace*: another's record is no reason
@@ -124,7 +134,12 @@ def _prepare(t: DiskTier, items: Sequence[DiskWrite]) -> list[Prepared]:
                 continue
             seen.add(ck)
             todo.append(p)
-    return todo
+        for p in todo:
+            pk = None if p[1] is None else p[2] + p[1]
+            if pk is not None and pk not in seen and pk not in parents \
+                    and txn.get(pk, db=db) is not None:
+                parents.add(pk)
+    return todo, parents
 
 
 def _encode(t: DiskTier, todo: list[Prepared]) -> list[Encoded]:
@@ -196,8 +211,9 @@ def commit_staged(t: DiskTier, staged: Sequence[StagedWrite]) -> list[bytes]:
     segs = [(sid, seg, group) for s in staged for sid, seg, group in s.segments]
     if not segs:
         return []
+    parents = set().union(*(s.parents for s in staged))
     try:
-        new, emptied = _commit(t, segs)
+        new, emptied = _commit(t, segs, parents)
     except DiskError:
         t._counters.add("write_errors")
         raise
@@ -207,12 +223,13 @@ def commit_staged(t: DiskTier, staged: Sequence[StagedWrite]) -> list[bytes]:
     finally:
         for s in staged:
             s.segments.clear()
+            s.parents.clear()
     unlink_segments(t, emptied)
     t._counters.add("blocks_written", len(new))
     return new
 
 
-def _commit(t: DiskTier, segs: list) -> tuple[list[bytes], list[int]]:
+def _commit(t: DiskTier, segs: list, parents: set[bytes]) -> tuple[list[bytes], list[int]]:
     t._ensure_writable()
     committed = False
     published: list[str] = []
@@ -226,13 +243,14 @@ def _commit(t: DiskTier, segs: list) -> tuple[list[bytes], list[int]]:
 
         def fn(ops: WriteOps) -> list[bytes]:
             new = []
+            cut = _below_gone_parents(t, ops, segs, parents)
             for sid, seg, group in segs:
                 ops.add_segment(sid, seg.size, sum(g[6].nbytes for g in group), now)
                 for (key, parent, ns_id, cid, csum, raw_n, entry), off in zip(
                         group, seg.offsets, strict=True):
                     ck = dbkey(ns_id, key)
-                    if ops.txn.get(ck, db=ops.blocks) is not None:
-                        continue  # written meanwhile (another process, an earlier batch)
+                    if ck in cut or ops.txn.get(ck, db=ops.blocks) is not None:
+                        continue  # cut off, or written meanwhile (another process, a batch)
                     ops.insert(ck, Rec(cid, 0, sid, off, entry.nbytes, raw_n, csum, now, now,
                                        ns_id, parent))
                     new.append(key)
@@ -253,3 +271,36 @@ def _commit(t: DiskTier, segs: list) -> tuple[list[bytes], list[int]]:
                 with contextlib.suppress(OSError):
                     os.unlink(path)
     return new, emptied  # type: ignore[return-value]
+
+
+def _below_gone_parents(t: DiskTier, ops: WriteOps, segs: list,
+                        parents: set[bytes]) -> set[bytes]:
+    """The blocks of this commit not to commit: those whose parent was in the index when
+    they were staged and is gone now — another process evicted or removed it meanwhile (its
+    eviction saw no child: this one was not committed yet) — and every block of the commit
+    below them. Committed, no lookup could reach them. Decided inside the commit's write
+    transaction (LMDB serialises writers across processes), so a parent cannot go between
+    this check and the commit; a parent not in the index when staged is a write in flight
+    (an earlier block of the same put, or another process's), as before."""
+    if not parents:
+        return set()
+    children: dict[bytes, list[bytes]] = {}
+    staged: set[bytes] = set()
+    for _sid, _s, group in segs:
+        for key, parent, ns_id, *_rest in group:
+            ck = dbkey(ns_id, key)
+            staged.add(ck)
+            if parent is not None:
+                children.setdefault(dbkey(ns_id, parent), []).append(ck)
+    gone = [p for p in parents if p not in staged and ops.txn.get(p, db=ops.blocks) is None]
+    cut: set[bytes] = set()
+    stack = [c for p in gone for c in children.get(p, ())]
+    while stack:
+        ck = stack.pop()
+        if ck not in cut:
+            cut.add(ck)
+            stack.extend(children.get(ck, ()))
+    if cut:
+        log.info("disk tier %s: %d block(s) not committed: their parent was evicted or removed "
+                 "meanwhile (by another process), so no lookup could reach them", t.path, len(cut))
+    return cut
