@@ -254,6 +254,26 @@ def test_another_salt(tmp_path):
     assert "without a salt" in e.runs[0].text
 
 
+def test_salted_blocks_without_a_salt_name_the_salt_flag(tmp_path, capsys):
+    """Issue 31: blocks stored under a salt, explained without one, were 'never_stored' with
+    no hint; the salt is hashed into every key, so explain says how to look under one."""
+    _put(tmp_path / "s", salt="tenant-a")
+    e = explain(tmp_path / "s", _tokens(), namespace=A)
+    assert _statuses(e) == ["never_stored"] * 4
+    assert "--salt SALT" in e.runs[0].text and "cache salt" in e.runs[0].text
+    assert main(["explain", "--store", str(tmp_path / "s"), "--namespace", "m/a", "--tokens",
+                 json.dumps(_tokens())]) == 0
+    assert "--salt SALT" in capsys.readouterr().out
+    e = explain(tmp_path / "s", _tokens(), namespace=A, salt="tenant-a")
+    assert e.lookup_blocks == 4
+    e = explain(tmp_path / "s", _tokens(), namespace=A, salt="tenant-b")  # a salt was given
+    assert _statuses(e) == ["never_stored"] * 4 and "--salt" not in e.runs[0].text
+    _put(tmp_path / "s", prompts=((0, 2),))  # the first half stored without a salt too
+    e = explain(tmp_path / "s", _tokens(), namespace=A)
+    assert _statuses(e) == ["hit"] * 2 + ["never_stored"] * 2
+    assert all("--salt" not in r.text for r in e.runs)  # a miss after hits: not a salt
+
+
 def test_namespace_by_id_prefix_or_model(tmp_path):
     _put(tmp_path / "s")
     _put(tmp_path / "s", model="m/b")

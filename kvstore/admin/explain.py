@@ -158,7 +158,7 @@ def explain(store: str | os.PathLike[str] | None, tokens: Sequence[int], *,
         tokens=len(tokens), block_tokens=fields.block_tokens, blocks=len(keys),
         lookup_blocks=hits, tombstones_kept=kept, verified=verify,
         runs=tuple(runs_of(blocks, holders, registered=registered, tombstones_kept=kept,
-                           now=when)),
+                           now=when, salt_hint=salt is None)),
         per_block=tuple(blocks), seconds=time.perf_counter() - t0)
 
 

@@ -28,9 +28,19 @@ def _key(b: BlockExplanation) -> tuple:
     return (b.status, b.tier, b.why, b.namespace_id, b.salt)
 
 
+#: said of a prompt that misses from its first block when no salt was given: explain cannot
+#: find salted blocks without the salt (it is hashed into every key of the chain), so it
+#: names the way to look under one
+SALT_HINT = ("; a prompt the engine keys with a cache salt (vLLM's cache_salt, a tenant's "
+             "salt) is stored under other keys, which cannot be found without that salt: "
+             "pass --salt SALT (or --try-salt SALT) to look under it")
+
+
 def runs_of(blocks: Sequence[BlockExplanation], holders: Sequence[NamespaceMatch], *,
-            registered: bool, tombstones_kept: bool, now: float) -> list[Run]:
-    """Group ``blocks`` into runs and word each one."""
+            registered: bool, tombstones_kept: bool, now: float,
+            salt_hint: bool = False) -> list[Run]:
+    """Group ``blocks`` into runs and word each one; ``salt_hint``: no salt was given (a
+    miss from the first block says how to look under one)."""
     by_id = {m.namespace_id: m for m in holders}
     out: list[Run] = []
     i = 0
@@ -42,6 +52,8 @@ def runs_of(blocks: Sequence[BlockExplanation], holders: Sequence[NamespaceMatch
         run = blocks[i : j + 1]
         text = sentence(run, by_id, registered=registered, tombstones_kept=tombstones_kept,
                         now=now, first_miss=first_miss)
+        if salt_hint and i == 0 and blocks[0].status is Status.NEVER_STORED and registered:
+            text += SALT_HINT
         out.append(Run(i, j, blocks[i].status, blocks[i].tier, text))
         i = j + 1
     return out
