@@ -308,6 +308,30 @@ def test_stats_socket_never_imports_torch(tmp_path):
         d.stop()
 
 
+def test_inspect_a_namespace_or_block_by_id(base_store, capsys):
+    """``kvstore inspect KEY`` (issue 31: a positional target was refused): every field of
+    the namespace or block it names; a model id names its namespaces."""
+    p, chains, ids = base_store
+    nid = ids["qwen/b"]
+    assert main(["inspect", nid[:8], "--store", str(p)]) == 0
+    out = capsys.readouterr().out
+    assert nid in out and "qwen/b" in out and "9.0 KiB" in out
+    key = chains["old/model"][0][1].hex()
+    assert main(["inspect", key[:12].upper(), "--store", str(p), "--format", "json"]) == 0
+    data = _json(capsys)
+    assert data["schema"] == "kvstore.inspect/1" and data["namespaces"] == []
+    (b,) = data["blocks"]
+    assert b["key"] == key and b["parent"] == chains["old/model"][0][0].hex()
+    assert b["namespace_id"] == ids["old/model"]
+    assert main(["inspect", "big/model", "--store", str(p), "--format", "json"]) == 0
+    assert [n["model_id"] for n in _json(capsys)["namespaces"]] == ["big/model"]
+    assert main(["inspect", "0000ffff", "--store", str(p)]) == 2
+    err = capsys.readouterr().err
+    assert "kvstore inspect: error: nothing in" in err and "'0000ffff'" in err
+    assert main(["inspect", "ab", "--store", str(p)]) == 2
+    assert "at least 4 hex digits" in capsys.readouterr().err
+
+
 def test_quiet_ids_fed_to_rm_through_entry_point(store):
     p, chains, ids = store
     ls = _cli("ls", "-q", "-f", "model~qwen", "-f", "size<1GB", "--store", str(p))

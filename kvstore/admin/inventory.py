@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from kvstore.admin.common import open_disk
+from kvstore.admin.common import AdminError, open_disk
 from kvstore.admin.filters import Filter, SortSpec, apply, parse_filter, parse_sort
 
 __all__ = [
@@ -28,8 +28,10 @@ __all__ = [
     "NamespaceStats",
     "PathStats",
     "StoreSummary",
+    "TargetSummary",
     "TierUsage",
     "inspect_store",
+    "inspect_target",
     "layout_string",
     "list_blocks",
     "list_namespaces",
@@ -422,3 +424,41 @@ def store_stats(path: str | os.PathLike[str] | None = None, *,
                 for e in ns)
     return PathStats(store, time.time(), st.blocks, st.stored_bytes, st.raw_bytes, st.segments,
                      st.segment_bytes, st.dead_bytes, hits, per)
+
+
+@dataclass(frozen=True, slots=True)
+class TargetSummary:
+    """Result of :func:`inspect_target`: the namespaces and blocks a target names."""
+
+    store: str
+    target: str  # as given
+    namespaces: tuple[NamespaceEntry, ...]
+    blocks: tuple[BlockEntry, ...]
+
+
+def inspect_target(path: str | os.PathLike[str] | None, target: str, *,
+                   now: float | None = None) -> TargetSummary:
+    """Every field of what ``target`` names in the store at ``path``: namespaces whose id and
+    blocks whose key start with it (a hex prefix of at least 4 digits, as ``kvstore rm``
+    takes), or the namespaces of a model id. Raises :class:`AdminError` when nothing
+    matches."""
+    from kvstore.admin.removal import MIN_PREFIX
+
+    t = target.strip()
+    hexid = t.lower()
+    if t and set(hexid) <= set("0123456789abcdef"):
+        if len(hexid) < MIN_PREFIX:
+            raise AdminError(f"target {target!r} is too short: give at least {MIN_PREFIX} hex "
+                             "digits of a namespace id or block key")
+        ns = list_namespaces(path, filters=[f"id={hexid}"], include_empty=True,
+                             now=now)
+        blocks = list_blocks(path, filters=[f"key={hexid}"], now=now).items
+    else:
+        ns = list_namespaces(path, filters=[f"model={t}"], include_empty=True,
+                             now=now)
+        blocks = ()
+    if not ns.items and not blocks:
+        raise AdminError(f"nothing in {ns.store} matches {target!r}: give a namespace id or "
+                         "block key (or a unique prefix of >= 4 hex digits) or a model id; "
+                         "'kvstore ls' lists namespaces, 'kvstore ls --blocks' blocks")
+    return TargetSummary(ns.store, target, ns.items, blocks)  # type: ignore[arg-type]

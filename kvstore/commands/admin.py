@@ -58,11 +58,16 @@ def _register_listing(sub) -> None:
     a.add_format(p)
     p.set_defaults(func=guard("ls", run_ls))
 
-    p = _parser(sub, "inspect", "summary of a store: format, use, fragmentation, index",
+    p = _parser(sub, "inspect", "summary of a store, or every field of a namespace or block",
                 "Summarize a store: format version, disk use and free space, namespaces, "
-                "segment fragmentation, index size, counters.",
+                "segment fragmentation, index size, counters. With TARGET: every field of the "
+                "namespaces and blocks it names.",
                 a.examples("kvstore inspect --store ~/.cache/kvstore",
-                           "kvstore inspect --format json | jq .fragmentation"))
+                           "kvstore inspect --format json | jq .fragmentation",
+                           "kvstore inspect 74e27a29a9ec  # a namespace (or block) by id prefix"))
+    p.add_argument("target", nargs="?", metavar="TARGET",
+                   help="namespace id or block key, in full or a unique prefix (>= 4 hex "
+                   "digits), or a model id: show every field of what it names")
     a.add_store(p)
     a.add_format(p)
     p.set_defaults(func=guard("inspect", run_inspect))

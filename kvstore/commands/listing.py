@@ -106,10 +106,55 @@ def _inspect_rows(s) -> list[tuple[str, str]]:
     ]
 
 
+def _namespace_rows(e, now: float) -> list[tuple[str, str]]:
+    from kvstore.admin import format_age
+
+    extras = ", ".join(f"{k}={v}" for k, v in e.extras) or "-"
+    return [("namespace", e.namespace_id), ("model", e.model_id or "?"),
+            ("revision", e.model_revision or "-"), ("layout", e.layout),
+            ("block", size(e.block_nbytes)), ("extras", extras),
+            ("format version", str(e.format_version)), ("blocks", str(e.blocks)),
+            ("stored", f"{size(e.stored_bytes)} ({size(e.raw_bytes)} raw)"),
+            ("tiers", ",".join(e.tiers) or "-"), ("created", format_age(e.created, now)),
+            ("last accessed", format_age(e.last_accessed, now)), ("hits", str(e.hits))]
+
+
+def _block_rows(e, now: float) -> list[tuple[str, str]]:
+    from kvstore.admin import format_age
+
+    return [("block", e.key), ("namespace", f"{e.namespace_id} ({e.model_id or '?'})"),
+            ("parent", e.parent or "- (the first block of a prompt)"),
+            ("stored", f"{size(e.stored_bytes)} ({size(e.raw_bytes)} raw, codec {e.codec})"),
+            ("segment", f"{e.segment:x} at offset {e.offset}"), ("checksum", e.checksum),
+            ("tiers", ",".join(e.tiers) or "-"), ("created", format_age(e.created, now)),
+            ("last accessed", format_age(e.last_accessed, now)), ("hits", str(e.hits))]
+
+
+def _run_inspect_target(args: argparse.Namespace) -> int:
+    from kvstore.admin import inspect_target
+    from kvstore.commands.output import kv_grid
+
+    now = time.time()
+    res = inspect_target(args.store, args.target, now=now)
+    if args.format == "json":
+        emit_json("inspect", res)
+        return EXIT_OK
+    con = out_console()
+    parts = [_namespace_rows(e, now) for e in res.namespaces]
+    parts += [_block_rows(e, now) for e in res.blocks]
+    for i, rows in enumerate(parts):
+        if i:
+            con.print()
+        con.print(kv_grid(rows, right=False))
+    return EXIT_OK
+
+
 def run_inspect(args: argparse.Namespace) -> int:
     from kvstore.admin import inspect_store
     from kvstore.commands.output import kv_grid
 
+    if getattr(args, "target", None) is not None:
+        return _run_inspect_target(args)
     s = inspect_store(args.store)
     if args.format == "json":
         emit_json("inspect", s)
