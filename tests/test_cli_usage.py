@@ -64,6 +64,18 @@ def test_every_subcommand_and_flag_has_help_and_an_example():
         assert name in top and subs[name].description
 
 
+def test_docs_use_store_never_the_old_path_spelling():
+    """Issue 31: docs/vllm.md started the daemon with ``serve --path``; the vocabulary is
+    ``--store`` (``--path`` stays accepted, and only cli.md's vocabulary table names it)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    for doc in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        for n, line in enumerate(doc.read_text().splitlines(), 1):
+            if "--path" in line and "old spelling" not in line:
+                raise AssertionError(f"{doc.name}:{n} uses --path, not --store: {line.strip()}")
+
+
 def test_store_is_the_option_everywhere():
     subs = _subparsers(build_parser())
     for name in ("serve", "ls", "inspect", "rm", "prune", "verify", "compact", "stats",
