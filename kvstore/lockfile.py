@@ -89,7 +89,7 @@ class DaemonLock:
             fd = create_file(path, os.O_RDWR | os.O_CLOEXEC, file_mode_in(path.parent))
         except OSError as e:
             raise ConfigError(f"cannot create the daemon lock file {path} ({e.strerror}); the "
-                              "daemon needs a writable --path") from None
+                              "daemon needs a writable --store") from None
         try:
             deadline = time.monotonic() + _TAKE_S
             while True:
@@ -135,7 +135,7 @@ def _write(fd: int, record: DaemonRecord) -> None:
 def _held_message(path: Path, record: DaemonRecord | None) -> str:
     if record is None:
         return (f"store {path.parent} is already served by another kvstore daemon (it holds "
-                f"{path}); one daemon per store path: stop it or choose another --path")
+                f"{path}); one daemon per store path: stop it or choose another --store")
     return (f"store {path.parent} is already served by the kvstore daemon at {record.socket} "
             f"(pid {record.pid}); one daemon per store path: connect to that socket, or stop "
             "it first")
