@@ -116,3 +116,34 @@ def test_plot_without_matplotlib_says_how_to_get_it(monkeypatch, capsys):
     monkeypatch.setattr(builtins, "__import__", no_mpl)
     assert main(["replay", "--chat", "10", "--plot", "x.png"]) == 2
     assert "pip install 'kvstore[plot]'" in capsys.readouterr().err
+
+
+def test_plot_keeps_the_belady_line_visible_above_the_unbounded_cache(monkeypatch, tmp_path):
+    """Issue 31: from 5% up the Belady bound equals the unbounded cache, and its dotted line
+    was drawn under the unbounded one: Belady is drawn on top, its label says where it meets
+    the unbounded cache, and the unbounded cache is a flat line beneath."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    from kvstore.replay import ReplayPlan, parse_capacity, run_report
+    from kvstore.replay.plot import plot_report
+    from kvstore.replay.workloads import ChatWorkload, chat_trace
+
+    figs = []
+    real = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda self, *a, **kw: (figs.append(self),
+                                                                   real(self, *a, **kw)))
+    trace = chat_trace(ChatWorkload(requests=300, seed=3, rate_per_s=0.5))
+    plan = ReplayPlan(capacities=tuple(parse_capacity(c) for c in ("1%", "5%", "20%", "50%")),
+                      policies=("lru",), baselines=(), store=False)
+    rep = run_report(trace, plan)
+    assert rep.rows[-1].sim("belady").hits == rep.rows[-1].sim("unbounded").hits  # they meet
+    plot_report(rep, tmp_path / "hit.png")
+    (ax,) = figs[0].axes
+    lines = {ln.get_label().split(" (")[0].split(",")[0]: (i, ln) for i, ln in
+             enumerate(ax.get_lines())}
+    (ib, belady), (iu, unb) = lines["Belady bound"], lines["unbounded cache"]
+    assert (belady.get_zorder(), ib) > (unb.get_zorder(), iu)  # drawn above it
+    assert belady.get_marker() not in (None, "None", "")  # its points show where it lies
+    assert "= unbounded from" in belady.get_label()
+    assert len(set(unb.get_ydata())) == 1  # a flat reference line

@@ -37,17 +37,46 @@ def plot_report(report: ReplayReport, path: str | os.PathLike[str]) -> None:
     """Write the hit-ratio-vs-capacity plot of ``report`` to ``path`` (PNG, SVG, PDF by its
     suffix)."""
     plt = require_matplotlib()
+    fig = report_figure(report)
+    fig.savefig(os.fspath(path))
+    plt.close(fig)
+
+
+def _meets(rows, name: str, top: float) -> float | None:
+    """The first capacity (%) where ``name`` reaches the unbounded cache's hit ratio."""
+    for r in rows:
+        s = r.sim(name)
+        if s is not None and s.hit_ratio >= top - 1e-9:
+            return 100 * r.share
+    return None
+
+
+def report_figure(report: ReplayReport):
+    """The hit-ratio-vs-capacity figure of ``report`` (matplotlib), not yet saved.
+
+    The unbounded cache is a flat reference line drawn beneath everything; the Belady bound is
+    drawn above the policies, so it stays visible where it meets the unbounded cache (at the
+    larger capacities it usually does: its label says from where)."""
+    plt = require_matplotlib()
     rows = sorted(report.rows, key=lambda r: r.share)
     xs = [100 * r.share for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
     colour: dict[str, str] = {}
-    for name in [*report.policies, "belady", "unbounded"]:
+    top = next((r.sim("unbounded").hit_ratio for r in rows if r.sim("unbounded")), None)
+    if top is not None:
+        ax.axhline(top, linestyle="--", color="grey", linewidth=1.5, alpha=0.7, zorder=1,
+                   label=_LABELS["unbounded"])
+    for name in [*report.policies, "belady"]:
         ys = [(r.sim(name).hit_ratio if r.sim(name) else float("nan")) for r in rows]
-        style = {"belady": ":", "unbounded": "--"}.get(name, "-")
         ours = name in report.policies
-        (line,) = ax.plot(xs, ys, style, marker="o" if ours else None,
-                          label=f"{_LABELS.get(name, name)} (simulated)" if ours
-                          else _LABELS.get(name, name))
+        label = f"{_LABELS.get(name, name)} (simulated)" if ours else _LABELS.get(name, name)
+        if not ours:
+            meets = None if top is None else _meets(rows, name, top)
+            if meets is not None:  # "Belady bound (offline; = unbounded from 5%)"
+                label = f"{label.removesuffix(')')}; = unbounded from {meets:g}%)"
+        (line,) = ax.plot(xs, ys, "-" if ours else ":", marker="o" if ours else "^",
+                          markersize=6 if ours else 5, linewidth=1.5 if ours else 2.2,
+                          zorder=2 if ours else 3, label=label)
         colour[name] = line.get_color()
     for name in report.policies:
         pts = [(100 * r.share, r.store(name).hit_ratio) for r in rows if r.store(name)]
@@ -63,8 +92,7 @@ def plot_report(report: ReplayReport, path: str | os.PathLike[str]) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(os.fspath(path))
-    plt.close(fig)
+    return fig
 
 
 def plot_fleet(report: FleetReport, path: str | os.PathLike[str]) -> None:
