@@ -55,6 +55,9 @@ SECTIONS = {
                       "the Mooncake trace through a real store; its bookkeeping per block"),
     "batch": Section("kvstore.bench.batch", "batched prefix sharing vs HF padded batching and "
                      "vLLM prefix caching (needs transformers)"),
+    "serve": Section("kvstore.bench.serve", "vllm serve driven by vLLM's own client: alone, "
+                     "ExampleConnector, kvstore embedded, two engines on one daemon, cold and "
+                     "after a restart (needs .venv-vllm)"),
 }
 
 
