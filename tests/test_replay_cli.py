@@ -147,3 +147,15 @@ def test_plot_keeps_the_belady_line_visible_above_the_unbounded_cache(monkeypatc
     assert belady.get_marker() not in (None, "None", "")  # its points show where it lies
     assert "= unbounded from" in belady.get_label()
     assert len(set(unb.get_ydata())) == 1  # a flat reference line
+
+
+def test_simulate_only_never_imports_torch():
+    """``--simulate-only`` runs no store: it does not pay torch's import (issue 31: 56 s at
+    load 6 where the docs said "seconds"; torch was 1.2-4 s of it)."""
+    from support.admin import cli_without_torch
+
+    p, took = cli_without_torch("replay", "--chat", "60", "--capacity", "5%",
+                                "--simulate-only", "--format", "json")
+    assert p.returncode == 0, p.stderr  # 99: it imported torch
+    assert json.loads(p.stdout)["rows"][0]["replayed"] == []
+    print(f"kvstore replay --chat 60 --simulate-only: {took:.2f} s in process")

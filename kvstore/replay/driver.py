@@ -13,8 +13,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from kvstore.events.sink import EventSink
 from kvstore.keys import BlockKey, KeyChain
@@ -22,7 +21,11 @@ from kvstore.layout import KVLayout
 from kvstore.namespace import Namespace
 from kvstore.replay.simulate import variant
 from kvstore.replay.trace import Trace, store_keys
-from kvstore.store import Store, open_store
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvstore.store import Store
 
 #: the replay's block layout: one layer, one KV head of 4 fp16 values per token, so a
 #: 512-token block is 8 KiB and the whole conversation trace's blocks fit this machine
@@ -33,7 +36,7 @@ _MARK = 2039  # block contents: a number below 2048 (float16 holds it exactly) f
 
 def replay_layout(block_tokens: int) -> KVLayout:
     return KVLayout(num_layers=REPLAY_LAYERS, num_kv_heads=REPLAY_HEADS,
-                    head_dim=REPLAY_HEAD_DIM, dtype=torch.float16, block_tokens=block_tokens)
+                    head_dim=REPLAY_HEAD_DIM, dtype="float16", block_tokens=block_tokens)
 
 
 def replay_namespace(block_tokens: int) -> Namespace:
@@ -95,6 +98,8 @@ class ReplayResult:
 
 
 def _marks(keys: list[BlockKey]) -> torch.Tensor:
+    import torch  # only replays need it: --simulate-only never loads torch
+
     return torch.tensor([int.from_bytes(k[:4], "little") % _MARK for k in keys],
                         dtype=torch.float16)
 
@@ -129,6 +134,8 @@ def replay(trace: Trace, spec: StoreSpec, *, speed: float | None = None,
 
 def open_replay_store(spec: StoreSpec, tmp: str, *, events: EventSink | None = None) -> Store:
     """A fresh store for ``spec`` (its disk tier, if any, under the empty directory ``tmp``)."""
+    from kvstore.store import open_store
+
     return open_store(tmp if spec.disk_bytes else None, layout=replay_layout(spec.block_tokens),
                       model_id=REPLAY_MODEL, device="cpu", gpu_capacity=spec.hot_bytes,
                       cpu_capacity=spec.warm_bytes, disk_capacity=spec.disk_bytes,

@@ -88,9 +88,11 @@ def simulate_policy(requests: Sequence[Sequence[Hashable]], capacity_blocks: int
 
     def evict_one() -> bool:
         first = pol.peek()
-        if first is None or children.get(first):
-            first = next((k for k in pol.victims() if not children.get(k)), None)
-            if first is None:  # leaf-first: what is cached stays prefix-closed
+        if first is None or first in children:  # (children holds counts > 0 only)
+            for first in pol.victims():  # the first leaf; a plain loop: this scan is hot
+                if first not in children:
+                    break
+            else:  # leaf-first: what is cached stays prefix-closed
                 return False
         pol.remove(first, for_room=True)
         if door is not None:
