@@ -14,6 +14,19 @@ The goals: a kvstore hit after a restart (page cache warm) costs at most 1.2x vL
 prefix-cache hit; the connector's load after a restart (the hit's TTFT minus that of vLLM's
 own hit on the same prompt right after, same engine) at most 0.6x ExampleConnector's, page
 cache warm and dropped (issue 15). ``--fp32-small`` for CPUs without bf16 matrix units.
+
+Two more sections (issue 29), each its own command line:
+
+    .venv-vllm/bin/python tools/vllm_bench.py async [--json OUT] [--requests 12] ...
+    .venv-vllm/bin/python tools/vllm_bench.py chat [--json OUT] [--conversations 4] ...
+
+``async``: requests arrive while others decode, half of them hits saved on disk by an
+earlier engine, half new; the inter-token latency (TPOT) of every running decode, p50/p99,
+for vLLM alone, kvstore with background loads (``load_async``) and kvstore with loads
+before the step's forward. ``chat``: a multi-turn chat (each turn's prompt = the history +
+a new message), vLLM's prefix cache reset before every turn, so hits come from kvstore:
+the prefix hit ratio with and without ``save_decode_blocks``. Both drive ``LLMEngine.step``
+themselves in an engine process (``--driver``), one request arriving every few steps.
 """
 
 from __future__ import annotations
@@ -286,5 +299,232 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+# -- issue 29: decodes beside background loads, and multi-turn chats -----------------------------
+def _driver(spec_path: str, out_path: str) -> int:
+    """In an engine process: run ``spec``'s requests through ``LLMEngine.step``, each added
+    at its ``arrive`` step (or, with ``turns``, chat turns built from the answers); record
+    every token's wall time."""
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    spec = json.loads(Path(spec_path).read_text())
+    kw = dict(model=spec["model"], dtype=spec["dtype"], enforce_eager=True,
+              skip_tokenizer_init=True, enable_prefix_caching=True, block_size=BS,
+              disable_log_stats=False, seed=0, max_model_len=spec["max_model_len"],
+              max_num_batched_tokens=spec["max_num_batched_tokens"])
+    if spec.get("transfer"):
+        kw["kv_transfer_config"] = KVTransferConfig(**spec["transfer"])
+    llm = LLM(**kw)
+    eng = llm.llm_engine
+
+    def sp(n: int) -> SamplingParams:
+        return SamplingParams(max_tokens=n, temperature=0.0, detokenize=False, ignore_eos=True)
+
+    llm.generate([TokensPrompt(prompt_token_ids=spec["warmup"])], sp(4), use_tqdm=False)
+    out: dict = {"requests": {}}
+
+    def run(reqs: list[dict]) -> dict[str, list[int]]:
+        pending = sorted(reqs, key=lambda r: r["arrive"])
+        times: dict[str, list[float]] = {}
+        added: dict[str, float] = {}
+        tokens: dict[str, list[int]] = {}
+        step = 0
+        while pending or eng.has_unfinished_requests():
+            while pending and pending[0]["arrive"] <= step:
+                r = pending.pop(0)
+                eng.add_request(r["id"], TokensPrompt(prompt_token_ids=r["prompt"]),
+                                sp(r["max_tokens"]))
+                added[r["id"]] = time.perf_counter()
+                times[r["id"]] = []
+            outs = eng.step()
+            t = time.perf_counter()
+            for o in outs:
+                ids = list(o.outputs[0].token_ids)
+                ts = times[o.request_id]
+                ts.extend([t] * (len(ids) - len(ts)))
+                tokens[o.request_id] = ids
+            step += 1
+        for rid, ts in times.items():
+            out["requests"][rid] = {"ttft": ts[0] - added[rid] if ts else None,
+                                    "itl": [b - a for a, b in zip(ts, ts[1:], strict=False)]}
+        return tokens
+
+    if spec.get("turns"):
+        hist = {c: list(p) for c, p in enumerate(spec["first"])}
+        for turn in range(spec["turns"]):
+            llm.reset_prefix_cache()  # hits come from kvstore, not vLLM's own cache
+            reqs = [{"id": f"c{c}t{turn}", "prompt": hist[c], "arrive": 0,
+                     "max_tokens": spec["answer"]} for c in hist]
+            answers = run(reqs)
+            for c in hist:
+                hist[c] = hist[c] + answers[f"c{c}t{turn}"] + prompt(
+                    spec["message"], 5000 + 97 * c + turn, spec["vocab"])
+    else:
+        run(spec["requests"])
+    out["metrics"] = _driver_counters(llm)
+    Path(out_path).write_text(json.dumps(out))
+    del llm
+    from kvstore.integrations.vllm.store_registry import close_all
+
+    close_all()
+    return 0
+
+
+def _driver_counters(llm) -> dict[str, float]:
+    got: dict[str, float] = {}
+    for m in llm.get_metrics():
+        v = getattr(m, "value", None)
+        if isinstance(v, (int, float)) and type(m).__name__ == "Counter":
+            got[m.name] = got.get(m.name, 0) + v
+    return got
+
+
+def _drive(spec: dict, work: Path, name: str, env: dict | None = None) -> dict:
+    import subprocess
+
+    from support.vllm_helpers import engine_env
+
+    sp, op = work / f"{name}.spec.json", work / f"{name}.out.json"
+    sp.write_text(json.dumps(spec))
+    proc = subprocess.run([sys.executable, __file__, "--driver", str(sp), str(op)],
+                          env=engine_env(False, env), capture_output=True, text=True,
+                          timeout=3600, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"engine {name} failed:\n{(proc.stdout + proc.stderr)[-6000:]}")
+    return json.loads(op.read_text())
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else float("nan")
+
+
+def main_async(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description="decodes beside background loads (issue 29)")
+    ap.add_argument("--json", metavar="OUT")
+    ap.add_argument("--requests", type=int, default=12, help="half hits on disk, half new")
+    ap.add_argument("--prompt-tokens", type=int, default=2048)
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--every", type=int, default=6, help="steps between arrivals")
+    ap.add_argument("--drop-page-cache", action="store_true",
+                    help="drop the store's page cache before the measured engines")
+    ap.add_argument("--workdir")
+    args = ap.parse_args(argv)
+    from support.vllm_helpers import drop_page_cache
+
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="kvstore-vllm-async-"))
+    work.mkdir(parents=True, exist_ok=True)
+    shape, dtype = MODEL_FP32_SMALL, "float32"
+    model = work / f"llama-{shape['hidden']}x{shape['layers']}"
+    if not (model / "config.json").exists():
+        make_llama(model, **shape, dtype=dtype)
+    n, vocab = args.prompt_tokens, shape["vocab"]
+    reqs = []
+    for i in range(args.requests):
+        hit = i % 2 == 0
+        reqs.append({"id": f"{'hit' if hit else 'new'}{i}", "arrive": i * args.every,
+                     "max_tokens": args.max_tokens,
+                     "prompt": prompt(n, (100 if hit else 300) + i, vocab)})
+    base = {"model": str(model), "dtype": dtype, "warmup": prompt(64, 999, vocab),
+            "max_model_len": n + 2 * args.max_tokens + BS,
+            "max_num_batched_tokens": max(2048, n + BS)}
+    store = work / "store"
+    shutil.rmtree(store, ignore_errors=True)
+    kv = {"store_path": str(store), "cpu_capacity": "1GiB", "disk_capacity": "8GiB"}
+    # the hits' prompts saved by an earlier engine (the store's disk tier holds them)
+    saving = [dict(r, arrive=0, max_tokens=1) for r in reqs if r["id"].startswith("hit")]
+    _drive(dict(base, requests=saving, transfer=kvstore_transfer(kv)), work, "save")
+    runs = {}
+    for name, transfer in (("vllm_alone", None),
+                           ("kvstore_async", kvstore_transfer(kv)),
+                           ("kvstore_sync", kvstore_transfer(dict(kv, load_async=False)))):
+        if args.drop_page_cache:
+            drop_page_cache([store])
+        runs[name] = _drive(dict(base, requests=reqs, transfer=transfer), work, name)
+    table = {}
+    for name, res in runs.items():
+        itl = [x for r in res["requests"].values() for x in r["itl"]]
+        hit_ttft = [r["ttft"] for k, r in res["requests"].items() if k.startswith("hit")]
+        table[name] = {"tpot_p50_ms": _pct(itl, 0.5) * 1e3, "tpot_p99_ms": _pct(itl, 0.99) * 1e3,
+                       "tpot_max_ms": max(itl) * 1e3,
+                       "hit_ttft_mean_ms": statistics.mean(hit_ttft) * 1e3,
+                       "external_hit_tokens": res["metrics"].get(
+                           "vllm:external_prefix_cache_hits", 0), "samples": len(itl)}
+    ref = table["vllm_alone"]["tpot_p99_ms"]
+    print(f"\n{args.requests} requests of {n} tokens (half hits on disk), one every "
+          f"{args.every} steps, {args.max_tokens} tokens each; model {shape} {dtype}")
+    print(f"{'engine':<16} {'TPOT p50':>9} {'p99':>8} {'max':>8} {'p99 x alone':>12} "
+          f"{'hit TTFT':>9} {'ext hit tok':>12}")
+    for name, row in table.items():
+        print(f"{name:<16} {row['tpot_p50_ms']:>9.1f} {row['tpot_p99_ms']:>8.1f} "
+              f"{row['tpot_max_ms']:>8.1f} {row['tpot_p99_ms'] / ref:>12.2f} "
+              f"{row['hit_ttft_mean_ms']:>9.1f} {row['external_hit_tokens']:>12.0f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"table": table, "args": vars(args),
+                                               "model": shape, "dtype": dtype}, indent=2))
+    if not args.workdir:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+def main_chat(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description="multi-turn prefix hit ratio (issue 29)")
+    ap.add_argument("--json", metavar="OUT")
+    ap.add_argument("--conversations", type=int, default=4)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--first", type=int, default=256, help="first prompt's tokens")
+    ap.add_argument("--message", type=int, default=64, help="each later user message")
+    ap.add_argument("--answer", type=int, default=128, help="generated tokens per turn")
+    ap.add_argument("--workdir")
+    args = ap.parse_args(argv)
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="kvstore-vllm-chat-"))
+    work.mkdir(parents=True, exist_ok=True)
+    shape, dtype = MODEL_FP32_SMALL, "float32"
+    model = work / f"llama-{shape['hidden']}x{shape['layers']}"
+    if not (model / "config.json").exists():
+        make_llama(model, **shape, dtype=dtype)
+    vocab = shape["vocab"]
+    total = args.first + args.turns * (args.message + args.answer) + BS
+    base = {"model": str(model), "dtype": dtype, "warmup": prompt(64, 999, vocab),
+            "max_model_len": total, "max_num_batched_tokens": max(2048, total),
+            "turns": args.turns, "answer": args.answer, "message": args.message,
+            "vocab": vocab,
+            "first": [prompt(args.first, 700 + c, vocab) for c in range(args.conversations)]}
+    table = {}
+    for name, decode in (("prompt_only", False), ("decode_blocks", True)):
+        store = work / f"store-{name}"
+        shutil.rmtree(store, ignore_errors=True)
+        kv = kvstore_transfer({"store_path": str(store), "cpu_capacity": "1GiB",
+                               "disk_capacity": "8GiB", "save_decode_blocks": decode})
+        res = _drive(dict(base, transfer=kv), work, name)
+        m = res["metrics"]
+        queries = m.get("vllm:prefix_cache_queries", 0)
+        hits = m.get("vllm:prefix_cache_hits", 0) + m.get("vllm:external_prefix_cache_hits", 0)
+        table[name] = {"prompt_tokens": queries, "hit_tokens": hits,
+                       "external_hit_tokens": m.get("vllm:external_prefix_cache_hits", 0),
+                       "hit_ratio": hits / queries if queries else 0.0}
+    gain = table["decode_blocks"]["hit_ratio"] / max(1e-9, table["prompt_only"]["hit_ratio"])
+    print(f"\n{args.conversations} chats x {args.turns} turns (first prompt {args.first}, "
+          f"messages {args.message}, answers {args.answer} tokens); vLLM's cache reset per turn")
+    for name, row in table.items():
+        print(f"{name:<14} prompt tokens {row['prompt_tokens']:>7.0f}  hit tokens "
+              f"{row['hit_tokens']:>7.0f}  hit ratio {row['hit_ratio']:.3f}")
+    print(f"decode blocks / prompt only: {gain:.2f}x (goal >= 1.3x: "
+          f"{'meets' if gain >= 1.3 else 'misses'})")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"table": table, "gain": gain,
+                                               "args": vars(args)}, indent=2))
+    if not args.workdir:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--driver"]:
+        sys.exit(_driver(sys.argv[2], sys.argv[3]))
+    if sys.argv[1:2] == ["async"]:
+        sys.exit(main_async(sys.argv[2:]))
+    if sys.argv[1:2] == ["chat"]:
+        sys.exit(main_chat(sys.argv[2:]))
     sys.exit(main())

@@ -161,6 +161,20 @@ class ZeroCopyPlane:
             self._count_lease(plan, len(ks), n)
             return LeaseInto(n, tuple(pinned), tuple(copies))
 
+    def memory_run(self, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` a memory tier (hot or warm) holds now: what a load can
+        copy without reading a lower tier (the vLLM connector loads a hit held in memory
+        synchronously and one that must come from below asynchronously)."""
+        ks = self.st.keys(keys)
+        with self.st.lock:
+            self.st.check_open()
+            n = 0
+            for k in ks:
+                if not self.res.held(k):
+                    break
+                n += 1
+            return n
+
     def release_lease(self, keys: Sequence[bytes]) -> None:
         """Release what :meth:`lease_warm` pinned."""
         with self.st.lock:

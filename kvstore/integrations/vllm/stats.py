@@ -19,10 +19,11 @@ log = logging.getLogger("vllm.kvstore")
 COUNTERS = (
     "lookups", "lookup_tokens", "hit_tokens", "hit_requests",
     "loads", "load_blocks", "loaded_blocks", "failed_blocks",
+    "async_loads",  # hits loaded in the background (load_kv_async)
     "saves", "save_blocks", "save_errors", "skipped_saves",
     "layer_waits",
     # microseconds spent on the engine's critical path
-    "lookup_us", "load_submit_us", "load_wait_us", "save_us",
+    "lookup_us", "load_submit_us", "load_wait_us", "save_us", "async_poll_us",
 )
 
 

@@ -80,11 +80,16 @@ def close_all() -> None:
 def open_connector_store(
     c: ConnectorConfig, *, layout: KVLayout, model_id: str, model_revision: str,
     ns_extras: dict[str, object], page_kind: str, is_scheduler: bool,
+    tp_rank: int = 0, tp_size: int = 1,
 ) -> tuple[KVCache, tuple]:
-    """The store a connector uses, and the key to hand to :func:`release_store` once done."""
-    kw = dict(layout=layout, model_id=model_id, model_revision=model_revision,
-              namespace_extras=ns_extras)
-    ident = (layout, model_id, model_revision, tuple(sorted(ns_extras.items())))
+    """The store a connector uses, and the key to hand to :func:`release_store` once done.
+    ``tp_rank``/``tp_size``: the namespace's tensor-parallel shard (each TP rank's worker
+    stores its slice of the heads in a namespace of its own)."""
+    kw: dict[str, Any] = dict(layout=layout, model_id=model_id, model_revision=model_revision,
+                              namespace_extras=ns_extras)
+    if tp_size != 1:
+        kw.update(tp_rank=tp_rank, tp_size=tp_size)
+    ident = (layout, model_id, model_revision, tuple(sorted(ns_extras.items())), tp_rank, tp_size)
     if c.mode == "daemon":
         return _connect(c, kw, ident, page_kind=page_kind, is_scheduler=is_scheduler)
     return _open_embedded(c, kw, ident, page_kind=page_kind, is_scheduler=is_scheduler)

@@ -20,6 +20,8 @@ import logging
 import os
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +36,7 @@ from kvstore.paged import page_index, paged_geometry
 from kvstore.store import Store
 from kvstore.tiers.slab import paired_runs
 
-from .config import layer_order
+from .config import layer_order, rank_keys
 from .stats import ConnectorStats
 
 if TYPE_CHECKING:
@@ -43,6 +45,9 @@ if TYPE_CHECKING:
 __all__ = ["WorkerSide"]
 
 log = logging.getLogger("vllm.kvstore")
+
+#: how long get_finished waits for a background load in a step that runs nothing else
+_IDLE_WAIT_S = 0.02
 
 
 @dataclass(slots=True)
@@ -55,6 +60,24 @@ class _Load:
     ids: torch.Tensor  # vLLM page ids, one per planned block
     scattered: set[int] = field(default_factory=set)  # layers already in vLLM's pages
     broken: bool = False  # a scatter failed: vLLM recomputes the whole request
+
+
+@dataclass(slots=True)
+class _AsyncLoad:
+    """One request's background load (vLLM's ``load_kv_async``): the request waits, not
+    scheduled, until ``get_finished`` reports it; its pages are its own until then (vLLM
+    neither zeroes nor caches them)."""
+
+    run: BlockRun
+    future: Future | None = None  # direct path: -> (loaded, pinned keys, (position, slot)s)
+    transfer: Any = None  # fetch path: Transfer -> the fetched blocks
+    out: torch.Tensor | None = None  # fetch path: this load's own staging rows
+    ids: torch.Tensor | None = None  # fetch path: vLLM page ids, one per planned block
+
+    def ready(self) -> bool:
+        if self.future is not None:
+            return self.future.done()
+        return self.transfer is None or self.transfer.done()
 
 
 def openmp_spin_hint(environ: Mapping[str, str], maps: str) -> str | None:
@@ -87,11 +110,15 @@ class WorkerSide:
 
     def __init__(self, store: KVCache, *, layout: KVLayout, namespace_id: bytes,
                  page_kind: str, layerwise: bool, max_model_len: int,
-                 stats: ConnectorStats) -> None:
+                 stats: ConnectorStats, plan_namespace_id: bytes | None = None,
+                 tp_rank: int = 0) -> None:
         self.store = store
         self.layout = layout
         self.block_size = layout.block_tokens
-        self.namespace_id = namespace_id
+        self.namespace_id = namespace_id  # this rank's store namespace
+        # the namespace the scheduler keys its plans in (TP rank 0's; = namespace_id at TP=1)
+        self.plan_namespace_id = plan_namespace_id or namespace_id
+        self.tp_rank = tp_rank
         self.stats = stats
         self._page_kind = page_kind
         self._layerwise = layerwise
@@ -110,6 +137,9 @@ class WorkerSide:
         self._failed_reqs: set[str] = set()
         self._load_errors: set[int] = set()
         self._puts: list[Any] = []  # transfers of recent puts (errors are logged)
+        self._async: dict[str, _AsyncLoad] = {}  # background loads, by request
+        self._async_failed: set[str] = set()  # failed at submission: reported next
+        self._loader: ThreadPoolExecutor | None = None  # the direct path's background reads
 
     # -- vLLM's pages ----------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -185,7 +215,11 @@ class WorkerSide:
         return [mv[at:end] for mv in self._page_bytes]
 
     def _chain(self, run: BlockRun) -> KeyChain:
-        return KeyChain(run.keys, self.namespace_id, run.parent)
+        """The run's keys in this rank's namespace (the scheduler's are rank 0's)."""
+        if self.tp_rank == 0:
+            return KeyChain(run.keys, self.namespace_id, run.parent)
+        keys, parent = rank_keys(run.keys, run.parent, self.namespace_id, self.tp_rank)
+        return KeyChain(keys, self.namespace_id, parent)
 
     def _staging(self, nblocks: int) -> torch.Tensor:
         """A reusable host buffer for this step's fetched blocks (grown on demand)."""
@@ -206,13 +240,25 @@ class WorkerSide:
             self.stats.count(load_submit_us=int((time.perf_counter() - t0) * 1e6))
 
     def _start_loads(self, meta: KVStoreConnectorMetadata | None) -> None:
-        if meta is None or not meta.loads or self._pages is None:
+        if meta is None or not (meta.loads or meta.async_loads):
             return
-        if meta.namespace_id and meta.namespace_id != self.namespace_id:
+        if self._pages is None:  # never registered: nothing can be loaded
+            for run in meta.async_loads:
+                self._async_failed.add(run.req_id)
+                self._fail(run, 0, sync=False)
+            return
+        if meta.namespace_id and meta.namespace_id != self.plan_namespace_id:
             log.error("kvstore: scheduler and worker namespaces differ (%s vs %s); not loading",
-                      meta.namespace_id.hex()[:16], self.namespace_id.hex()[:16])
+                      meta.namespace_id.hex()[:16], self.plan_namespace_id.hex()[:16])
             for run in meta.loads:
                 self._fail(run, 0)
+            for run in meta.async_loads:
+                self._fail(run, 0, sync=False)
+                self._async_failed.add(run.req_id)
+            return
+        for run in meta.async_loads:
+            self._start_async(run)
+        if not meta.loads:
             return
         if self._direct:
             for run in meta.loads:
@@ -332,10 +378,11 @@ class WorkerSide:
         # asynchronous put); not part of the KVCache protocol
         return self.store.save_from(self._pages, block_ids, chain)
 
-    def _fail(self, run: BlockRun, loaded: int) -> None:
+    def _fail(self, run: BlockRun, loaded: int, *, sync: bool = True) -> None:
         bad = run.block_ids[loaded:]
         self._load_errors.update(bad)
-        self._failed_reqs.add(run.req_id)
+        if sync:  # this step's forward attends over them: its new blocks must not be saved
+            self._failed_reqs.add(run.req_id)
         self.stats.count(failed_blocks=len(bad))
         log.warning("kvstore: request %s: %d of %d blocks could not be loaded; vLLM recomputes "
                     "them", run.req_id, len(bad), len(run.block_ids))
@@ -444,6 +491,121 @@ class WorkerSide:
                 self.stats.count(save_errors=1)
                 log.warning("kvstore: a put failed: %s", e)
         self._puts = keep
+
+    # -- background loads (vLLM's load_kv_async) ----------------------------------------------
+    # The scheduler asks for them when a hit must come from below memory (disk, the daemon,
+    # Redis): the request waits while the engine runs the others. Direct path: lease_into on
+    # one loader thread (the disk tier's reading threads read and verify the blocks straight
+    # into the request's pages; no torch op off the engine's thread, so the forward's OpenMP
+    # pool is not disturbed), blocks held in memory copied on the engine's thread when it
+    # is reported. Fetch path (daemon, CUDA): the fetch runs into the load's own staging rows
+    # and is scattered on the engine's thread when done.
+    def _start_async(self, run: BlockRun) -> None:
+        n = len(run.keys)
+        try:
+            if self._direct:
+                if self._loader is None:
+                    self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvstore-vllm-load")
+                ld = _AsyncLoad(run, future=self._loader.submit(self._lease, run))
+            else:
+                lay = self.layout
+                assert self._pages is not None
+                out = torch.empty(lay.batch_shape(n), dtype=lay.dtype,
+                                  device=self._pages[0].device)
+                ids = page_index(run.block_ids, n, self._geo)
+                ld = _AsyncLoad(run, transfer=self.store.fetch(self._chain(run), out=out),
+                                out=out, ids=ids)
+        except Exception:  # never raise into the engine: reported as failed, recomputed
+            log.exception("kvstore: starting the load of request %s failed", run.req_id)
+            self._fail(run, 0, sync=False)
+            self._async_failed.add(run.req_id)
+            return
+        self._async[run.req_id] = ld
+        self.stats.count(loads=1, load_blocks=n)
+
+    def _lease(self, run: BlockRun) -> tuple[int, Sequence[bytes], Sequence[tuple[int, int]]]:
+        """On the loader thread: blocks only on disk read into the pages, the others leased."""
+        ids = run.block_ids
+        if self._page_bytes:
+            assert isinstance(self.store, Store)
+            lease = self.store.lease_into(self._chain(run),
+                                          lambda p: self._page_pieces(ids[p]), fill=False)
+            return lease.n, lease.pinned, lease.copies
+        assert self._zc is not None
+        got, slots = self._zc.lease_warm(self._chain(run))
+        return len(got), got, tuple(enumerate(slots))
+
+    def _finish_async(self, ld: _AsyncLoad) -> None:
+        """On the engine's thread: complete one finished background load, report its failures."""
+        run, n = ld.run, 0
+        if ld.future is not None:
+            pinned: Sequence[bytes] = ()
+            try:
+                n, pinned, copies = ld.future.result()
+                if copies:
+                    self._copy_blocks([s for _, s in copies],
+                                      [run.block_ids[p] for p, _ in copies], load=True)
+            except Exception:
+                log.exception("kvstore: loading request %s failed", run.req_id)
+                n = 0
+            finally:
+                if pinned:
+                    assert self._zc is not None
+                    self._zc.release_lease(pinned)
+        elif ld.transfer is not None:
+            try:
+                n = int(ld.transfer.wait().shape[0])
+                assert self._pages is not None and ld.out is not None and ld.ids is not None
+                if n:
+                    for layer in range(self.layout.num_layers):
+                        scatter_pages(self.layout, self._geo, ld.out[:n, layer],
+                                      self._pages[layer], ld.ids[:n])
+            except Exception:
+                log.exception("kvstore: loading request %s failed", run.req_id)
+                n = 0
+        self.stats.count(loaded_blocks=n)
+        if n < len(run.keys):
+            self._fail(run, n, sync=False)
+
+    def get_finished(self, meta: KVStoreConnectorMetadata | None) -> set[str] | None:
+        """Requests whose background load finished (or failed: their blocks are in this
+        step's :meth:`get_block_ids_with_load_errors`). In a step that runs nothing else
+        (``meta.idle``) it waits a little for the oldest, so the engine's loop does not spin
+        on the cores the reads need."""
+        done, self._async_failed = self._async_failed, set()
+        if not self._async:
+            return done or None
+        t0 = time.perf_counter()
+        if meta is not None and meta.idle and not any(a.ready() for a in self._async.values()):
+            first = next(iter(self._async.values()))
+            with contextlib.suppress(Exception):  # reported below
+                if first.future is not None:
+                    wait_futures([first.future], timeout=_IDLE_WAIT_S)
+                elif first.transfer is not None:
+                    first.transfer.wait(timeout=_IDLE_WAIT_S)
+        for req_id, ld in list(self._async.items()):
+            if ld.ready():
+                del self._async[req_id]
+                self._finish_async(ld)
+                done.add(req_id)
+        self.stats.count(async_poll_us=int((time.perf_counter() - t0) * 1e6))
+        return done or None
+
+    def close(self) -> None:
+        """Finish what is in flight (background loads, puts): at the engine's shutdown."""
+        for ld in list(self._async.values()):
+            with contextlib.suppress(Exception):
+                if ld.future is not None:
+                    ld.future.result(timeout=60)
+                elif ld.transfer is not None:
+                    ld.transfer.wait(timeout=60)
+            with contextlib.suppress(Exception):
+                self._finish_async(ld)
+        self._async.clear()
+        if self._loader is not None:
+            self._loader.shutdown(wait=True)
+            self._loader = None
+        self.finish_puts(wait=True)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
