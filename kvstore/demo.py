@@ -18,7 +18,6 @@ Workloads (token ids drawn from a seeded RNG):
 
 from __future__ import annotations
 
-import os
 import random
 import statistics
 import time
@@ -40,9 +39,11 @@ BLOCK_TOKENS = 16
 
 
 def default_store_path() -> Path:
-    """``$XDG_CACHE_HOME/kvstore/demo`` (``~/.cache/kvstore/demo``)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "kvstore" / "demo"
+    """``$XDG_CACHE_HOME/kvstore/demo`` (``~/.cache/kvstore/demo``); the admin commands name
+    it when the default store is missing (``kvstore ls`` right after the demo)."""
+    from kvstore.admin.common import demo_store_path
+
+    return demo_store_path()
 
 
 # -- workloads ---------------------------------------------------------------------------------

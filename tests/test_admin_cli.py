@@ -332,6 +332,30 @@ def test_inspect_a_namespace_or_block_by_id(base_store, capsys):
     assert "at least 4 hex digits" in capsys.readouterr().err
 
 
+def test_missing_default_store_names_the_demos_store(tmp_path, monkeypatch, capsys):
+    """Issue 31: ``kvstore ls`` right after ``kvstore demo`` failed on the default store
+    without a word about where the demo's blocks are."""
+    from kvstore.demo import default_store_path
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.delenv("KVSTORE_PATH", raising=False)
+    demo = default_store_path()
+    assert demo == tmp_path / "home" / ".cache" / "kvstore" / "demo"
+    assert main(["ls"]) == 2  # nothing anywhere: no word about a demo
+    assert "kvstore demo" not in capsys.readouterr().err
+    build_store(demo, "m/demo", prompts=1, blocks=2)
+    for argv in (["ls"], ["inspect"], ["stats"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert f"{tmp_path / 'home' / '.cache' / 'kvstore'} is not a kvstore store" in err
+        assert f"kvstore demo's store is {demo}: kvstore ls --store {demo}" in err
+        assert len(err.strip().splitlines()) == 1
+    assert main(["ls", "--store", str(tmp_path / "elsewhere")]) == 2  # a path given: its error
+    assert "kvstore demo" not in capsys.readouterr().err
+    assert main(["ls", "--store", str(demo)]) == 0 and "m/demo" in capsys.readouterr().out
+
+
 def test_quiet_ids_fed_to_rm_through_entry_point(store):
     p, chains, ids = store
     ls = _cli("ls", "-q", "-f", "model~qwen", "-f", "size<1GB", "--store", str(p))

@@ -71,6 +71,24 @@ def default_store_path() -> Path:
     return Path("~/.cache/kvstore").expanduser()
 
 
+def demo_store_path() -> Path:
+    """Where ``kvstore demo`` keeps its store: ``$XDG_CACHE_HOME/kvstore/demo``
+    (``~/.cache/kvstore/demo``), not the default store."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "kvstore" / "demo"
+
+
+def _demo_hint(path: str | os.PathLike[str] | None) -> str:
+    """Named when the default store is missing but ``kvstore demo`` left one (a newcomer's
+    ``kvstore ls`` right after the demo)."""
+    if path is not None and str(path) != "":
+        return ""
+    demo = Path(os.path.abspath(demo_store_path()))
+    if not (demo / "index" / "data.mdb").is_file() or demo == resolve_store_path(None):
+        return ""
+    return f"; kvstore demo's store is {demo}: kvstore ls --store {demo}"
+
+
 def resolve_store_path(path: str | os.PathLike[str] | None) -> Path:
     """``path`` (``~`` expanded, absolute), or the default store path."""
     p = default_store_path() if path is None or str(path) == "" else Path(os.fspath(path))
@@ -82,7 +100,8 @@ def check_store(path: str | os.PathLike[str] | None) -> Path:
     p = resolve_store_path(path)
     hint = f"pass --store PATH or set ${STORE_ENV}"
     if not p.exists():
-        raise StoreNotFoundError(f"no kvstore store at {p}: the path does not exist ({hint})")
+        raise StoreNotFoundError(f"no kvstore store at {p}: the path does not exist ({hint})"
+                                 + _demo_hint(path))
     if not p.is_dir():
         raise StoreNotFoundError(f"{p} is not a kvstore store: it is not a directory ({hint})")
     if not (p / "index" / "data.mdb").is_file():
@@ -93,7 +112,7 @@ def check_store(path: str | os.PathLike[str] | None) -> Path:
             raise err
         raise StoreNotFoundError(
             f"{p} is not a kvstore store: it has no index/data.mdb (nothing was ever written "
-            f"there, or it is another directory; {hint})"
+            f"there, or it is another directory; {hint})" + _demo_hint(path)
         )
     return p
 
