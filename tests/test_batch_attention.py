@@ -117,3 +117,34 @@ def test_suffix_buffers_start_zeroed():
     of a batch came out all token 0 when the buffers were torch.empty)."""
     kv = A.SuffixKV(2, 3, 2, 5, 4, dtype=torch.float32, device=torch.device("cpu"))
     assert all(bool((t == 0).all()) for t in kv.k + kv.v)
+
+
+def test_decode_reads_each_groups_prefix_once(monkeypatch):
+    """Cascade decode: one product per group and layer, every row's queries stacked against
+    the group's one prefix K/V (the tensor itself: never copied or gathered per row)."""
+    g = torch.Generator().manual_seed(5)
+    P, rows = 24, 6
+    prefix = (torch.randn(HKV, P, D, generator=g), torch.randn(HKV, P, D, generator=g))
+    kv = A.SuffixKV(L, rows, HKV, 8, D, dtype=torch.float32, device=torch.device("cpu"))
+    for r in range(rows):
+        kv.k[0][r, :, :3] = torch.randn(HKV, 3, D, generator=g)
+        kv.v[0][r, :, :3] = torch.randn(HKV, 3, D, generator=g)
+    plan = A.make_plan(kv, [A.GroupSlice(0, rows, (prefix,), P)], list(range(rows)), [3] * rows,
+                       [1] * rows, [P] * rows, device=torch.device("cpu"))
+    calls = []
+    attend = A._attend
+
+    def spy(q, k, v, *a, **kw):
+        calls.append((tuple(q.shape), k.untyped_storage().data_ptr(), tuple(k.shape)))
+        return attend(q, k, v, *a, **kw)
+
+    monkeypatch.setattr(A, "_attend", spy)
+    q = torch.randn(1, HKV * G, rows, D, generator=g)
+    k_new, v_new = torch.randn(1, HKV, rows, D, generator=g), torch.randn(1, HKV, rows, D, generator=g)
+    with A.running(types.SimpleNamespace(config=types.SimpleNamespace(_attn_implementation="x")),
+                   plan) as cache:
+        cache.update(k_new, v_new, 0)
+        A.shared_prefix_attention(types.SimpleNamespace(layer_idx=0), q, k_new, v_new, None)
+    on_prefix = [c for c in calls if c[1] == prefix[0].untyped_storage().data_ptr()]
+    assert len(on_prefix) == 1  # once for all rows, not once per row
+    assert on_prefix[0][0] == (1, HKV, G * rows, D) and on_prefix[0][2] == (1, HKV, P, D)

@@ -217,3 +217,56 @@ def test_store_layout_mismatch_is_refused(model):
     with open_store_for(other, None, device="cpu", gpu_capacity=0, cpu_capacity="1MiB") as store, \
             pytest.raises(ConfigError, match="does not match"):
         TransformersEngine(model, store=store)
+
+
+def test_threads_and_wait_policy(monkeypatch):
+    from kvstore.integrations.batch.engines import threads
+
+    env = {}
+    assert threads.prefer_passive_waits(env) and env["OMP_WAIT_POLICY"] == "PASSIVE"
+    mine = {"OMP_WAIT_POLICY": "ACTIVE"}  # the user's choice stays
+    assert not threads.prefer_passive_waits(mine) and mine["OMP_WAIT_POLICY"] == "ACTIVE"
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: {0, 3, 5}, raising=False)
+    assert threads.usable_cores() == 3
+
+
+def test_run_sets_threads_and_packs_linears_then_restores(model):
+    from kvstore.integrations.batch.engines.linear import packing_available
+
+    seen = {}
+    lin = model.model.layers[0].mlp.up_proj
+
+    def hook(mod, args):
+        seen["threads"] = torch.get_num_threads()
+        seen["packed"] = "forward" in lin.__dict__
+
+    h = model.model.layers[0].register_forward_pre_hook(hook)
+    before = torch.get_num_threads()
+    try:
+        engine = TransformersEngine(model, eos_token_id=(), threads=1)
+        run(engine, [[5, 6, 7]], SamplingParams(max_tokens=2))
+    finally:
+        h.remove()
+    assert seen["threads"] == 1 and torch.get_num_threads() == before
+    assert seen["packed"] == packing_available()
+    assert "forward" not in lin.__dict__  # the model is as it was
+
+
+def test_packed_linears_match_and_follow_weight_changes():
+    from kvstore.integrations.batch.engines.linear import PackedLinears, packing_available
+
+    if not packing_available():
+        pytest.skip("no oneDNN in this torch")
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Linear(96, 40, bias=False))
+    x = torch.randn(1, 9, 64)
+    p = PackedLinears(m)
+    for _ in range(2):
+        with torch.no_grad():
+            want = m(x)
+            with p.active() as n:
+                got = m(x)
+        assert n == 2
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        with torch.no_grad():
+            m[0].weight.mul_(-2.0)  # packed again on the next use

@@ -29,6 +29,7 @@ import random
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -39,6 +40,7 @@ from typing import Any
 from kvstore.bench import BenchOptions, BenchRow, time_row
 
 SECTION = "batch"
+MARK = "KVSTORE-BATCH "  # the workers' answer lines
 NEW_TOKENS = 8
 VOCAB = 2048
 MODEL = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -119,6 +121,9 @@ class VLLMWorker:
                    VLLM_LOGGING_LEVEL="ERROR", TOKENIZERS_PARALLELISM="false",
                    VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
         args = [python, "-m", "kvstore.bench.batch_vllm", model_dir, mode, *([store] if store else [])]
+        self._start(args, env)
+
+    def _start(self, args: list[str], env: dict[str, str]) -> None:
         self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, text=True, env=env)
         self._read()  # ready
@@ -126,13 +131,13 @@ class VLLMWorker:
     def _read(self) -> dict[str, Any]:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
-            if line.startswith("KVSTORE-BATCH "):
-                return json.loads(line[len("KVSTORE-BATCH "):])
+            if line.startswith(MARK):
+                return json.loads(line[len(MARK):])
         raise RuntimeError(f"the vLLM worker exited ({self.proc.wait()})")
 
-    def run(self, prompts: Any, salt: str) -> dict[str, Any]:
+    def run(self, prompts: Any, salt: str, max_tokens: int = NEW_TOKENS) -> dict[str, Any]:
         assert self.proc.stdin is not None
-        job = {"prompts": [list(p) for p in prompts], "max_tokens": NEW_TOKENS, "salt": salt}
+        job = {"prompts": [list(p) for p in prompts], "max_tokens": max_tokens, "salt": salt}
         self.proc.stdin.write(json.dumps(job) + "\n")
         self.proc.stdin.flush()
         return self._read()
@@ -145,6 +150,47 @@ class VLLMWorker:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+class EngineWorker(VLLMWorker):
+    """The transformers engine in its own process (``python -m kvstore.bench.batch MODEL_DIR``),
+    started as ``kvstore batch run`` starts it: OpenMP threads that sleep while they wait
+    (:mod:`kvstore.integrations.batch.engines.threads`), as many as the cores it may use."""
+
+    def __init__(self, model_dir: str, *, threads: int | None = None) -> None:
+        from kvstore.integrations.batch.engines.threads import PASSIVE_ENV
+
+        env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+        for k, v in PASSIVE_ENV.items():
+            env.setdefault(k, v)
+        if threads:
+            env["OMP_NUM_THREADS"] = str(threads)
+        self._start([sys.executable, "-m", "kvstore.bench.batch", model_dir], env)
+
+
+def _engine_main(model_dir: str) -> int:
+    """The engine worker: one job per stdin line, one answer per stdout line (as
+    :mod:`kvstore.bench.batch_vllm`)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kvstore.integrations.batch.engines.transformers import TransformersEngine
+    from kvstore.integrations.batch.requests import BatchRequest, SamplingParams
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    engine = TransformersEngine(model, eos_token_id=())
+    print(MARK + json.dumps({"ready": True, "pid": os.getpid()}), flush=True)
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        job = json.loads(line)
+        params = SamplingParams(max_tokens=job["max_tokens"], ignore_eos=True)
+        reqs = [BatchRequest(str(i), tuple(p), params) for i, p in enumerate(job["prompts"])]
+        out: list[list[int]] = [[] for _ in reqs]
+        rep = engine.run(reqs, on_done=lambda i, c, out=out: out.__setitem__(i, list(c.token_ids)))
+        print(MARK + json.dumps({"seconds": rep.seconds, "computed": rep.computed_tokens,
+                                 "stored": 0, "tokens": out}), flush=True)
+    return 0
 
 
 def vllm_python() -> str | None:
@@ -277,3 +323,7 @@ def run(opts: BenchOptions) -> list[BenchRow]:
         for wk in workers.values():
             wk.close()
         shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(_engine_main(sys.argv[1]))

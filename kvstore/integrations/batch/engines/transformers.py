@@ -14,6 +14,7 @@ take transformers' ``AttentionInterface`` (Llama, Mistral, Qwen2, Gemma, Phi-3, 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import time
 from collections.abc import Sequence
@@ -25,8 +26,10 @@ import torch
 from kvstore.errors import ConfigError
 from kvstore.integrations.batch.engines import EngineReport, OnDone
 from kvstore.integrations.batch.engines.attention import GroupSlice, SuffixKV, make_plan, running
+from kvstore.integrations.batch.engines.linear import PackedLinears, packing_available
 from kvstore.integrations.batch.engines.sampling import RowState, Tokenizer, choose_tokens
 from kvstore.integrations.batch.engines.schedule import Batch, PrefixNode, Row, pack, schedule
+from kvstore.integrations.batch.engines.threads import set_threads
 from kvstore.integrations.batch.plan import BatchPlan, plan_batch
 from kvstore.integrations.batch.requests import BatchRequest
 from kvstore.integrations.transformers import cache_kwarg, eos_token_ids, layout_for
@@ -56,7 +59,11 @@ class TransformersEngine:
     with ``salt``). ``max_batch_tokens`` bounds the suffix tokens of one packed forward,
     ``max_batch_rows`` the rows decoding together, ``max_prefix_tokens`` the shared-prefix
     tokens a batch holds at once (default: 32 x ``max_batch_tokens``). ``eos_token_id``: an
-    int or a list; by default the model's ``generation_config.eos_token_id``.
+    int or a list; by default the model's ``generation_config.eos_token_id``. ``threads``:
+    torch's intra-op threads during :meth:`run` (default: the cores this process may use,
+    :func:`~.threads.usable_cores`; restored after). ``prepack``: run the model's float32
+    CPU linear layers on oneDNN-prepacked weights during :meth:`run` (:mod:`.linear`;
+    default: where this torch has it).
     """
 
     name = "transformers"
@@ -65,7 +72,8 @@ class TransformersEngine:
                  store: Any = None, salt: str | bytes | None = None,
                  eos_token_id: int | Sequence[int] | None = None, block_tokens: int = 16,
                  max_batch_tokens: int = 8192, max_batch_rows: int = 256,
-                 max_prefix_tokens: int | None = None) -> None:
+                 max_prefix_tokens: int | None = None, threads: int | None = None,
+                 prepack: bool | None = None) -> None:
         p = next(model.parameters())
         self.model, self.tokenizer, self.store, self.salt = model, tokenizer, store, salt
         self.device, self.dtype = p.device, p.dtype
@@ -81,6 +89,10 @@ class TransformersEngine:
             raise ValueError("max_batch_tokens and max_batch_rows must be >= 1")
         self.max_batch_tokens, self.max_batch_rows = max_batch_tokens, max_batch_rows
         self.max_prefix_tokens = max_prefix_tokens or 32 * max_batch_tokens
+        self.threads = threads
+        if prepack is None:
+            prepack = self.device.type == "cpu" and self.dtype == torch.float32
+        self._linears = PackedLinears(model) if prepack and packing_available() else None
         params = inspect.signature(model.forward).parameters
         self._cache_kw = cache_kwarg(model)
         self._keep_rows = "logits_to_keep" in params  # takes a tensor of positions
@@ -229,6 +241,16 @@ class TransformersEngine:
         if not requests:
             return EngineReport(0, 0, 0, 0, 0, 0, 0.0, "engine")
         plan = plan or self.plan(requests)
+        before = set_threads(self.threads) if self.device.type == "cpu" else None
+        try:
+            with self._linears.active() if self._linears else contextlib.nullcontext():
+                return self._run(requests, lengths, plan, on_done, t0)
+        finally:
+            if before is not None:
+                torch.set_num_threads(before)
+
+    def _run(self, requests: Sequence[BatchRequest], lengths: list[int], plan: BatchPlan,
+             on_done: OnDone | None, t0: float) -> EngineReport:
         sched = schedule(plan, lengths)
         prefixes: dict[int, LayerKV] = {}
         pending = [n.rows + n.children for n in sched.nodes]
