@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from kvstore.admin.common import AdminError
 from kvstore.admin.inventory import layout_string
+from kvstore.namespace import FORMAT_VERSION  # torch-free
 from kvstore.tiers.disk.index import namespace_record_id
 from kvstore.tiers.disk.records import NamespaceInfo
 from kvstore.tiers.disk.segments import DTYPE_SIZES
@@ -30,9 +31,6 @@ __all__ = [
     "resolve_namespace",
 ]
 
-#: ``kvstore.namespace.FORMAT_VERSION`` without importing it (it imports torch); a test
-#: pins that both agree
-FORMAT_VERSION = 1
 _HEX = re.compile(r"^[0-9a-fA-F]+$")
 _LAYOUT_PART = re.compile(r"^([LPTHD])(\d+)$")
 _TP_PART = re.compile(r"^tp(\d+)/(\d+)$")
