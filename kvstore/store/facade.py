@@ -173,14 +173,14 @@ class Store:
         if tier not in (None, "disk") or st.writer is None:
             return self.residency.evict(keys, tier=tier)
         ks = None if keys is None else st.keys(keys)
+        wanted = None if ks is None else set(ks)
         with st.lock:
             st.check_open()
-            copies = {id(t): t for k, t in st.pending.items() if ks is None or k in ks}
+            copies = {id(t): t for k, t in st.pending.items() if wanted is None or k in wanted}
         for t in copies.values():  # a put's copy in flight: its blocks become evictable
             t.wait()
         with self.write_back.pass_lock:  # no writer pass in flight from here on
-            queued = self.write_back.revoke(None if ks is None else set(ks),
-                                            memory=tier == "disk")
+            queued = self.write_back.revoke(wanted, memory=tier == "disk")
             return queued + self.residency.evict(ks, tier=tier)
 
     # -- zero copy (kvstore.api.ZeroCopy) -------------------------------------------------
