@@ -355,7 +355,7 @@ def test_segment_removed_under_a_cached_fd_retries(tmp_path):
         keys = chain("mv", 4)
         t.write_blocks(writes(keys, NS))
         assert read(t, keys[0])[0] is ReadStatus.OK  # caches the fd
-        stale = t._get_rec(di.dbkey(NS.id, keys[0]))
+        stale = t._ensure().get_rec(di.dbkey(NS.id, keys[0]))
         t.delete(keys[2:])
         t.compact(threshold=0.9)  # old segment unlinked, records moved
         from kvstore.tiers.disk.index import encode_record

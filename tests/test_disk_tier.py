@@ -850,7 +850,7 @@ def test_cold_group_of_many_pieces_stays_under_iov_max(tmp_path, monkeypatch):
                   for d in dsts]
         assert t.read_many(keys, pieces) == [ReadStatus.OK] * len(keys)
         assert all(torch.equal(d, block_data(k, BF16)) for k, d in zip(keys, dsts, strict=True))
-        assert calls and max(calls) <= seg._IOV_MAX and sum(calls) == 40 * 32
+        assert calls and max(calls) <= seg.IOV_MAX and sum(calls) == 40 * 32
 
 
 def test_the_calling_thread_reads_and_never_waits_behind_a_busy_pool(tmp_path, monkeypatch):
@@ -872,7 +872,7 @@ def test_the_calling_thread_reads_and_never_waits_behind_a_busy_pool(tmp_path, m
         keys = chain("busy", 12)
         t.write_blocks(writes(keys, ns))
         release = threading.Event()
-        pool = t._get_pool()
+        pool = t._ensure().thread_pool()
         blockers = [pool.submit(release.wait, 30) for _ in range(2)]
         try:
             dsts = [torch.zeros(BF16.block_nbytes, dtype=torch.uint8) for _ in keys]

@@ -37,7 +37,7 @@ def test_absent_database_is_not_kept(tmp_path):
     NOT_KEPT until a writer records one (opening it writable creates it)."""
     t = DiskTier(tmp_path / "s", capacity_bytes=1 << 20)
     assert tomb.kept(t)  # a writable open creates the database
-    sh = t._ensure()
+    sh = t._sh
     with sh.env.begin(write=True) as txn:  # as an older index was
         txn.drop(sh.dbs.pop(tomb.DB_TOMBSTONES), delete=True)
     try:
@@ -83,7 +83,7 @@ def test_bounded_and_the_newest_generation_is_kept(tmp_path_factory, monkeypatch
                            tomb.TierCode.DISK, removed_us=n + 1)
             n += b
         sh = t._sh
-        db = tomb.db_of(t)
+        db = tomb.db_in(t._ensure())
         with sh.read() as txn:
             entries = sum(1 for k, _v in txn.cursor(db=db) if len(k) == 65)
         assert entries <= 2 * gen

@@ -105,7 +105,7 @@ def test_never_stored_says_whether_evictions_can_be_ruled_out(tmp_path):
     if not e.tombstones_kept:  # an index without the tombstones database
         assert "cannot be ruled out" in e.runs[-1].text
     t = DiskTier(tmp_path / "s", capacity_bytes=0)
-    tomb.db_of(t, create=True)
+    tomb.db_in(t._ensure(), create=True)
     t.close()
     e = explain(tmp_path / "s", _tokens(), namespace=A)
     assert e.tombstones_kept and e.runs[-1].text.startswith("never stored (no trace")

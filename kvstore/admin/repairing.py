@@ -128,11 +128,11 @@ def _fix_structure(rw: DiskTier, plan: _Todo, grace_s: float, fixes: _Fixes) -> 
     side indexes (check finds each again first and fixes it only if still there; it names
     blocks by key, so the planned ones are matched by key). Returns the planned drops that
     check did not find: damaged blocks, to read again."""
-    from kvstore.tiers.disk.check import FixScope, check_scoped
+    from kvstore.tiers.disk import FixScope
 
     planned = {bytes.fromhex(f.key): entry_block_id(f) for f in plan.drops}
-    found = check_scoped(rw, grace_s=grace_s,
-                         scope=FixScope(frozenset(planned), plan.files, plan.rebuild))
+    found = rw.check(fix=True, grace_s=grace_s, verify_data=False,
+                     scope=FixScope(frozenset(planned), plan.files, plan.rebuild))
     recheck = {entry_block_id(f) for f in plan.drops}
     for f in found:
         bk = planned.get(bytes(f.key)) if f.key is not None else None
@@ -174,11 +174,9 @@ def _recheck_damaged(rw: DiskTier, recheck: set[bytes], fixes: _Fixes) -> None:
 
 def _rewrite_headers(rw: DiskTier, rewrite: tuple[bytes, ...], fixes: _Fixes) -> None:
     """Step 3, intact blocks of damaged headers: into fresh segments."""
-    from kvstore.tiers.disk.check import rewrite_unlisted
-
     if not rewrite:
         return
-    res = rewrite_unlisted(rw, list(rewrite))
+    res = rw.rewrite_unlisted(list(rewrite))
     fixes.keys.update(res.rewritten, res.unchanged, res.dropped)
     fixes.dropped.update(res.dropped)
     for k in res.dropped:

@@ -41,6 +41,7 @@ Guarantees:
 """
 
 from kvstore.tiers.base import ReadStatus
+from kvstore.tiers.disk.check import FixScope, RewriteResult
 from kvstore.tiers.disk.index import DISK_FORMAT_VERSION
 from kvstore.tiers.disk.records import (
     CompactResult,
@@ -60,6 +61,8 @@ __all__ = [
     "DiskTier",
     "DiskWrite",
     "Finding",
+    "FixScope",
     "NamespaceInfo",
     "ReadStatus",
+    "RewriteResult",
 ]

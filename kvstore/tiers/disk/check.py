@@ -51,10 +51,11 @@ from kvstore.tiers.disk.index import (
 )
 from kvstore.tiers.disk.reads import read_payload, read_rec
 from kvstore.tiers.disk.records import Finding
-from kvstore.tiers.disk.txn import drop_entries
+from kvstore.tiers.disk.txn import drop_damaged, drop_entries, unlink_segments, write_raw
 
 if TYPE_CHECKING:
-    from kvstore.tiers.disk.tier import DiskTier
+    from kvstore.tiers.disk.context import DiskContext
+    from kvstore.tiers.disk.env import SharedEnv
 
 #: a record found bad: (index key, its record or None, finding kind, detail)
 BadKey = tuple[bytes, Rec | None, str, str]
@@ -83,35 +84,37 @@ class _Snapshot:
     totals: list[int] = field(default_factory=list)
 
 
-def run_check(t: DiskTier, *, fix: bool, grace_s: float, verify_data: bool,
-              scope: FixScope | None = None) -> list[Finding]:
-    """The body of ``DiskTier.check``; with ``scope``, ``fix`` repairs only what it names."""
+def run_check(ctx: DiskContext, *, fix: bool, grace_s: float, verify_data: bool,
+              scope: FixScope | None = None, max_segment_bytes: int) -> list[Finding]:
+    """The body of ``DiskTier.check``; with ``scope``, ``fix`` repairs only what it names.
+    The tier has checked that it is open (writable, with ``fix``) and persisted its touches."""
     findings: list[Finding] = []
     now = time.time()
     # 1. files (listed before the index snapshot: a file committed in between is re-stat'ed)
-    files, temps = _list_files(t._segdir, findings)
+    files, temps = _list_files(ctx.segdir, findings)
     # 2. one consistent snapshot of the index
-    snap = _snapshot(t)
-    good = _known_records(t, snap)
+    snap = _snapshot(ctx.sh)
+    good = _known_records(ctx, snap)
     # 3. side indexes against the records
     snap.index_problems.extend(_side_index_problems(snap))
     # 4. segment files against the index
-    by_seg, flagged, orphans = _check_segment_files(t, good, files, snap, now, grace_s)
+    by_seg, flagged, orphans = _check_segment_files(ctx, good, files, snap, now, grace_s)
     stale_temps = [p for p, mt in temps if now - mt >= grace_s]
     # 5. data: every remaining block read back and verified (plus its header entry)
-    header_bad = _verify_data(t, by_seg, flagged, snap.bad_keys) if verify_data else []
+    header_bad = _verify_data(ctx, by_seg, flagged, snap.bad_keys) if verify_data else []
 
     # 6. report and repair: records first, then headers, then side indexes, then files
     def allowed(k: bytes) -> bool:  # scope keys: index keys or block keys
         return scope is None or k in scope.keys or k[-32:] in scope.keys
 
-    findings += _repair_records(t, fix, allowed, snap.bad_keys, header_bad)
+    findings += _repair_records(ctx, fix, allowed, snap.bad_keys, header_bad, max_segment_bytes)
     index_fixed = False
     if snap.index_problems and fix and (scope is None or scope.index):
-        rebuild_side_indexes(t)
+        dead = rebuild_side_indexes(ctx.sh, ctx.segdir, lambda fn: write_raw(ctx, fn))
+        unlink_segments(ctx, dead)
         index_fixed = True
     for p in snap.index_problems:
-        findings.append(Finding("bad_index", t._index_dir, None, p, index_fixed))
+        findings.append(Finding("bad_index", ctx.index_dir, None, p, index_fixed))
 
     def remove(path: str) -> bool:
         return fix and (scope is None or path in scope.files) and _unlink(path)
@@ -151,8 +154,7 @@ def _list_files(segdir: str, findings: list[Finding]
     return files, temps
 
 
-def _snapshot(t: DiskTier) -> _Snapshot:
-    sh = t._sh
+def _snapshot(sh: SharedEnv) -> _Snapshot:
     snap = _Snapshot()
     with sh.read() as txn:
         for k, v in txn.cursor(db=sh.dbs[DB_SEGS]):
@@ -180,14 +182,14 @@ def _snapshot(t: DiskTier) -> _Snapshot:
     return snap
 
 
-def _known_records(t: DiskTier, snap: _Snapshot) -> list[tuple[bytes, Rec]]:
+def _known_records(ctx: DiskContext, snap: _Snapshot) -> list[tuple[bytes, Rec]]:
     """The records of a known codec and namespace; the others are ``bad_record``."""
-    t._load_namespaces()
+    ctx.namespaces.load()
     good: list[tuple[bytes, Rec]] = []
     for k, r in snap.recs:
         if r.codec not in _codec.CODEC_NAMES:
             snap.bad_keys.append((k, r, "bad_record", f"unknown codec id {r.codec}"))
-        elif r.namespace_id not in t._ns:
+        elif not ctx.namespaces.cached(r.namespace_id):
             snap.bad_keys.append((k, r, "bad_record",
                                   f"unknown namespace {r.namespace_id.hex()[:16]}"))
         else:
@@ -227,13 +229,13 @@ def _side_index_problems(snap: _Snapshot) -> list[str]:
     return problems
 
 
-def _check_segment_files(t: DiskTier, good: list[tuple[bytes, Rec]],
+def _check_segment_files(ctx: DiskContext, good: list[tuple[bytes, Rec]],
                          files: dict[int, os.stat_result], snap: _Snapshot, now: float,
                          grace_s: float
                          ) -> tuple[dict[int, list[tuple[bytes, Rec]]], set[bytes], list[str]]:
     """Records whose segment is missing or too short (``bad_keys``), and the orphan segment
     files past the grace period. Returns (good records by segment, keys flagged, orphans)."""
-    segdir, segs = t._segdir, snap.segs
+    segdir, segs = ctx.segdir, snap.segs
     by_seg: dict[int, list[tuple[bytes, Rec]]] = {}
     for k, r in good:
         by_seg.setdefault(r.segment, []).append((k, r))
@@ -248,7 +250,7 @@ def _check_segment_files(t: DiskTier, good: list[tuple[bytes, Rec]],
                 st = None
         if st is None:
             for k, r in items:
-                cur = t._get_rec(k)
+                cur = ctx.get_rec(k)
                 if cur is not None and (cur.segment, cur.offset) == (r.segment, r.offset):
                     snap.bad_keys.append((k, r, "missing_segment",
                                           f"segment file {path} is missing"))
@@ -267,16 +269,16 @@ def _check_segment_files(t: DiskTier, good: list[tuple[bytes, Rec]],
         if sid in referenced:
             continue
         path = os.path.join(segdir, _seg.segment_name(sid))
-        if now - st.st_mtime >= grace_s and _unreferenced(t, sid):
+        if now - st.st_mtime >= grace_s and _unreferenced(ctx.sh, sid):
             orphans.append(path)
     return by_seg, flagged, orphans
 
 
-def _verify_data(t: DiskTier, by_seg: dict[int, list[tuple[bytes, Rec]]], flagged: set[bytes],
+def _verify_data(ctx: DiskContext, by_seg: dict[int, list[tuple[bytes, Rec]]], flagged: set[bytes],
                  bad_keys: list[BadKey]) -> list[tuple[bytes, Rec, str]]:
     """Read back and verify every block not flagged yet; a failure is a ``bad_keys`` entry.
     Returns the blocks whose bytes verify but whose segment header does not list them."""
-    segdir = t._segdir
+    segdir = ctx.segdir
     header_bad: list[tuple[bytes, Rec, str]] = []
     scratch: dict[int, np.ndarray] = {}
     for sid, items in by_seg.items():
@@ -290,12 +292,12 @@ def _verify_data(t: DiskTier, by_seg: dict[int, list[tuple[bytes, Rec]]], flagge
             buf = scratch.get(r.raw_nbytes)
             if buf is None:
                 buf = scratch[r.raw_nbytes] = np.empty(r.raw_nbytes, dtype=np.uint8)
-            status, why = read_rec(t, k, r, memoryview(buf))
+            status, why = read_rec(ctx, k, r, memoryview(buf))
             if status is ReadStatus.OK:
                 if problem is not None:
                     header_bad.append((k, r, problem))
                 continue
-            cur = t._get_rec(k)
+            cur = ctx.get_rec(k)
             if cur is None or (cur.segment, cur.offset) != (r.segment, r.offset):
                 continue  # changed meanwhile
             kind = why.split(" ", 1)[0] if why.split(" ", 1)[0] in (
@@ -305,41 +307,34 @@ def _verify_data(t: DiskTier, by_seg: dict[int, list[tuple[bytes, Rec]]], flagge
     return header_bad
 
 
-def _repair_records(t: DiskTier, fix: bool, allowed: Callable[[bytes], bool],
-                    bad_keys: list[BadKey],
-                    header_bad: list[tuple[bytes, Rec, str]]) -> list[Finding]:
+def _repair_records(ctx: DiskContext, fix: bool, allowed: Callable[[bytes], bool],
+                    bad_keys: list[BadKey], header_bad: list[tuple[bytes, Rec, str]],
+                    max_segment_bytes: int) -> list[Finding]:
     """Findings of bad records (dropped with ``fix``) and of blocks their segment header
     does not list (rewritten into a fresh segment with ``fix``), in that order."""
-    segdir = t._segdir
+    segdir = ctx.segdir
     findings: list[Finding] = []
     fixed_keys: set[bytes] = set()
     todo = [(k, r) for k, r, _, _ in bad_keys if allowed(k)]
     if fix and todo:
-        fixed_keys = set(drop_entries(t, todo, reason=_tomb.Reason.PRUNED))
+        fixed_keys = set(drop_entries(ctx, todo, reason=_tomb.Reason.PRUNED))
         # a record removed by someone else meanwhile is fixed too
         for k, _r in todo:
-            if t._get_rec(k) is None:
+            if ctx.get_rec(k) is None:
                 fixed_keys.add(k)
     for k, r, kind, detail in bad_keys:
-        path = os.path.join(segdir, _seg.segment_name(r.segment)) if r is not None else t._index_dir
+        path = os.path.join(segdir, _seg.segment_name(r.segment)) if r is not None else ctx.index_dir
         findings.append(Finding(kind, path, k[-32:], detail, k in fixed_keys))
     repaired: set[bytes] = set()
     redo = [k for k, _r, _ in header_bad if allowed(k)]
     if fix and redo:
-        res = rewrite_unlisted(t, redo)
+        res = rewrite_unlisted(ctx, redo, max_segment_bytes)
         repaired = set(res.rewritten) | set(res.unchanged) | set(res.dropped)
     for k, r, detail in header_bad:
         path = os.path.join(segdir, _seg.segment_name(r.segment))
         findings.append(Finding("bad_header", path, k[-32:], f"{detail}; the block's bytes verify",
                                 k in repaired))
     return findings
-
-
-def check_scoped(t: DiskTier, *, grace_s: float, scope: FixScope) -> list[Finding]:
-    """``check(fix=True, verify_data=False)`` that repairs only what ``scope`` names."""
-    t._ensure_writable()
-    t.flush_touches()
-    return run_check(t, fix=True, grace_s=grace_s, verify_data=False, scope=scope)
 
 
 # -- segment headers ---------------------------------------------------------------------------
@@ -384,15 +379,16 @@ class RewriteResult:
     segments: int  # fresh segments written
 
 
-def rewrite_unlisted(t: DiskTier, keys: Sequence[bytes]) -> RewriteResult:
+def rewrite_unlisted(ctx: DiskContext, keys: Sequence[bytes],
+                     max_segment_bytes: int) -> RewriteResult:
     """Give blocks whose segment header does not describe them a header that does: copy their
     verified bytes into fresh segments and move their records there (compaction's own
     ``rewrite``: the new segment is durable before the records move, and an old file is
     unlinked only once no record points at it). Each block is judged again now: one that
     another process moved or removed meanwhile is left alone, one whose bytes fail the checksum
     is dropped. ``keys`` are index keys (``index.dbkey``: namespace id ‖ block key)."""
-    t._ensure_writable()
-    limit = min(t.max_segment_bytes, 256 << 20)
+    ctx.require_writable()
+    limit = min(max_segment_bytes, 256 << 20)
     listings: dict[int, Listing] = {}
     rewritten: list[bytes] = []
     dropped: list[bytes] = []
@@ -406,10 +402,10 @@ def rewrite_unlisted(t: DiskTier, keys: Sequence[bytes]) -> RewriteResult:
         nonlocal pending, pending_bytes, segments
         if not pending:
             return
-        rewrite(t, pending)
+        rewrite(ctx, pending)
         segments += 1
         for k, r, _p in pending:
-            cur = t._get_rec(k)
+            cur = ctx.get_rec(k)
             if cur is not None and (cur.segment, cur.offset) != (r.segment, r.offset):
                 rewritten.append(k)
             else:
@@ -417,12 +413,12 @@ def rewrite_unlisted(t: DiskTier, keys: Sequence[bytes]) -> RewriteResult:
         pending, pending_bytes = [], 0
 
     for k in keys:
-        rec = t._get_rec(k)
+        rec = ctx.get_rec(k)
         if rec is None:
             unchanged.append(k)
             continue
         if rec.segment not in listings:
-            listings[rec.segment] = segment_listing(t._segdir, rec.segment)
+            listings[rec.segment] = segment_listing(ctx.segdir, rec.segment)
         listing = listings[rec.segment]
         if listing is None:
             failed.append(k)  # no file: a read finds it missing (check reports that)
@@ -430,9 +426,11 @@ def rewrite_unlisted(t: DiskTier, keys: Sequence[bytes]) -> RewriteResult:
         if listing_problem(listing, k, rec.offset, rec.stored_nbytes) is None:
             unchanged.append(k)
             continue
-        payload = read_payload(t, k, rec)  # verified; drops the record when damaged
+        payload, damage = read_payload(ctx, k, rec)  # verified
+        if damage is not None:
+            drop_damaged(ctx, [damage])  # damaged: its record goes
         if payload is None:
-            cur = t._get_rec(k)
+            cur = ctx.get_rec(k)
             if cur is None:
                 dropped.append(k)
             elif (cur.segment, cur.offset) != (rec.segment, rec.offset):
@@ -449,8 +447,7 @@ def rewrite_unlisted(t: DiskTier, keys: Sequence[bytes]) -> RewriteResult:
                          segments)
 
 
-def _unreferenced(t: DiskTier, sid: int) -> bool:
-    sh = t._sh
+def _unreferenced(sh: SharedEnv, sid: int) -> bool:
     with sh.read() as txn:
         return txn.get(BE64.pack(sid), db=sh.dbs[DB_SEGS]) is None
 
@@ -465,12 +462,12 @@ def _unlink(path: str) -> bool:
     return True
 
 
-def rebuild_side_indexes(t: DiskTier) -> None:
+def rebuild_side_indexes(sh: SharedEnv, segdir: str,
+                         write: Callable[[Callable], object]) -> list[int]:
     """Recompute children counts, the LRU index, segment accounting and totals from the block
-    records, in one write transaction. ``t`` is a DiskTier or what recovery hands in for the
-    index it builds: only ``_sh``, ``_segdir``, ``_write_raw`` and ``_unlink_segments`` are
-    used."""
-    sh = t._sh
+    records, in one write transaction (``write(fn)`` runs it: the tier's ``txn.write_raw``,
+    or recovery's on the index it builds). Returns the segments left without live blocks
+    (for the caller to unlink, or not)."""
 
     def fn(txn) -> list[int]:
         blocks = sh.dbs[DB_BLOCKS]
@@ -503,7 +500,7 @@ def rebuild_side_indexes(t: DiskTier) -> None:
             if old is not None:
                 fbytes, dbytes, created = old.file_bytes, old.data_bytes, old.created_us
             else:
-                fbytes, dbytes, created = _segment_sizes(t, sid)
+                fbytes, dbytes, created = _segment_sizes(segdir, sid)
             txn.put(BE64.pack(sid), encode_seginfo(SegInfo(n, fbytes, dbytes, b, created)),
                     db=sh.dbs[DB_SEGS])
             seg_file += fbytes
@@ -513,12 +510,11 @@ def rebuild_side_indexes(t: DiskTier) -> None:
         txn.put(META_TOTALS, TOTALS.pack(*totals), db=sh.dbs[DB_META])
         return [sid for sid in old_segs if sid not in live]
 
-    dead = t._write_raw(fn)
-    t._unlink_segments(dead)
+    return write(fn)  # type: ignore[return-value]
 
 
-def _segment_sizes(t: DiskTier, sid: int) -> tuple[int, int, int]:
-    path = os.path.join(t._segdir, _seg.segment_name(sid))
+def _segment_sizes(segdir: str, sid: int) -> tuple[int, int, int]:
+    path = os.path.join(segdir, _seg.segment_name(sid))
     try:
         _obj, start, size = _seg.read_header(path)
         mtime = int(os.stat(path).st_mtime * 1e6)

@@ -28,24 +28,29 @@ from kvstore.tiers.disk.index import (
 )
 from kvstore.tiers.disk.reads import read_payload
 from kvstore.tiers.disk.records import CompactResult
-from kvstore.tiers.disk.txn import alloc_segment_ids, hint, unlink_segments, write_ops
+from kvstore.tiers.disk.txn import (
+    alloc_segment_ids,
+    drop_damaged,
+    hint,
+    unlink_segments,
+    write_ops,
+)
 
 if TYPE_CHECKING:
-    from kvstore.tiers.disk.tier import DiskTier
+    from kvstore.tiers.disk.context import DiskContext
 
 log = logging.getLogger("kvstore.disk")
 
 _KEY_BYTES = 32
 
 
-def compact(t: DiskTier, threshold: float | None = None,
+def compact(ctx: DiskContext, thr: float, max_segment_bytes: int,
             progress: Callable[[int, int], None] | None = None) -> CompactResult:
-    """Rewrite segments whose live fraction fell below ``threshold`` (default: the tier's
-    ``compact_threshold``). Crash-safe: the new segment is durable and the moved records
-    committed before an old file is unlinked."""
-    sh = t._ensure_writable()
-    thr = t.compact_threshold if threshold is None else float(threshold)
-    t.flush_touches()
+    """Rewrite segments whose live fraction fell below ``thr``. Crash-safe: the new segment
+    is durable and the moved records committed before an old file is unlinked. The tier has
+    checked that it is writable and persisted its buffered touches. A block found damaged
+    leaves the index."""
+    sh = ctx.sh
     cands: list[tuple[int, int]] = []
     with sh.read() as txn:
         for k, v in txn.cursor(db=sh.dbs[DB_SEGS]):
@@ -61,12 +66,12 @@ def compact(t: DiskTier, threshold: float | None = None,
     emptied: set[int] = set()
     pending: list[tuple[bytes, Rec, bytearray]] = []
     pending_bytes = 0
-    limit = min(t.max_segment_bytes, 256 << 20)
+    limit = min(max_segment_bytes, 256 << 20)
 
     def flush() -> None:
         nonlocal moved, after, pending, pending_bytes
         if pending:
-            m, a, gone = rewrite(t, pending)
+            m, a, gone = rewrite(ctx, pending)
             moved += m
             after += a
             emptied.update(gone)
@@ -74,9 +79,11 @@ def compact(t: DiskTier, threshold: float | None = None,
 
     names: set[bytes] = set()  # tensor names (key hex) are unique within a segment
     for i, (sid, _fbytes) in enumerate(cands):
-        for key, rec in _live_records_of(t, sid):
-            payload = read_payload(t, key, rec)
+        for key, rec in _live_records_of(ctx, sid):
+            payload, damage = read_payload(ctx, key, rec)
             if payload is None:
+                if damage is not None:
+                    drop_damaged(ctx, [damage])
                 continue
             if key[_KEY_BYTES:] in names:  # the same key of another namespace
                 flush()
@@ -91,22 +98,22 @@ def compact(t: DiskTier, threshold: float | None = None,
             progress(i + 1, total)
     flush()
     done = [sid for sid in sizes if sid in emptied or not os.path.exists(
-        os.path.join(t._segdir, _seg.segment_name(sid)))]
+        os.path.join(ctx.segdir, _seg.segment_name(sid)))]
     if done:
-        t._counters.add("compactions")
+        ctx.counters.add("compactions")
     return CompactResult(len(done), sum(sizes[s] for s in done), after, moved)
 
 
-def _live_records_of(t: DiskTier, sid: int) -> list[tuple[bytes, Rec]]:
-    path = os.path.join(t._segdir, _seg.segment_name(sid))
+def _live_records_of(ctx: DiskContext, sid: int) -> list[tuple[bytes, Rec]]:
+    path = os.path.join(ctx.segdir, _seg.segment_name(sid))
     try:
         obj, start, _size = _seg.read_header(path)
         names = _seg.header_tensors(obj, start)
     except (OSError, _seg.SegmentFormatError) as e:
-        log.warning("disk tier %s: cannot read segment %016x for compaction: %s", t.path, sid, e)
+        log.warning("disk tier %s: cannot read segment %016x for compaction: %s", ctx.path, sid, e)
         return []
     out = []
-    sh = t._sh
+    sh = ctx.sh
     db = sh.dbs[DB_BLOCKS]
     meta = obj.get("__metadata__") if isinstance(obj.get("__metadata__"), dict) else {}
     with sh.read() as txn:
@@ -126,9 +133,9 @@ def _live_records_of(t: DiskTier, sid: int) -> list[tuple[bytes, Rec]]:
     return out
 
 
-def _entry_for(t: DiskTier, ck: bytes, rec: Rec, payload: bytearray) -> _seg.SegmentEntry:
+def _entry_for(ctx: DiskContext, ck: bytes, rec: Rec, payload: bytearray) -> _seg.SegmentEntry:
     cname = _codec.CODEC_NAMES.get(rec.codec, "none")
-    ns = t._namespace(rec.namespace_id)
+    ns = ctx.namespaces.get(rec.namespace_id)
     if rec.codec == _codec.CODEC_NONE and ns is not None and ns.nbytes == rec.stored_nbytes:
         dtype, shape = ns.st_dtype, ns.shape
     else:
@@ -138,22 +145,23 @@ def _entry_for(t: DiskTier, ck: bytes, rec: Rec, payload: bytearray) -> _seg.Seg
                                              rec.namespace_id, rec.parent))
 
 
-def rewrite(t: DiskTier,
+def rewrite(ctx: DiskContext,
             pending: list[tuple[bytes, Rec, bytearray]]) -> tuple[int, int, list[int]]:
     """Write ``pending`` (dbkey, record, verified stored bytes) into a new segment and move
     the records still pointing where they did to it. Returns (records moved, bytes of the new
     segment (0 when it ended up empty), segments emptied and unlinked)."""
-    (sid,) = alloc_segment_ids(t, 1)
-    entries = [_entry_for(t, k, r, p) for k, r, p in pending]
+    (sid,) = alloc_segment_ids(ctx, 1)
+    entries = [_entry_for(ctx, k, r, p) for k, r, p in pending]
     try:
         path, fsize, offsets = _seg.write_segment(
-            t._segdir, sid, entries, t._ns_records(r.namespace_id for _k, r, _p in pending))
-        _seg.fsync_dir(t._segdir)
+            ctx.segdir, sid, entries,
+            ctx.namespaces.records(r.namespace_id for _k, r, _p in pending))
+        _seg.fsync_dir(ctx.segdir)
     except OSError as e:
-        raise DiskError(e.errno, f"compaction cannot write a segment in {t._segdir}: "
+        raise DiskError(e.errno, f"compaction cannot write a segment in {ctx.segdir}: "
                         f"{e.strerror or e}" + hint(e)) from e
     dbytes = sum(e.nbytes for e in entries)
-    now = t._now_us()
+    now = ctx.now_us()
 
     def fn(ops: WriteOps) -> int:
         ops.add_segment(sid, fsize, dbytes, now)
@@ -167,10 +175,10 @@ def rewrite(t: DiskTier,
         return m
 
     try:
-        m, emptied = write_ops(t, fn)
+        m, emptied = write_ops(ctx, fn)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(path)
         raise
-    unlink_segments(t, emptied)
+    unlink_segments(ctx, emptied)
     return m, (0 if sid in emptied else fsize), emptied

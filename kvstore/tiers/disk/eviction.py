@@ -27,24 +27,25 @@ from kvstore.tiers.disk.index import (
 from kvstore.tiers.disk.txn import unlink_segments, write_ops
 
 if TYPE_CHECKING:
-    from kvstore.tiers.disk.tier import DiskTier
+    from kvstore.tiers.disk.context import DiskContext
 
 _KEY_BYTES = 32
 _SELECT_BATCH = 50_000
 
 
-def evict_to_budget(t: DiskTier, protect: Callable[[bytes], bool] | None = None) -> list[bytes]:
-    """Evict leaf-first LRU until stored bytes <= capacity. Never evicts a key for which
-    ``protect(key)`` is true, nor a block with children on disk. ``protect`` is called
-    inside a read transaction and must not call back into this tier."""
-    sh = t._ensure_writable()
-    t.flush_touches()
+def evict_to_budget(ctx: DiskContext, capacity_bytes: int,
+                    protect: Callable[[bytes], bool] | None = None) -> list[bytes]:
+    """Evict leaf-first LRU until stored bytes <= ``capacity_bytes``. Never evicts a key for
+    which ``protect(key)`` is true, nor a block with children on disk. ``protect`` is called
+    inside a read transaction and must not call back into this tier. The tier has checked
+    that it is writable and persisted its buffered touches."""
+    sh = ctx.sh
     evicted: list[bytes] = []
     while True:
-        excess = t._totals()[1] - t.capacity_bytes
+        excess = ctx.totals()[1] - capacity_bytes
         if excess <= 0:
             break
-        victims = _select_victims(t, excess, protect)
+        victims = _select_victims(ctx, excess, protect)
         if not victims:
             break
         children_db = sh.dbs[DB_CHILDREN]
@@ -61,22 +62,22 @@ def evict_to_budget(t: DiskTier, protect: Callable[[bytes], bool] | None = None)
             tomb = sh.dbs.get(_tomb.DB_TOMBSTONES)
             if tomb is not None and traces:  # so that explain can say "evicted", and when
                 _tomb.record(ops.txn, tomb, traces, _tomb.Reason.EVICTED, _tomb.TierCode.DISK,
-                             t._now_us())
+                             ctx.now_us())
             return done
 
-        done, emptied = write_ops(t, fn)
-        unlink_segments(t, emptied)
+        done, emptied = write_ops(ctx, fn)
+        unlink_segments(ctx, emptied)
         evicted.extend(done)
-        t._counters.add("evictions", len(done))
+        ctx.counters.add("evictions", len(done))
         if not done:
             break
     return evicted
 
 
-def _select_victims(t: DiskTier, excess: int,
+def _select_victims(ctx: DiskContext, excess: int,
                     protect: Callable[[bytes], bool] | None) -> list[bytes]:
     """Leaves in LRU order (and parents as their last child goes) until ``excess`` bytes."""
-    sh = t._sh
+    sh = ctx.sh
     blocks, children_db, lru = sh.dbs[DB_BLOCKS], sh.dbs[DB_CHILDREN], sh.dbs[DB_LRU]
     chosen: list[bytes] = []
     freed = 0

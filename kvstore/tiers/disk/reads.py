@@ -2,11 +2,12 @@
 the runs of a segment one task of a reading thread), reading straight into the caller's
 buffers (a destination may be one buffer or the pieces of one block, e.g. an engine's
 per-layer pages: one iovec each), verification against the checksum bound to key and
-namespace, and damage handling:
+namespace, and damage reporting:
 a missing segment, short read, bad checksum or undecodable payload is ``MISSING`` or
-``DAMAGED``, counted, logged and its index entry dropped — never raised, never ``OK`` with
-wrong bytes. A segment gone meanwhile (compacted by another process) is looked up again and
-read once more.
+``DAMAGED``, counted, logged and reported (:class:`Damage`, in the :class:`ReadResult`) —
+never raised, never ``OK`` with wrong bytes. Reads never write the index: the tier drops the
+entries of what they report (``txn.drop_damaged``). A segment gone meanwhile (compacted by
+another process) is looked up again and read once more.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import contextlib
 import logging
 import os
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -25,15 +27,13 @@ from kvstore.errors import StoreClosedError, TensorMismatchError
 from kvstore.tiers import codec as _codec
 from kvstore.tiers.base import ReadStatus, check_key
 from kvstore.tiers.disk import segments as _seg
-from kvstore.tiers.disk import tombstones as _tomb
 from kvstore.tiers.disk.index import DB_BLOCKS, Rec, RecordError, decode_record
 from kvstore.tiers.disk.records import as_buffer
-from kvstore.tiers.disk.txn import drop_entries
 
 if TYPE_CHECKING:
     import torch
 
-    from kvstore.tiers.disk.tier import DiskTier
+    from kvstore.tiers.disk.context import DiskContext
 
     #: a destination: a CPU uint8 buffer, or the pieces of one block in order (tensors or
     #: byte memoryviews, e.g. one per engine page)
@@ -51,6 +51,33 @@ Run = list[tuple[int, Rec | None]]
 #: one destination's bytes: the buffers that take a block's bytes in order (one, or the
 #: pieces of a scattered destination)
 Parts = list[memoryview]
+
+
+class Damage(NamedTuple):
+    """A block a read found missing or damaged (its index entry is to be dropped, if
+    ``rec`` is still its record: None when the record itself did not decode)."""
+
+    key: bytes  # the dbkey
+    rec: Rec | None
+    status: ReadStatus
+    why: str
+
+
+@dataclass(slots=True)
+class ReadResult:
+    """What a read found: one status per key, and the blocks found damaged."""
+
+    statuses: list[ReadStatus]
+    damaged: list[Damage] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Reading:
+    """One read in progress: the tier's context and what it found damaged so far (the
+    reading threads append to it)."""
+
+    ctx: DiskContext
+    damaged: list[Damage] = field(default_factory=list)
 
 
 def _size(parts: Parts) -> int:
@@ -130,14 +157,15 @@ def _mirror(idx: Iterable[int], out: list, dsts: Sequence[torch.Tensor],
 
 
 
-def read_many(t: DiskTier, keys: Sequence[bytes],
+def read_many(ctx: DiskContext, keys: Sequence[bytes],
               dsts: Sequence[Dst],
               mirrors: Sequence[torch.Tensor | None] | None, namespace_id: bytes | None,
-              records: Sequence[bytes | None] | None) -> list[ReadStatus]:
+              records: Sequence[bytes | None] | None) -> ReadResult:
     """:meth:`DiskTier.read_many <kvstore.tiers.disk.DiskTier.read_many>`. ``dsts[i]`` is one
     CPU uint8 buffer or a list of them that takes block ``i``'s bytes in order (its pieces:
-    one iovec each in the block's ``preadv``)."""
-    sh = t._ensure()
+    one iovec each in the block's ``preadv``). The tier has checked that it is open."""
+    rd = _Reading(ctx)
+    sh = ctx.sh
     if len(keys) != len(dsts):
         raise TensorMismatchError(f"read_many got {len(keys)} keys but {len(dsts)} destinations")
     if mirrors is not None:
@@ -151,24 +179,24 @@ def read_many(t: DiskTier, keys: Sequence[bytes],
         raws = list(records)
     else:
         with sh.read() as txn:
-            keys = t._dbkeys(txn, keys, namespace_id)  # from here on: LMDB keys
+            keys = rd.ctx.namespaces.dbkeys(txn, keys, namespace_id)  # from here on: LMDB keys
             raws = [txn.get(k, db=db) for k in keys]
     out: list[ReadStatus | None] = [None] * len(keys)
     if len(keys) <= 1:
         for i in range(len(keys)):
-            out[i] = read_one(t, keys[i], raws[i], bufs[i])
+            out[i] = _read_one(rd, keys[i], raws[i], bufs[i])
         _mirror(range(len(keys)), out, dsts, mirrors)
-        return out  # type: ignore[return-value]
+        return ReadResult(out, rd.damaged)  # type: ignore[arg-type]
     nb = [sum(map(len, p)) for p in bufs]  # each destination's bytes, summed once
-    runs = _plan_runs(t, keys, raws, nb, out)
-    width, chunk = reading_shape(t, runs)
+    runs = _plan_runs(rd, keys, raws, nb, out)
+    width, chunk = reading_shape(ctx, runs)
     tasks = per_segment(runs, width)
     args = (keys, raws, bufs, nb, out, dsts, mirrors, chunk)
-    _drain_with_helpers(t, collections.deque(tasks), min(width, len(tasks)), args)
-    return [ReadStatus.DAMAGED if st is None else st for st in out]
+    _drain_with_helpers(rd, collections.deque(tasks), min(width, len(tasks)), args)
+    return ReadResult([ReadStatus.DAMAGED if st is None else st for st in out], rd.damaged)
 
 
-def _drain_with_helpers(t: DiskTier, queue: collections.deque, width: int, args: tuple) -> None:
+def _drain_with_helpers(rd: _Reading, queue: collections.deque, width: int, args: tuple) -> None:
     """``width`` threads take the tasks in order from one queue: the calling thread, which
     would only wait otherwise, and ``width - 1`` of the pool's. Every task runs to its end
     before this returns, also when the caller's part raised: a reading thread still copying
@@ -182,11 +210,11 @@ def _drain_with_helpers(t: DiskTier, queue: collections.deque, width: int, args:
                 task = queue.popleft()
             except IndexError:
                 return
-            _read_runs_safe(t, task, *args)
+            _read_runs_safe(rd, task, *args)
 
     futures: list[concurrent.futures.Future[None]] = []
     if width > 1:
-        pool = t._get_pool()
+        pool = rd.ctx.thread_pool()
         futures = [pool.submit(drain) for _ in range(width - 1)]
     try:
         drain()
@@ -208,7 +236,7 @@ _RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
 COLD_CHUNK = 16 << 20
 
 
-def reading_shape(t: DiskTier, runs: list[Run]) -> tuple[int, int]:
+def reading_shape(ctx: DiskContext, runs: list[Run]) -> tuple[int, int]:
     """(threads, bytes per read) for ``runs``. From the page cache: one thread per core and
     ``VERIFY_CHUNK`` pieces (copies and hashes that need the cores; more threads than cores
     only trade them: a 32 MiB load took ~10.5 ms on 4 threads, ~8.8 on 2, on 2 cores). From
@@ -216,8 +244,8 @@ def reading_shape(t: DiskTier, runs: list[Run]) -> tuple[int, int]:
     wait on it. Told apart by one ``RWF_NOWAIT`` read of the first and the last block's
     first page (EAGAIN when it is not cached); where that cannot tell, the pool's width and
     the small pieces."""
-    width = t._read_threads
-    cached = _in_page_cache(t, runs)
+    width = ctx.read_threads
+    cached = _in_page_cache(ctx, runs)
     if cached is None:
         return width, _seg.VERIFY_CHUNK
     if cached:
@@ -225,7 +253,7 @@ def reading_shape(t: DiskTier, runs: list[Run]) -> tuple[int, int]:
     return width, COLD_CHUNK
 
 
-def _in_page_cache(t: DiskTier, runs: list[Run]) -> bool | None:
+def _in_page_cache(ctx: DiskContext, runs: list[Run]) -> bool | None:
     if not _RWF_NOWAIT or not runs:
         return None
     first, last = runs[0][0][1], runs[-1][-1][1]
@@ -234,7 +262,7 @@ def _in_page_cache(t: DiskTier, runs: list[Run]) -> bool | None:
     page = bytearray(4096)
     for rec in (first, last):
         try:
-            fe = t._fds.acquire(rec.segment)
+            fe = ctx.fds.acquire(rec.segment)
         except OSError:
             return None
         try:
@@ -244,39 +272,39 @@ def _in_page_cache(t: DiskTier, runs: list[Run]) -> bool | None:
         except OSError:  # EOPNOTSUPP and the like: cannot tell
             return None
         finally:
-            t._fds.release(fe)
+            ctx.fds.release(fe)
     return True
 
 
-def _read_runs_safe(t: DiskTier, runs, keys, raws, bufs, nb, out, dsts, mirrors,
+def _read_runs_safe(rd: _Reading, runs, keys, raws, bufs, nb, out, dsts, mirrors,
                     chunk: int) -> None:
     """``_read_runs``, with any unexpected failure turned into DAMAGED for its blocks (a
     corrupt index, a failed drop): a read never raises for bad data."""
     try:
-        _read_runs(t, runs, keys, raws, bufs, nb, out, dsts, mirrors, chunk)
+        _read_runs(rd, runs, keys, raws, bufs, nb, out, dsts, mirrors, chunk)
     except (StoreClosedError, TensorMismatchError):
         raise
     except Exception as e:  # damage of any kind is a counted miss
         idx = [i for run in runs for i, _rec in run if out[i] is not ReadStatus.OK]
         log.warning("disk tier %s: reading %d block(s) failed (%s: %s); treating them as "
-                    "damaged", t.path, len(idx), type(e).__name__, e)
-        t._counters.add("read_damaged", len(idx))
+                    "damaged", rd.ctx.path, len(idx), type(e).__name__, e)
+        rd.ctx.counters.add("read_damaged", len(idx))
         for run in runs:
             for i, _rec in run:
                 out[i] = ReadStatus.DAMAGED
 
 
-def _read_runs(t: DiskTier, runs, keys, raws, bufs, nb, out, dsts, mirrors,
+def _read_runs(rd: _Reading, runs, keys, raws, bufs, nb, out, dsts, mirrors,
                chunk: int) -> None:
     rec = runs[0][0][1]
     fd = -1
     if rec is not None and len(runs) > 1:  # a stretch of one segment: its own descriptor
         with contextlib.suppress(OSError):  # gone? the shared path knows what to do
-            fd = os.open(os.path.join(t._segdir, _seg.segment_name(rec.segment)),
+            fd = os.open(os.path.join(rd.ctx.segdir, _seg.segment_name(rec.segment)),
                          os.O_RDONLY | os.O_CLOEXEC)
     try:
         for run in runs:
-            _read_run(t, run, keys, raws, bufs, nb, out, fd, chunk)
+            _read_run(rd, run, keys, raws, bufs, nb, out, fd, chunk)
             if mirrors is not None:
                 _mirror([i for i, _rec in run], out, dsts, mirrors)
     finally:
@@ -284,14 +312,14 @@ def _read_runs(t: DiskTier, runs, keys, raws, bufs, nb, out, dsts, mirrors,
             os.close(fd)
 
 
-def _plan_runs(t: DiskTier, keys, raws, nb: list[int], out) -> list[Run]:
+def _plan_runs(rd: _Reading, keys, raws, nb: list[int], out) -> list[Run]:
     """Group the reads: blocks stored raw and adjacent in one segment (in request order or
     not) become one ``preadv`` with one iovec per destination (up to _RUN_BYTES)."""
     runs: list[Run] = []
     by_seg: dict[int, list[tuple[int, Rec]]] = {}
     for i, raw in enumerate(raws):
         if raw is None:
-            t._counters.add("read_missing")
+            rd.ctx.counters.add("read_missing")
             out[i] = ReadStatus.MISSING
             continue
         try:
@@ -320,30 +348,30 @@ def _plan_runs(t: DiskTier, keys, raws, nb: list[int], out) -> list[Run]:
     return runs
 
 
-def _read_run(t: DiskTier, run, keys, raws, bufs, nb, out, fd: int, chunk: int) -> None:
+def _read_run(rd: _Reading, run, keys, raws, bufs, nb, out, fd: int, chunk: int) -> None:
     if len(run) == 1 or run[0][1] is None:
         for i, _rec in run:
-            out[i] = read_one(t, keys[i], raws[i], bufs[i])
+            out[i] = _read_one(rd, keys[i], raws[i], bufs[i])
         return
     fe = None
     if fd < 0:
         try:
-            fe = t._fds.acquire(run[0][1].segment)
+            fe = rd.ctx.fds.acquire(run[0][1].segment)
         except OSError:
             fe = None
     done = 0  # blocks of the run read and verified (or found damaged)
     try:
         if fe is not None or fd >= 0:
-            done = _read_verified(t, run, keys, bufs, nb, out, fd if fd >= 0 else fe.fd, chunk)
+            done = _read_verified(rd, run, keys, bufs, nb, out, fd if fd >= 0 else fe.fd, chunk)
     finally:
         if fe is not None:
-            t._fds.release(fe)
+            rd.ctx.fds.release(fe)
     # missing file, short read, I/O error: the rest per block, with retry/damage logic
     for i, _rec in run[done:]:
-        out[i] = read_one(t, keys[i], raws[i], bufs[i])
+        out[i] = _read_one(rd, keys[i], raws[i], bufs[i])
 
 
-def _read_verified(t: DiskTier, run, keys, bufs, nb, out, fd: int, chunk: int) -> int:
+def _read_verified(rd: _Reading, run, keys, bufs, nb, out, fd: int, chunk: int) -> int:
     """Read the adjacent raw blocks of ``run`` and verify each, in pieces of about ``chunk``
     bytes (blocks that small in one ``preadv``, a larger block piece by piece), so that
     from the page cache each block is hashed while it is in the CPU's cache
@@ -360,15 +388,15 @@ def _read_verified(t: DiskTier, run, keys, bufs, nb, out, fd: int, chunk: int) -
                                                rec.namespace_id, chunk)
                 if n != nb[i]:
                     return done
-                ok += _settle(t, keys[i], rec, csum, out, i)
+                ok += _settle(rd, keys[i], rec, csum, out, i)
                 done += 1
                 continue
-            # small blocks: as many as fit one piece, one preadv (of at most _IOV_MAX iovecs:
+            # small blocks: as many as fit one piece, one preadv (of at most IOV_MAX iovecs:
             # a block given as one page per layer is many)
             end, size, iovs = done, 0, 0
             while end < n_run and (end == done or (
                     size + nb[run[end][0]] <= chunk
-                    and iovs + len(bufs[run[end][0]]) <= _seg._IOV_MAX)):
+                    and iovs + len(bufs[run[end][0]]) <= _seg.IOV_MAX)):
                 size += nb[run[end][0]]
                 iovs += len(bufs[run[end][0]])
                 end += 1
@@ -376,31 +404,38 @@ def _read_verified(t: DiskTier, run, keys, bufs, nb, out, fd: int, chunk: int) -
             if _seg.preadv_all(fd, views, rec.offset) != size:
                 return done
             for j, rj in run[done:end]:
-                ok += _settle(t, keys[j], rj, _seg.parts_checksum(keys[j][_KEY_BYTES:],
+                ok += _settle(rd, keys[j], rj, _seg.parts_checksum(keys[j][_KEY_BYTES:],
                                                                  rj.namespace_id, bufs[j]), out, j)
             done = end
         return done
     except OSError:
         return done
     finally:
-        t._counters.add("reads_ok", ok)
+        rd.ctx.counters.add("reads_ok", ok)
 
 
-def _settle(t: DiskTier, key: bytes, rec: Rec, csum: int, out, i: int) -> int:
+def _settle(rd: _Reading, key: bytes, rec: Rec, csum: int, out, i: int) -> int:
     if csum == rec.checksum:
         out[i] = ReadStatus.OK
         return 1
-    out[i] = damaged(t, key, rec, ReadStatus.DAMAGED, "checksum_mismatch")
+    out[i] = damaged(rd, key, rec, ReadStatus.DAMAGED, "checksum_mismatch")
     return 0
 
 
-def read_one(t: DiskTier, key: bytes, raw: bytes | None, buf: memoryview | Parts) -> ReadStatus:
+def read_one(ctx: DiskContext, key: bytes, raw: bytes | None,
+             buf: memoryview | Parts) -> ReadResult:
+    """Read and verify one block (``key``: its dbkey) given its index record ``raw``."""
+    rd = _Reading(ctx)
+    return ReadResult([_read_one(rd, key, raw, buf)], rd.damaged)
+
+
+def _read_one(rd: _Reading, key: bytes, raw: bytes | None, buf: memoryview | Parts) -> ReadStatus:
     if isinstance(buf, list):
         if len(buf) == 1:
             buf = buf[0]
         else:  # pieces: read whole into a bounce buffer (the rare path), then hand them out
             whole = memoryview(bytearray(_size(buf)))
-            status = read_one(t, key, raw, whole)
+            status = _read_one(rd, key, raw, whole)
             if status is ReadStatus.OK:
                 at = 0
                 for v in buf:
@@ -408,47 +443,48 @@ def read_one(t: DiskTier, key: bytes, raw: bytes | None, buf: memoryview | Parts
                     at += len(v)
             return status
     if raw is None:
-        t._counters.add("read_missing")
+        rd.ctx.counters.add("read_missing")
         return ReadStatus.MISSING
     try:
         rec = decode_record(raw)
     except RecordError as e:
-        return damaged(t, key, None, ReadStatus.DAMAGED, f"index record does not decode: {e}")
+        return damaged(rd, key, None, ReadStatus.DAMAGED, f"index record does not decode: {e}")
     if rec.raw_nbytes != len(buf):
-        ns = t._namespace(rec.namespace_id)
+        ns = rd.ctx.namespaces.get(rec.namespace_id)
         if ns is None or ns.nbytes != len(buf):  # the caller's buffer is wrong
             raise TensorMismatchError(
                 f"destination has {len(buf)} bytes but block {key[-_KEY_BYTES:].hex()[:16]} has "
                 f"{rec.raw_nbytes}"
             )
-        return damaged(t, key, rec, ReadStatus.DAMAGED,
+        return damaged(rd, key, rec, ReadStatus.DAMAGED,
                              f"bad_record (raw size {rec.raw_nbytes} != {ns.nbytes})")
     for attempt in range(2):
-        status, why = read_rec(t, key, rec, buf)
+        status, why = read_rec(rd.ctx, key, rec, buf)
         if status is ReadStatus.OK:
-            t._counters.add("reads_ok")
+            rd.ctx.counters.add("reads_ok")
             return status
         if why != "missing_segment" or attempt:
             break
         # the segment is gone: compaction or eviction in another process? re-read the
         # record and retry once
-        cur = t._get_rec(key)
+        cur = rd.ctx.get_rec(key)
         if cur is None:
-            t._counters.add("read_missing")
+            rd.ctx.counters.add("read_missing")
             return ReadStatus.MISSING
         if (cur.segment, cur.offset) == (rec.segment, rec.offset):
             break
         rec = cur
     status = ReadStatus.MISSING if why == "missing_segment" else ReadStatus.DAMAGED
-    return damaged(t, key, rec, status, why)
+    return damaged(rd, key, rec, status, why)
 
 
-def read_rec(t: DiskTier, key: bytes, rec: Rec, buf: memoryview) -> tuple[ReadStatus, str]:
+def read_rec(ctx: DiskContext, key: bytes, rec: Rec, buf: memoryview) -> tuple[ReadStatus, str]:
     """Read one record's bytes into ``buf`` and verify. Returns (status, reason).
     ``key``: the block key or its dbkey."""
     key = key[-_KEY_BYTES:]
+    fds = ctx.fds
     try:
-        fe = t._fds.acquire(rec.segment)
+        fe = fds.acquire(rec.segment)
     except FileNotFoundError:
         return ReadStatus.MISSING, "missing_segment"
     except OSError as e:
@@ -475,43 +511,39 @@ def read_rec(t: DiskTier, key: bytes, rec: Rec, buf: memoryview) -> tuple[ReadSt
     except OSError as e:
         return ReadStatus.DAMAGED, f"read error: {e}"
     finally:
-        t._fds.release(fe)
+        fds.release(fe)
     if _csum(key, rec.namespace_id, buf) != rec.checksum:
         return ReadStatus.DAMAGED, "checksum_mismatch"
     return ReadStatus.OK, ""
 
 
-def damaged(t: DiskTier, key: bytes, rec: Rec | None, status: ReadStatus, why: str) -> ReadStatus:
-    t._counters.add("read_missing" if status is ReadStatus.MISSING else "read_damaged")
+def damaged(rd: _Reading, key: bytes, rec: Rec | None, status: ReadStatus, why: str) -> ReadStatus:
+    rd.ctx.counters.add("read_missing" if status is ReadStatus.MISSING else "read_damaged")
     where = f"segment {rec.segment:016x} offset {rec.offset}" if rec else "index"
     log.warning("disk tier %s: block %s is %s (%s, %s); dropping its index entry",
-                t.path, key[-_KEY_BYTES:].hex()[:16], status.value, why, where)
-    if not t.readonly:
-        try:
-            drop_entries(t, [(key, rec)], reason=_tomb.Reason.DAMAGED,
-                         detail=_tomb.DETAIL_OF_KIND.get(why.split()[0] if why else "",
-                                                         _tomb.Detail.NONE))
-        except Exception as e:  # a corrupt index must not turn a miss into a crash
-            log.warning("disk tier %s: could not drop damaged entry %s: %s",
-                        t.path, key[-_KEY_BYTES:].hex()[:16], e)
+                rd.ctx.path, key[-_KEY_BYTES:].hex()[:16], status.value, why, where)
+    rd.damaged.append(Damage(key, rec, status, why))
     return status
 
 
-def read_payload(t: DiskTier, key: bytes, rec: Rec) -> bytearray | None:  # key: the dbkey
-    """Stored bytes of a record, verified; None (and the entry dropped) when damaged."""
+def read_payload(ctx: DiskContext, key: bytes,
+                 rec: Rec) -> tuple[bytearray | None, Damage | None]:  # key: the dbkey
+    """Stored bytes of a record, verified; None when moved meanwhile or damaged (then with
+    the :class:`Damage`, whose entry the caller drops)."""
+    rd = _Reading(ctx)
     payload = bytearray(rec.stored_nbytes)
     status, why = ReadStatus.OK, ""
     try:
-        fe = t._fds.acquire(rec.segment)
+        fe = rd.ctx.fds.acquire(rec.segment)
     except FileNotFoundError:
-        return None  # moved or removed meanwhile (another process compacted it)
+        return None, None  # moved or removed meanwhile (another process compacted it)
     except OSError as e:
         status, why = ReadStatus.DAMAGED, f"segment cannot be opened: {e}"
     else:
         try:
             n = _seg.pread_into(fe.fd, memoryview(payload), rec.offset)
         finally:
-            t._fds.release(fe)
+            rd.ctx.fds.release(fe)
         if n != rec.stored_nbytes:
             status, why = ReadStatus.DAMAGED, "short_segment"
         elif rec.codec == _codec.CODEC_NONE:
@@ -526,8 +558,8 @@ def read_payload(t: DiskTier, key: bytes, rec: Rec) -> bytearray | None:  # key:
             except _codec.CodecError as e:
                 status, why = ReadStatus.DAMAGED, f"checksum_mismatch ({e})"
     if status is not ReadStatus.OK:
-        damaged(t, key, rec, status, why)
-        return None
-    return payload
+        damaged(rd, key, rec, status, why)
+        return None, rd.damaged[0]
+    return payload, None
 
 

@@ -26,7 +26,6 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import lmdb
@@ -213,21 +212,6 @@ def _swap_in(store: str, new_dir: str, stamp: str) -> str | None:
 
 # -- writing the new index ---------------------------------------------------------------------
 
-class _Shim:
-    """What :func:`kvstore.tiers.disk.check.rebuild_side_indexes` needs of a DiskTier."""
-
-    def __init__(self, sh: _env.SharedEnv, segdir: str) -> None:
-        self._sh = sh
-        self._segdir = segdir
-
-    def _write_raw(self, fn: Callable) -> object:
-        return self._sh.write(fn)
-
-    def _unlink_segments(self, sids: Sequence[int]) -> None:  # recovery never deletes files
-        if sids:
-            log.warning("recover: %d segment(s) without live blocks left in place", len(sids))
-
-
 def _rec(en: Entry, sid: int, t_us: int) -> di.Rec:
     return di.Rec(en.codec, 0, sid, en.offset, en.stored, en.raw, en.checksum, t_us, t_us, en.ns,
                   en.parent)
@@ -270,7 +254,9 @@ def _write_index(new_dir: str, segdir: str, chosen: list[tuple[Segment, Entry]],
             txn.put(di.META_NEXT_SEGMENT, di.U64.pack(next_segment), db=dbs[di.DB_META])
         sh.write(put_rest)
         # children, lru, segment accounting and totals: derived from the records
-        rebuild_side_indexes(_Shim(sh, segdir))  # type: ignore[arg-type]
+        dead = rebuild_side_indexes(sh, segdir, sh.write)
+        if dead:  # recovery never deletes files
+            log.warning("recover: %d segment(s) without live blocks left in place", len(dead))
         env.sync(True)
     finally:
         env.close()

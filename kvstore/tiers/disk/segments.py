@@ -55,7 +55,7 @@ DTYPE_SIZES: dict[str, int] = {
 }
 _U64 = struct.Struct("<Q")
 _xxh3 = xxhash.xxh3_64_intdigest
-_IOV_MAX = 512
+IOV_MAX = 512
 #: bytes per writev; each is handed to the device right away (:func:`kick_writeback`)
 _WRITE_CHUNK = 32 << 20
 _SYNC_FILE_RANGE_WRITE = 2
@@ -210,7 +210,7 @@ def _write_all(fd: int, bufs: list) -> None:
         chunk = []
         total = 0
         j = i
-        while j < len(views) and len(chunk) < _IOV_MAX and total < _WRITE_CHUNK:
+        while j < len(views) and len(chunk) < IOV_MAX and total < _WRITE_CHUNK:
             chunk.append(views[j])
             total += len(views[j])
             j += 1

@@ -1,7 +1,9 @@
 """The :class:`DiskTier`: lifecycle (its per-process state is re-created after fork),
 namespaces, lookups (``locate``, ``get_record``), buffered access times (``touch``), listing
 and stats. Reads, writes, eviction, compaction and the check are functions of the tier in
-the modules named after them (:mod:`kvstore.tiers.disk`).
+the modules named after them (:mod:`kvstore.tiers.disk`), each handed the tier's
+:class:`~kvstore.tiers.disk.context.DiskContext` (never the tier). Reads report the blocks
+they found damaged; the tier drops their index entries (:meth:`DiskTier.read_many`).
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import lmdb
@@ -23,40 +24,25 @@ from kvstore.keys import all_keys
 from kvstore.sizes import parse_size
 from kvstore.tiers import codec as _codec
 from kvstore.tiers.base import ReadStatus, check_key
+from kvstore.tiers.disk import check as _check
 from kvstore.tiers.disk import compaction as _compaction
 from kvstore.tiers.disk import eviction as _eviction
 from kvstore.tiers.disk import reads as _reads
-from kvstore.tiers.disk import segments as _seg
 from kvstore.tiers.disk import tombstones as _tomb
 from kvstore.tiers.disk import txn as _txn
 from kvstore.tiers.disk import writes as _writes
-from kvstore.tiers.disk.check import run_check
+from kvstore.tiers.disk.context import DiskContext
 from kvstore.tiers.disk.env import DEFAULT_MAP_SIZE, SharedEnv, acquire_env, release_env
-from kvstore.tiers.disk.index import (
-    DB_BLOCKS,
-    DB_META,
-    DB_NS,
-    META_TOTALS,
-    TOTALS,
-    Rec,
-    RecordError,
-    decode_namespace,
-    decode_record,
-    encode_namespace,
-    lookup_record,
-)
+from kvstore.tiers.disk.index import DB_BLOCKS, DB_NS, RecordError, decode_record, encode_namespace
 from kvstore.tiers.disk.records import (
     CompactResult,
-    Counters,
     DiskRecord,
     DiskStats,
     DiskWrite,
     Finding,
     NamespaceInfo,
-    NsCache,
     as_buffer,
     disk_record,
-    ns_cache_entry,
 )
 
 if TYPE_CHECKING:  # torch is imported by whoever hands us tensors: listing needs none
@@ -145,85 +131,52 @@ class DiskTier:
             except OSError as e:
                 raise DiskError(e.errno, f"cannot create the disk tier directory {self._segdir}: "
                                 f"{e.strerror}") from e
-        self._counters = Counters()
-        self._sh: SharedEnv | None = None
+        self._ctx: DiskContext | None = None
         self._init_process_state()
         self._closed = False
 
     # -- per-process state (re-created after fork) ------------------------------------------
     def _init_process_state(self) -> None:
         self._pid = os.getpid()
-        self._sh = acquire_env(self._index_dir, create=not self.readonly, readonly=self.readonly,
-                               map_size=self._map_size)
-        if not self._sh.writable:
+        sh = acquire_env(self._index_dir, create=not self.readonly, readonly=self.readonly,
+                         map_size=self._map_size)
+        if not sh.writable:
             self.readonly = True
-        self._fds = _seg.FdCache(self._segdir, self._max_open_files)
-        self._ns: dict[bytes, NsCache] = {}
-        self._ns_lock = threading.Lock()
-        self._touch_lock = threading.Lock()
-        self._touches: dict[bytes, tuple[int, int]] = {}
-        self._touch_since = 0
-        self._sid_lock = threading.Lock()
-        self._sid_pool: list[int] = []
-        self._pool: ThreadPoolExecutor | None = None
-        self._pool_lock = threading.Lock()
+        self._ctx = DiskContext(
+            path=self.path, index_dir=self._index_dir, segdir=self._segdir, sh=sh,
+            readonly=self.readonly, max_open_files=self._max_open_files, clock=self._clock,
+            read_threads=self._read_threads, touch_flush_entries=self._touch_flush_entries,
+            touch_flush_interval_us=self._touch_flush_interval_us)
         self._close_lock = threading.Lock()
-        self._load_namespaces()
+        self._ctx.namespaces.load()
 
-    def _ensure(self) -> SharedEnv:
+    def _ensure(self) -> DiskContext:
+        """The context, once the tier is known to be open (re-created after a fork: the LMDB
+        env, fds, locks and threads are not this process's; the counters are per process)."""
         if self._closed:
             raise StoreClosedError(f"the disk tier at {self.path} is closed")
-        if self._pid != os.getpid():  # forked: LMDB env, fds, locks and threads are not ours
-            self._fds.abandon()
-            self._counters = Counters()  # per process
+        if self._pid != os.getpid():
+            self._ctx.fds.abandon()  # type: ignore[union-attr]
             self._init_process_state()
-        return self._sh  # type: ignore[return-value]
+        return self._ctx  # type: ignore[return-value]
 
-    def _ensure_writable(self) -> SharedEnv:
-        sh = self._ensure()
-        if self.readonly:
-            raise DiskError(errno.EROFS, f"the disk tier at {self.path} is open read-only")
-        return sh
+    def _ensure_writable(self) -> DiskContext:
+        ctx = self._ensure()
+        ctx.require_writable()
+        return ctx
 
-    def _now_us(self) -> int:
-        return int(round(self._clock() * 1e6))
-
-    def _get_pool(self) -> ThreadPoolExecutor:
-        with self._pool_lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self._read_threads, thread_name_prefix="kvstore-disk")
-            return self._pool
+    @property
+    def _sh(self) -> SharedEnv:  # the tests' and the fake index's way to the environment
+        return self._ensure().sh
 
     # -- namespaces -----------------------------------------------------------------------
-    def _load_namespaces(self) -> None:
-        with self._sh.read() as txn:
-            self._load_namespaces_in(txn)
-
-    def _load_namespaces_in(self, txn) -> None:
-        found = {}
-        for k, v in txn.cursor(db=self._sh.dbs[DB_NS]):
-            try:
-                found[k] = NamespaceInfo(k, *decode_namespace(v))
-            except RecordError as e:
-                log.warning("disk tier %s: namespace record %s is unreadable: %s",
-                            self.path, k.hex()[:16], e)
-        with self._ns_lock:
-            for k, info in found.items():
-                self._ns[k] = ns_cache_entry(info)
-
-    def _namespace(self, ns_id: bytes) -> NsCache | None:
-        e = self._ns.get(ns_id)
-        if e is None:
-            self._load_namespaces()  # another process may have registered it
-            e = self._ns.get(ns_id)
-        return e
-
     def register_namespace(self, ns: Namespace) -> None:
         """Persist the namespace's layout record (idempotent)."""
         from kvstore.layout import dtype_name
         from kvstore.namespace import Namespace
 
-        sh = self._ensure()
+        ctx = self._ensure()
+        sh = ctx.sh
         if not isinstance(ns, Namespace):
             raise ConfigError(f"register_namespace takes a kvstore Namespace, got {type(ns).__name__}")
         lay = ns.layout
@@ -232,7 +185,7 @@ class DiskTier:
                   ns.tp_size, ns.format_version, tuple(ns.extras))
         nid = ns.id
         info = NamespaceInfo(nid, *fields)
-        if nid not in self._ns:
+        if not ctx.namespaces.cached(nid):
             value = encode_namespace(fields)
             with sh.read() as txn:
                 present = txn.get(nid, db=sh.dbs[DB_NS]) is not None
@@ -244,48 +197,18 @@ class DiskTier:
                 def fn(txn):
                     if txn.get(nid, db=sh.dbs[DB_NS]) is None:
                         txn.put(nid, value, db=sh.dbs[DB_NS])
-                self._write_raw(fn)
-        with self._ns_lock:
-            self._ns[nid] = ns_cache_entry(info)
-
-    def _ns_records(self, ids: Iterable[bytes]) -> dict[bytes, bytes]:
-        """The index records of the namespaces ``ids`` (for a segment's header)."""
-        out = {}
-        for nid in set(ids):
-            e = self._namespace(nid)
-            if e is not None:
-                i = e.info
-                out[nid] = encode_namespace((i.model_id, i.model_revision, i.dtype, i.num_layers,
-                                             i.kv_planes, i.block_tokens, i.num_kv_heads,
-                                             i.head_dim, i.tp_rank, i.tp_size, i.format_version,
-                                             tuple(i.extras)))
-        return out
+                _txn.write_raw(ctx, fn)
+        ctx.namespaces.add(info)
 
     def namespaces(self) -> list[NamespaceInfo]:
-        self._ensure()
-        self._load_namespaces()
-        return [e.info for e in self._ns.values()]
+        ns = self._ensure().namespaces
+        ns.load()
+        return ns.infos()
 
     # -- lookups ------------------------------------------------------------------------------
     # Every namespace has its own key space (the LMDB key is namespace id ‖ key, see
     # docs/format.md). The store always names its namespace; a call without one (admin
     # tools, tests) finds the key under whichever known namespace holds it.
-    def _dbkeys(self, txn, keys: Sequence[bytes], namespace_id: bytes | None) -> list[bytes]:
-        if namespace_id is not None:
-            ns = check_key(namespace_id, "namespace_id")
-            return [ns + k for k in keys]
-        db = self._sh.dbs[DB_BLOCKS]
-        out = []
-        reloaded = False
-        for k in keys:
-            found = next((n + k for n in self._ns if txn.get(n + k, db=db) is not None), None)
-            if found is None and not reloaded:
-                reloaded = True
-                self._load_namespaces_in(txn)  # another process may have added one
-                found = next((n + k for n in self._ns if txn.get(n + k, db=db) is not None), None)
-            out.append(found if found is not None else bytes(32) + k)
-        return out
-
     def contains(self, key: bytes, namespace_id: bytes | None = None) -> bool:
         return self.leading_run([key], namespace_id) == 1
 
@@ -299,7 +222,8 @@ class DiskTier:
         transaction. Hand them to ``read_many(records=...)`` to read those blocks without
         another transaction (a record gone stale meanwhile is handled there: a segment
         compacted away is looked up again, and a checksum is bound to its key)."""
-        sh = self._ensure()
+        ctx = self._ensure()
+        sh = ctx.sh
         db = sh.dbs[DB_BLOCKS]
         if not all_keys(keys):
             keys = [check_key(k) for k in keys]
@@ -307,7 +231,7 @@ class DiskTier:
         with sh.read() as txn:
             get = txn.get
             if namespace_id is None:
-                cks = self._dbkeys(txn, keys, None)
+                cks = ctx.namespaces.dbkeys(txn, keys, None)
             else:
                 ns = check_key(namespace_id, "namespace_id")
                 cks = [ns + k for k in keys]
@@ -318,18 +242,13 @@ class DiskTier:
                 out.append(raw)
         return out
 
-    def _get_rec(self, ck: bytes) -> Rec | None:
-        sh = self._sh
-        with sh.read() as txn:
-            return lookup_record(txn, sh.dbs[DB_BLOCKS], ck)
-
     def get_record(self, key: bytes, namespace_id: bytes | None = None) -> DiskRecord | None:
         """The index record of ``key``, or None."""
-        sh = self._ensure()
+        ctx = self._ensure()
         key = check_key(key)
-        with sh.read() as txn:
-            (ck,) = self._dbkeys(txn, [key], namespace_id)
-        r = self._get_rec(ck)
+        with ctx.sh.read() as txn:
+            (ck,) = ctx.namespaces.dbkeys(txn, [key], namespace_id)
+        r = ctx.get_rec(ck)
         return None if r is None else disk_record(key, r)
 
     # -- reads --------------------------------------------------------------------------------
@@ -337,12 +256,12 @@ class DiskTier:
                   namespace_id: bytes | None = None) -> ReadStatus:
         """Read one block straight into ``dst`` (CPU uint8 contiguous 1-D, block_nbytes) and
         verify it. Never raises for damage; ``dst`` holds the block only when OK."""
-        sh = self._ensure()
+        ctx = self._ensure()
         key = check_key(key)
         buf = as_buffer(dst, "dst")
-        with sh.read() as txn:
-            (ck,) = self._dbkeys(txn, [key], namespace_id)
-            raw = txn.get(ck, db=sh.dbs[DB_BLOCKS])
+        with ctx.sh.read() as txn:
+            (ck,) = ctx.namespaces.dbkeys(txn, [key], namespace_id)
+            raw = txn.get(ck, db=ctx.sh.dbs[DB_BLOCKS])
         return self._read_one(ck, raw, buf)
 
     def read_many(
@@ -358,32 +277,48 @@ class DiskTier:
         into a caller's buffer this way, off the end of the fetch). ``records`` (one per key,
         from :meth:`locate` with the same ``namespace_id``) saves the index transaction.
         """
-        return _reads.read_many(self, keys, dsts, mirrors, namespace_id, records)
+        ctx = self._ensure()
+        found = _reads.read_many(ctx, keys, dsts, mirrors, namespace_id, records)
+        self._drop_damaged(ctx, found.damaged)
+        return found.statuses
 
     def _read_one(self, key: bytes, raw: bytes | None, buf: memoryview) -> ReadStatus:
         """Read and verify one block (``key``: its dbkey) given its index record ``raw``."""
-        return _reads.read_one(self, key, raw, buf)
+        ctx = self._ensure()
+        found = _reads.read_one(ctx, key, raw, buf)
+        self._drop_damaged(ctx, found.damaged)
+        return found.statuses[0]
+
+    @staticmethod
+    def _drop_damaged(ctx: DiskContext, damaged: Sequence[_reads.Damage]) -> None:
+        """What a read found damaged leaves the index (each with a tombstone saying why);
+        a read-only tier only reports it."""
+        if damaged and not ctx.readonly:
+            _txn.drop_damaged(ctx, damaged)
 
     # -- writes -------------------------------------------------------------------------------
     def write_blocks(self, items: Sequence[DiskWrite]) -> list[bytes]:
         """Write blocks durably; returns the keys newly written (present keys are skipped).
         Raises DiskError (disk full, read-only directory, I/O error) with nothing visible."""
-        return _writes.write_blocks(self, items)
+        return _writes.write_blocks(self._ensure_writable(), self._write_options(), items)
 
     def stage_blocks(self, items: Sequence[DiskWrite]) -> _writes.StagedWrite:
         """Write blocks into new segments without making them durable or visible yet; hand
         the result to :meth:`commit_staged` (several at once: one fsync per file, one index
         commit) or :meth:`abort_staged`. Raises DiskError with nothing left behind."""
-        return _writes.stage_blocks(self, items)
+        return _writes.stage_blocks(self._ensure_writable(), self._write_options(), items)
 
     def commit_staged(self, staged: Sequence[_writes.StagedWrite]) -> list[bytes]:
         """Make staged batches durable and visible together; returns the keys newly written.
         Raises DiskError with nothing visible (the staged segments are then removed)."""
-        return _writes.commit_staged(self, staged)
+        return _writes.commit_staged(self._ensure_writable(), staged)
 
     def abort_staged(self, staged: Sequence[_writes.StagedWrite]) -> None:
         """Remove staged batches that will not be committed."""
-        _writes.abort_staged(self, staged)
+        _writes.abort_staged(staged)
+
+    def _write_options(self) -> _writes.WriteOptions:
+        return _writes.WriteOptions(self.codec, self.zstd_level, self.max_segment_bytes)
 
     def delete(self, keys: Sequence[bytes], namespace_id: bytes | None = None, *,
                reason: _tomb.Reason = _tomb.Reason.REMOVED,
@@ -393,78 +328,55 @@ class DiskTier:
         With ``namespace_id`` only blocks of that namespace go: keys of another namespace are
         left alone (a tenant can never delete another tenant's blocks). Each leaves a
         tombstone saying ``reason`` (``kvstore explain``)."""
-        self._ensure_writable()
+        ctx = self._ensure_writable()
         keys = [check_key(k) for k in keys]
         if not keys:
             return 0
-        with self._sh.read() as txn:
-            cks = self._dbkeys(txn, keys, namespace_id)
-        return len(_txn.drop_entries(self, [(k, None) for k in cks], namespace_id,
+        with ctx.sh.read() as txn:
+            cks = ctx.namespaces.dbkeys(txn, keys, namespace_id)
+        return len(_txn.drop_entries(ctx, [(k, None) for k in cks], namespace_id,
                                      reason=reason, detail=detail))
 
     def delete_owned(self, keys: Sequence[bytes], namespace_id: bytes) -> list[bytes]:
         """Remove the blocks of ``keys`` that belong to ``namespace_id``; returns those keys."""
-        self._ensure_writable()
+        ctx = self._ensure_writable()
         keys = [check_key(k) for k in keys]
         namespace_id = check_key(namespace_id, "namespace_id")
         if not keys:
             return []
-        gone = _txn.drop_entries(self, [(namespace_id + k, None) for k in keys], namespace_id)
+        gone = _txn.drop_entries(ctx, [(namespace_id + k, None) for k in keys], namespace_id)
         return [ck[_KEY_BYTES:] for ck in gone]
 
     # -- access tracking ------------------------------------------------------------------
     def touch(self, keys: Sequence[bytes], namespace_id: bytes | None = None) -> None:
         """Record an access (last_access = now, hits + 1), buffered and persisted lazily."""
-        sh = self._ensure()
+        ctx = self._ensure()
         if self.readonly:
             return
         keys = [check_key(k) for k in keys]
         if namespace_id is not None:
-            keys = self._dbkeys(None, keys, namespace_id)  # no transaction needed
+            keys = ctx.namespaces.dbkeys(None, keys, namespace_id)  # no transaction needed
         else:
-            with sh.read() as txn:
-                keys = self._dbkeys(txn, keys, None)
-        now = self._now_us()
-        with self._touch_lock:
-            buf = self._touches
-            if not buf:
-                self._touch_since = now
-            for k in keys:
-                e = buf.get(k)
-                buf[k] = (now, e[1] + 1 if e else 1)
-            due = (len(buf) >= self._touch_flush_entries
-                   or now - self._touch_since >= self._touch_flush_interval_us)
-        if due:
+            with ctx.sh.read() as txn:
+                keys = ctx.namespaces.dbkeys(txn, keys, None)
+        if ctx.touches.add(keys, ctx.now_us()):
             try:
                 self.flush_touches()
             except KVStoreError as e:  # disk full, or a damaged index: not the caller's problem
                 log.warning("disk tier %s: could not persist access times: %s", self.path, e)
 
-    def _take_touches(self) -> dict[bytes, tuple[int, int]]:
-        with self._touch_lock:
-            t, self._touches = self._touches, {}
-            return t
-
-    def _restore_touches(self, t: dict[bytes, tuple[int, int]]) -> None:
-        if not t:
-            return
-        with self._touch_lock:
-            for k, (ts, h) in t.items():
-                e = self._touches.get(k)
-                self._touches[k] = (max(ts, e[0]), h + e[1]) if e else (ts, h)
-
     def flush_touches(self) -> None:
         """Persist buffered touches now."""
-        self._ensure()
+        ctx = self._ensure()
         if self.readonly:
             return
-        t = self._take_touches()
+        t = ctx.touches.take()
         if not t:
             return
         try:
-            _txn.write_ops(self, lambda ops: _txn.apply_touches(ops, t))
+            _txn.write_ops(ctx, lambda ops: _txn.apply_touches(ops, t))
         except BaseException:
-            self._restore_touches(t)
+            ctx.touches.restore(t)
             raise
 
     # -- eviction and compaction ----------------------------------------------------------
@@ -472,14 +384,19 @@ class DiskTier:
         """Evict leaf-first LRU until stored bytes <= capacity. Never evicts a key for which
         ``protect(key)`` is true, nor a block with children on disk. ``protect`` is called
         inside a read transaction and must not call back into this tier."""
-        return _eviction.evict_to_budget(self, protect)
+        ctx = self._ensure_writable()
+        self.flush_touches()
+        return _eviction.evict_to_budget(ctx, self.capacity_bytes, protect)
 
     def compact(self, threshold: float | None = None,
                 progress: Callable[[int, int], None] | None = None) -> CompactResult:
         """Rewrite segments whose live fraction fell below ``threshold`` (default: the tier's
         ``compact_threshold``). Crash-safe: the new segment is durable and the moved records
         committed before an old file is unlinked."""
-        return _compaction.compact(self, threshold, progress)
+        ctx = self._ensure_writable()
+        thr = self.compact_threshold if threshold is None else float(threshold)
+        self.flush_touches()
+        return _compaction.compact(ctx, thr, self.max_segment_bytes, progress)
 
     # -- listing and stats ------------------------------------------------------------------
     def records(self, namespace_id: bytes | None = None) -> Iterator[DiskRecord]:
@@ -494,7 +411,7 @@ class DiskTier:
 
     def _iter_raw(self, namespace_id: bytes | None = None) -> Iterator[tuple[bytes, bytes]]:
         """(dbkey, record) pairs in key order (of one namespace: a range of its prefix)."""
-        sh = self._ensure()
+        sh = self._ensure().sh
         db = sh.dbs[DB_BLOCKS]
         last: bytes | None = None
         start = namespace_id
@@ -520,15 +437,10 @@ class DiskTier:
                 return
             last = batch[-1][0]
 
-    def _totals(self) -> list[int]:
-        sh = self._sh
-        with sh.read() as txn:
-            return list(TOTALS.unpack(txn.get(META_TOTALS, db=sh.dbs[DB_META])))
-
     def stats(self) -> DiskStats:
-        self._ensure()
-        blocks, stored, raw, segs, seg_file, seg_data = self._totals()
-        c = self._counters
+        ctx = self._ensure()
+        blocks, stored, raw, segs, seg_file, seg_data = ctx.totals()
+        c = ctx.counters
         return DiskStats(
             blocks=blocks, stored_bytes=stored, raw_bytes=raw, capacity_bytes=self.capacity_bytes,
             segments=segs, segment_bytes=seg_file, dead_bytes=max(0, seg_data - stored),
@@ -539,26 +451,47 @@ class DiskTier:
 
     # -- check / repair -----------------------------------------------------------------------
     def check(self, fix: bool = False, *, grace_s: float | None = None,
-              verify_data: bool = True) -> list[Finding]:
+              verify_data: bool = True, scope: _check.FixScope | None = None) -> list[Finding]:
         """Find (and with ``fix`` remove) orphan segments and temp files older than the grace
         period, records pointing at missing or short segments, checksum failures, undecodable
         records and inconsistent side indexes. Records are removed before files. Intact
         blocks of a segment whose header is damaged are rewritten into a fresh segment, not
-        dropped."""
-        self._ensure()
+        dropped. With ``scope`` (a plan that was shown and confirmed), ``fix`` repairs only
+        what it names."""
+        ctx = self._ensure()
         if fix and self.readonly:
             raise DiskError(errno.EROFS, f"cannot fix: the disk tier at {self.path} is open read-only")
         if not self.readonly:
             self.flush_touches()
         grace = self.orphan_grace_s if grace_s is None else float(grace_s)
-        return run_check(self, fix=fix, grace_s=grace, verify_data=verify_data)
+        return _check.run_check(ctx, fix=fix, grace_s=grace, verify_data=verify_data,
+                                scope=scope, max_segment_bytes=self.max_segment_bytes)
 
-    # -- index write transactions (check and recovery's rebuild call these) ---------------
+    def rewrite_unlisted(self, keys: Sequence[bytes]) -> _check.RewriteResult:
+        """Copy blocks their segment header does not describe (``keys``: index keys) into
+        fresh segments, as ``check(fix=True)`` does (:func:`check.rewrite_unlisted`)."""
+        return _check.rewrite_unlisted(self._ensure_writable(), keys, self.max_segment_bytes)
+
+    # -- tombstones (``kvstore explain``) ----------------------------------------------------
+    def tombstones_kept(self) -> bool:
+        """Whether the store keeps tombstones (its index has the database)."""
+        return _tomb.kept_in(self._ensure())
+
+    def tombstones(self, namespace_id: bytes, keys: Sequence[bytes]) -> list | object:
+        """The tombstones of ``keys`` of ``namespace_id`` (``tombstones.NOT_KEPT`` when the
+        store keeps none), in one read transaction."""
+        return _tomb.lookup_in(self._ensure(), namespace_id, keys)
+
+    def record_tombstones(self, items: Iterable[tuple[bytes, int]], reason: _tomb.Reason,
+                          tier_code: _tomb.TierCode, *, detail: _tomb.Detail = _tomb.Detail.NONE,
+                          removed_us: int | None = None) -> None:
+        """Add tombstones ((dbkey, created us) each) in a write transaction of their own."""
+        _tomb.record_in(self._ensure_writable(), items, reason, tier_code, detail=detail,
+                        removed_us=removed_us)
+
+    # -- index write transactions (the fake index of the benchmarks) ----------------------
     def _write_raw(self, fn: Callable) -> object:
-        return _txn.write_raw(self, fn)
-
-    def _unlink_segments(self, sids: Sequence[int]) -> None:
-        _txn.unlink_segments(self, sids)
+        return _txn.write_raw(self._ensure(), fn)
 
     # -- lifecycle ----------------------------------------------------------------------------
     def close(self) -> None:
@@ -575,10 +508,8 @@ class DiskTier:
                     except (KVStoreError, lmdb.Error, OSError) as e:
                         log.warning("disk tier %s: access times not persisted at close: %s",
                                     self.path, e)
-                if self._pool is not None:
-                    self._pool.shutdown(wait=True)
-                self._fds.close()
-                release_env(self._sh)
+                self._ctx.shutdown()  # type: ignore[union-attr]
+                release_env(self._ctx.sh)  # type: ignore[union-attr]
             self._closed = True
 
     def __enter__(self) -> DiskTier:

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import lmdb
 
 if TYPE_CHECKING:
+    from kvstore.tiers.disk.context import DiskContext
     from kvstore.tiers.disk.tier import DiskTier
 
 DB_TOMBSTONES = b"tombstones"
@@ -177,48 +178,69 @@ def open_db(env: lmdb.Environment, txn: lmdb.Transaction, *, create: bool) -> ob
         return None
 
 
-# -- on a DiskTier (the tier's own modules, the tests and readers such as ``explain``) --------
+# -- on a disk tier's context (the tier's own methods: ``DiskTier.tombstones`` and the like) ---
 # A handle opened in a read transaction is valid only inside it (the transaction ends with an
 # abort, which closes it), so readers open it per transaction unless the tier's environment
 # has it open already (``sh.dbs``: opened in a write transaction, valid for the process).
 
-def db_of(tier: DiskTier, *, create: bool = False) -> object | None:
+def db_in(ctx: DiskContext, *, create: bool = False) -> object | None:
     """The tier's ``tombstones`` handle when it lasts beyond one transaction: from the
     tier's opened databases, or — with ``create`` — created (or opened) in a write
-    transaction. None when the environment does not have it open (readers: :func:`lookup_on`)."""
-    sh = tier._ensure()
+    transaction. None when the environment does not have it open (readers: :func:`lookup_in`)."""
+    sh = ctx.sh
     db = sh.dbs.get(DB_TOMBSTONES)
     if db is None and create:
-        db = tier._ensure_writable().write(lambda txn: open_db(sh.env, txn, create=True))
+        db = ctx.require_writable().write(lambda txn: open_db(sh.env, txn, create=True))
         sh.dbs[DB_TOMBSTONES] = db  # one handle per environment, like the other databases
     return db
 
 
-def kept(tier: DiskTier) -> bool:
+def kept_in(ctx: DiskContext) -> bool:
     """Whether the store keeps tombstones (its index has the database)."""
-    sh = tier._ensure()
+    sh = ctx.sh
     if sh.dbs.get(DB_TOMBSTONES) is not None:
         return True
     with sh.read() as txn:
         return open_db(sh.env, txn, create=False) is not None
 
 
-def lookup_on(tier: DiskTier, namespace_id: bytes,
+def lookup_in(ctx: DiskContext, namespace_id: bytes,
               keys: Sequence[bytes]) -> list[Tombstone | None] | _NotKept:
     """The tombstones of ``keys`` of ``namespace_id`` in one read transaction."""
-    sh = tier._ensure()
+    sh = ctx.sh
     with sh.read() as txn:
         db = sh.dbs.get(DB_TOMBSTONES) or open_db(sh.env, txn, create=False)
         return lookup(txn, db, [namespace_id + k for k in keys])
 
 
-def record_on(tier: DiskTier, items: Iterable[tuple[bytes, int]], reason: Reason,
+def record_in(ctx: DiskContext, items: Iterable[tuple[bytes, int]], reason: Reason,
               tier_code: TierCode, *, detail: Detail = Detail.NONE,
               removed_us: int | None = None) -> None:
     """Add tombstones in a write transaction of their own: for a removal that was not made
     in an index transaction (a memory tier letting a block go that never reached disk)."""
-    db = db_of(tier, create=True)
-    now = tier._now_us() if removed_us is None else removed_us
+    db = db_in(ctx, create=True)
+    now = ctx.now_us() if removed_us is None else removed_us
     items = list(items)
-    tier._ensure_writable().write(
+    ctx.require_writable().write(
         lambda txn: record(txn, db, items, reason, tier_code, now, detail))
+
+
+# -- on a DiskTier, through its public methods (readers such as ``explain``, the benchmarks) --
+
+def kept(tier: DiskTier) -> bool:
+    """Whether the store keeps tombstones (:meth:`DiskTier.tombstones_kept`)."""
+    return tier.tombstones_kept()
+
+
+def lookup_on(tier: DiskTier, namespace_id: bytes,
+              keys: Sequence[bytes]) -> list[Tombstone | None] | _NotKept:
+    """The tombstones of ``keys`` of ``namespace_id`` (:meth:`DiskTier.tombstones`)."""
+    return tier.tombstones(namespace_id, keys)  # type: ignore[return-value]
+
+
+def record_on(tier: DiskTier, items: Iterable[tuple[bytes, int]], reason: Reason,
+              tier_code: TierCode, *, detail: Detail = Detail.NONE,
+              removed_us: int | None = None) -> None:
+    """Add tombstones in a write transaction of their own
+    (:meth:`DiskTier.record_tombstones`)."""
+    tier.record_tombstones(items, reason, tier_code, detail=detail, removed_us=removed_us)

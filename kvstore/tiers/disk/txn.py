@@ -2,7 +2,8 @@
 :func:`write_raw` (LMDB errors become :class:`~kvstore.errors.DiskError`) or
 :func:`write_ops` (a :class:`~kvstore.tiers.disk.index.WriteOps` keeping the side indexes
 consistent), and a segment file emptied by a transaction is unlinked only after it
-committed (:func:`unlink_segments`).
+committed (:func:`unlink_segments`). Each takes the tier's
+:class:`~kvstore.tiers.disk.context.DiskContext`.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from kvstore.tiers.disk.index import (
 )
 
 if TYPE_CHECKING:
-    from kvstore.tiers.disk.tier import DiskTier
+    from kvstore.tiers.disk.context import DiskContext
+    from kvstore.tiers.disk.reads import Damage
 
 log = logging.getLogger("kvstore.disk")
 
@@ -55,24 +57,24 @@ def disk_full(path: str) -> bool:
     return st.f_bavail * st.f_frsize < 1 << 20
 
 
-def write_raw(t: DiskTier, fn: Callable) -> object:
-    """Run ``fn(txn)`` in a write transaction of ``t``'s index; returns its result."""
+def write_raw(ctx: DiskContext, fn: Callable) -> object:
+    """Run ``fn(txn)`` in a write transaction of the tier's index; returns its result."""
     try:
-        return t._sh.write(fn)
+        return ctx.sh.write(fn)
     except lmdb.Error as e:
         code = getattr(e, "code", 0)  # LMDB passes system errors (ENOSPC, EIO) through
         code = code if isinstance(code, int) and 0 < code < 4096 else errno.EIO
-        if code == errno.EIO and disk_full(t._index_dir):
+        if code == errno.EIO and disk_full(ctx.index_dir):
             code = errno.ENOSPC  # LMDB turns a short write on a full disk into EIO
         why = hint(OSError(code, "")) if code != errno.EIO else ""
-        raise DiskError(code, f"the disk index at {t._index_dir} could not commit: {e}"
+        raise DiskError(code, f"the disk index at {ctx.index_dir} could not commit: {e}"
                         + why) from e
 
 
-def write_ops(t: DiskTier, fn: Callable[[WriteOps], object]) -> tuple[object, list[int]]:
+def write_ops(ctx: DiskContext, fn: Callable[[WriteOps], object]) -> tuple[object, list[int]]:
     """Run ``fn(ops)`` in a write transaction; returns its result and the segments the
     transaction emptied (for :func:`unlink_segments`, once it committed)."""
-    sh = t._sh
+    sh = ctx.sh
 
     def run(txn):
         ops = WriteOps(txn, sh.dbs)
@@ -80,47 +82,47 @@ def write_ops(t: DiskTier, fn: Callable[[WriteOps], object]) -> tuple[object, li
         ops.finish()
         return result, ops.emptied
 
-    return write_raw(t, run)  # type: ignore[return-value]
+    return write_raw(ctx, run)  # type: ignore[return-value]
 
 
-def unlink_segments(t: DiskTier, sids: Sequence[int]) -> None:
+def unlink_segments(ctx: DiskContext, sids: Sequence[int]) -> None:
     """Unlink the files of segments no committed record points at any more."""
     for sid in sids:
-        t._fds.invalidate(sid)
+        ctx.fds.invalidate(sid)
         try:
-            os.unlink(os.path.join(t._segdir, _seg.segment_name(sid)))
+            os.unlink(os.path.join(ctx.segdir, _seg.segment_name(sid)))
         except FileNotFoundError:
             pass
         except OSError as e:
-            log.warning("disk tier %s: cannot unlink emptied segment %016x: %s", t.path, sid, e)
+            log.warning("disk tier %s: cannot unlink emptied segment %016x: %s", ctx.path, sid, e)
 
 
-def alloc_segment_ids(t: DiskTier, n: int) -> list[int]:
+def alloc_segment_ids(ctx: DiskContext, n: int) -> list[int]:
     """Unique across processes: ids are reserved in small chunks by an LMDB write txn."""
-    with t._sid_lock:
-        if len(t._sid_pool) < n:
-            want = max(n - len(t._sid_pool), _SEGMENT_ID_CHUNK)
-            meta = t._sh.dbs[DB_META]
+    meta = ctx.sh.dbs[DB_META]
 
-            def fn(txn):
-                (nxt,) = U64.unpack(txn.get(META_NEXT_SEGMENT, db=meta))
-                txn.put(META_NEXT_SEGMENT, U64.pack(nxt + want), db=meta)
-                return nxt
+    def reserve(short: int) -> list[int]:
+        want = max(short, _SEGMENT_ID_CHUNK)
 
-            first = write_raw(t, fn)
-            t._sid_pool.extend(range(first, first + want))  # type: ignore[arg-type]
-        out, t._sid_pool = t._sid_pool[:n], t._sid_pool[n:]
-        return out
+        def fn(txn):
+            (nxt,) = U64.unpack(txn.get(META_NEXT_SEGMENT, db=meta))
+            txn.put(META_NEXT_SEGMENT, U64.pack(nxt + want), db=meta)
+            return nxt
+
+        first = write_raw(ctx, fn)
+        return list(range(first, first + want))  # type: ignore[arg-type]
+
+    return ctx.segment_ids.take(n, reserve)
 
 
-def drop_entries(t: DiskTier, items: Sequence[tuple[bytes, Rec | None]],
+def drop_entries(ctx: DiskContext, items: Sequence[tuple[bytes, Rec | None]],
                  namespace_id: bytes | None = None, *,
                  reason: _tomb.Reason = _tomb.Reason.REMOVED,
                  detail: _tomb.Detail = _tomb.Detail.NONE) -> list[bytes]:
     """Remove records if they are still the ones seen (same segment and offset) and, with
     ``namespace_id``, only records of that namespace; each leaves a tombstone saying
     ``reason`` (``kvstore explain``)."""
-    blocks = t._sh.dbs[DB_BLOCKS]
+    blocks = ctx.sh.dbs[DB_BLOCKS]
 
     def fn(ops: WriteOps) -> list[bytes]:
         gone, traces = [], []
@@ -143,15 +145,29 @@ def drop_entries(t: DiskTier, items: Sequence[tuple[bytes, Rec | None]],
                 ops.remove(key, cur)
                 gone.append(key)
                 traces.append((key, cur.created_us))
-        tomb = t._sh.dbs.get(_tomb.DB_TOMBSTONES)
+        tomb = ctx.sh.dbs.get(_tomb.DB_TOMBSTONES)
         if tomb is not None and traces:
-            _tomb.record(ops.txn, tomb, traces, reason, _tomb.TierCode.DISK, t._now_us(),
+            _tomb.record(ops.txn, tomb, traces, reason, _tomb.TierCode.DISK, ctx.now_us(),
                          detail)
         return gone
 
-    gone, emptied = write_ops(t, fn)
-    unlink_segments(t, emptied)
+    gone, emptied = write_ops(ctx, fn)
+    unlink_segments(ctx, emptied)
     return gone  # type: ignore[return-value]
+
+
+def drop_damaged(ctx: DiskContext, damaged: Sequence[Damage]) -> None:
+    """Drop the index entries of blocks a read found damaged or missing (each only if its
+    record is still the one that was read), each with a ``DAMAGED`` tombstone saying why.
+    Never raises: a corrupt index must not turn a miss into a crash."""
+    for d in damaged:
+        try:
+            drop_entries(ctx, [(d.key, d.rec)], reason=_tomb.Reason.DAMAGED,
+                         detail=_tomb.DETAIL_OF_KIND.get(d.why.split()[0] if d.why else "",
+                                                         _tomb.Detail.NONE))
+        except Exception as e:
+            log.warning("disk tier %s: could not drop damaged entry %s: %s",
+                        ctx.path, d.key[-32:].hex()[:16], e)
 
 
 def apply_touches(ops: WriteOps, touches: dict[bytes, tuple[int, int]]) -> None:

@@ -22,7 +22,7 @@ import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from kvstore.errors import DiskError, NamespaceMismatchError, TensorMismatchError
 from kvstore.tiers import codec as _codec
@@ -39,7 +39,7 @@ from kvstore.tiers.disk.txn import (
 )
 
 if TYPE_CHECKING:
-    from kvstore.tiers.disk.tier import DiskTier
+    from kvstore.tiers.disk.context import DiskContext
 
 log = logging.getLogger("kvstore.disk")
 
@@ -49,6 +49,14 @@ _csum = _seg.block_checksum
 Prepared = tuple[bytes, bytes | None, bytes, NsCache, memoryview]
 #: an encoded block: (key, parent, namespace id, codec id, checksum, raw bytes, segment entry)
 Encoded = tuple[bytes, bytes | None, bytes, int, int, int, _seg.SegmentEntry]
+
+
+class WriteOptions(NamedTuple):
+    """The tier's settings a write follows."""
+
+    codec: str  # "none" or "zstd"
+    zstd_level: int
+    max_segment_bytes: int
 
 
 @dataclass(slots=True)
@@ -66,42 +74,42 @@ class StagedWrite:
         return sum(seg.size for _sid, seg, _group in self.segments)
 
 
-def write_blocks(t: DiskTier, items: Sequence[DiskWrite]) -> list[bytes]:
+def write_blocks(ctx: DiskContext, opts: WriteOptions, items: Sequence[DiskWrite]) -> list[bytes]:
     """Write blocks durably; returns the keys newly written (present keys are skipped).
     Raises DiskError (disk full, read-only directory, I/O error) with nothing visible."""
-    return commit_staged(t, [stage_blocks(t, items)])
+    return commit_staged(ctx, [stage_blocks(ctx, opts, items)])
 
 
-def stage_blocks(t: DiskTier, items: Sequence[DiskWrite]) -> StagedWrite:
+def stage_blocks(ctx: DiskContext, opts: WriteOptions, items: Sequence[DiskWrite]) -> StagedWrite:
     """Check, encode and write blocks into new segments (one sequential pass each, handed to
     the device as it goes) without making them durable or visible: :func:`commit_staged`
     does, for any number of staged batches at once (one fsync per file, one directory fsync,
     one index commit), or :func:`abort_staged` removes them. Present keys are skipped.
     Raises DiskError with nothing left behind."""
-    todo, parents = _prepare(t, items)
+    todo, parents = _prepare(ctx, items)
     if not todo:
         return StagedWrite()
     try:
-        staged = _stage_new(t, todo)
+        staged = _stage_new(ctx, opts, todo)
         staged.parents = parents
         return staged
     except DiskError:
-        t._counters.add("write_errors")
+        ctx.counters.add("write_errors")
         raise
     except OSError as e:
-        t._counters.add("write_errors")
-        raise _disk_error(t, e) from e
+        ctx.counters.add("write_errors")
+        raise _disk_error(ctx, e) from e
 
 
-def _disk_error(t: DiskTier, e: OSError) -> DiskError:
-    return DiskError(e.errno, f"cannot write to the disk tier at {t.path}: "
+def _disk_error(ctx: DiskContext, e: OSError) -> DiskError:
+    return DiskError(e.errno, f"cannot write to the disk tier at {ctx.path}: "
                      f"{e.strerror or e}" + hint(e))
 
 
-def _prepare(t: DiskTier, items: Sequence[DiskWrite]) -> tuple[list[Prepared], set[bytes]]:
+def _prepare(ctx: DiskContext, items: Sequence[DiskWrite]) -> tuple[list[Prepared], set[bytes]]:
     """The items checked, less those already present in their namespace; and the dbkeys of
     their parents present in the index (the parents not among them)."""
-    sh = t._ensure_writable()
+    sh = ctx.require_writable()
     prepared: list[Prepared] = []
     for i, it in enumerate(items):
         if not isinstance(it, DiskWrite):
@@ -109,11 +117,11 @@ def _prepare(t: DiskTier, items: Sequence[DiskWrite]) -> tuple[list[Prepared], s
         key = check_key(it.key, f"items[{i}].key")
         parent = None if it.parent is None else check_key(it.parent, f"items[{i}].parent")
         ns_id = check_key(it.namespace_id, f"items[{i}].namespace_id")
-        ns = t._namespace(ns_id)
+        ns = ctx.namespaces.get(ns_id)
         if ns is None:
             raise NamespaceMismatchError(
                 f"namespace {ns_id.hex()[:16]} is not registered with the disk tier at "
-                f"{t.path}; call register_namespace(ns) first"
+                f"{ctx.path}; call register_namespace(ns) first"
             )
         buf = as_buffer(it.data, f"items[{i}].data")
         if len(buf) != ns.nbytes:
@@ -142,13 +150,13 @@ def _prepare(t: DiskTier, items: Sequence[DiskWrite]) -> tuple[list[Prepared], s
     return todo, parents
 
 
-def _encode(t: DiskTier, todo: list[Prepared]) -> list[Encoded]:
+def _encode(ctx: DiskContext, opts: WriteOptions, todo: list[Prepared]) -> list[Encoded]:
     def one(p):
         key, parent, ns_id, ns, buf = p
         csum = _csum(key, ns_id, buf)
         cid, payload = _codec.CODEC_NONE, None
-        if t.codec == "zstd":
-            cid, payload = _codec.compress(buf, ns.itemsize, t.zstd_level)
+        if opts.codec == "zstd":
+            cid, payload = _codec.compress(buf, ns.itemsize, opts.zstd_level)
         if cid == _codec.CODEC_NONE:
             entry = _seg.SegmentEntry(key.hex(), ns.st_dtype, ns.shape, buf, len(buf),
                                       _seg.block_meta("none", len(buf), csum, ns_id, parent))
@@ -158,18 +166,18 @@ def _encode(t: DiskTier, todo: list[Prepared]) -> list[Encoded]:
                                                       ns_id, parent))
         return (key, parent, ns_id, cid, csum, len(buf), entry)
 
-    if t.codec == "zstd" and len(todo) > 1:
-        return list(t._get_pool().map(one, todo))
+    if opts.codec == "zstd" and len(todo) > 1:
+        return list(ctx.thread_pool().map(one, todo))
     return [one(p) for p in todo]
 
 
-def _group(t: DiskTier, encoded: list[Encoded]) -> list[list[Encoded]]:
+def _group(max_segment_bytes: int, encoded: list[Encoded]) -> list[list[Encoded]]:
     groups: list[list[Encoded]] = [[]]
     size = 0
     names: set[bytes] = set()  # tensor names (key hex) are unique within a segment
     for e in encoded:
         n = e[6].nbytes
-        if groups[-1] and (size + n > t.max_segment_bytes or e[0] in names):
+        if groups[-1] and (size + n > max_segment_bytes or e[0] in names):
             groups.append([])
             size = 0
             names.clear()
@@ -179,23 +187,23 @@ def _group(t: DiskTier, encoded: list[Encoded]) -> list[list[Encoded]]:
     return groups
 
 
-def _stage_new(t: DiskTier, todo: list[Prepared]) -> StagedWrite:
-    encoded = _encode(t, todo)
-    groups = _group(t, encoded)
-    sids = alloc_segment_ids(t, len(groups))
+def _stage_new(ctx: DiskContext, opts: WriteOptions, todo: list[Prepared]) -> StagedWrite:
+    encoded = _encode(ctx, opts, todo)
+    groups = _group(opts.max_segment_bytes, encoded)
+    sids = alloc_segment_ids(ctx, len(groups))
     staged = StagedWrite()
     try:
         for sid, group in zip(sids, groups, strict=True):
-            seg = _seg.create_segment(t._segdir, sid, [g[6] for g in group],
-                                      t._ns_records(g[2] for g in group))
+            seg = _seg.create_segment(ctx.segdir, sid, [g[6] for g in group],
+                                      ctx.namespaces.records(g[2] for g in group))
             staged.segments.append((sid, seg, group))
     except BaseException:
-        abort_staged(t, [staged])
+        abort_staged([staged])
         raise
     return staged
 
 
-def abort_staged(t: DiskTier, staged: Sequence[StagedWrite]) -> None:
+def abort_staged(staged: Sequence[StagedWrite]) -> None:
     """Remove staged segments that will not be committed."""
     for s in staged:
         for _sid, seg, _group in s.segments:
@@ -203,7 +211,7 @@ def abort_staged(t: DiskTier, staged: Sequence[StagedWrite]) -> None:
         s.segments.clear()
 
 
-def commit_staged(t: DiskTier, staged: Sequence[StagedWrite]) -> list[bytes]:
+def commit_staged(ctx: DiskContext, staged: Sequence[StagedWrite]) -> list[bytes]:
     """Make staged batches durable and visible together: fsync and name every segment,
     fsync the directory once, commit every record in one index transaction. Returns the keys
     newly written. On error (DiskError) every staged segment is removed, nothing is visible,
@@ -213,37 +221,37 @@ def commit_staged(t: DiskTier, staged: Sequence[StagedWrite]) -> list[bytes]:
         return []
     parents = set().union(*(s.parents for s in staged))
     try:
-        new, emptied = _commit(t, segs, parents)
+        new, emptied = _commit(ctx, segs, parents)
     except DiskError:
-        t._counters.add("write_errors")
+        ctx.counters.add("write_errors")
         raise
     except OSError as e:
-        t._counters.add("write_errors")
-        raise _disk_error(t, e) from e
+        ctx.counters.add("write_errors")
+        raise _disk_error(ctx, e) from e
     finally:
         for s in staged:
             s.segments.clear()
             s.parents.clear()
-    unlink_segments(t, emptied)
-    t._counters.add("blocks_written", len(new))
+    unlink_segments(ctx, emptied)
+    ctx.counters.add("blocks_written", len(new))
     return new
 
 
-def _commit(t: DiskTier, segs: list, parents: set[bytes]) -> tuple[list[bytes], list[int]]:
-    t._ensure_writable()
+def _commit(ctx: DiskContext, segs: list, parents: set[bytes]) -> tuple[list[bytes], list[int]]:
+    ctx.require_writable()
     committed = False
     published: list[str] = []
     try:
         for _sid, seg, _group in segs:
             _seg.finish_segment(seg)  # the device has most of it already: kicked as written
             published.append(seg.final)
-        _seg.fsync_dir(t._segdir)
-        now = t._now_us()
-        touches = t._take_touches()
+        _seg.fsync_dir(ctx.segdir)
+        now = ctx.now_us()
+        touches = ctx.touches.take()
 
         def fn(ops: WriteOps) -> list[bytes]:
             new = []
-            cut = _below_gone_parents(t, ops, segs, parents)
+            cut = _below_gone_parents(ctx, ops, segs, parents)
             for sid, seg, group in segs:
                 ops.add_segment(sid, seg.size, sum(g[6].nbytes for g in group), now)
                 for (key, parent, ns_id, cid, csum, raw_n, entry), off in zip(
@@ -258,9 +266,9 @@ def _commit(t: DiskTier, segs: list, parents: set[bytes]) -> tuple[list[bytes], 
             return new
 
         try:
-            new, emptied = write_ops(t, fn)
+            new, emptied = write_ops(ctx, fn)
         except BaseException:
-            t._restore_touches(touches)
+            ctx.touches.restore(touches)
             raise
         committed = True
     finally:
@@ -273,7 +281,7 @@ def _commit(t: DiskTier, segs: list, parents: set[bytes]) -> tuple[list[bytes], 
     return new, emptied  # type: ignore[return-value]
 
 
-def _below_gone_parents(t: DiskTier, ops: WriteOps, segs: list,
+def _below_gone_parents(ctx: DiskContext, ops: WriteOps, segs: list,
                         parents: set[bytes]) -> set[bytes]:
     """The blocks of this commit not to commit: those whose parent was in the index when
     they were staged and is gone now — another process evicted or removed it meanwhile (its
@@ -302,5 +310,5 @@ def _below_gone_parents(t: DiskTier, ops: WriteOps, segs: list,
             stack.extend(children.get(ck, ()))
     if cut:
         log.info("disk tier %s: %d block(s) not committed: their parent was evicted or removed "
-                 "meanwhile (by another process), so no lookup could reach them", t.path, len(cut))
+                 "meanwhile (by another process), so no lookup could reach them", ctx.path, len(cut))
     return cut
