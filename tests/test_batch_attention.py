@@ -148,3 +148,24 @@ def test_decode_reads_each_groups_prefix_once(monkeypatch):
     on_prefix = [c for c in calls if c[1] == prefix[0].untyped_storage().data_ptr()]
     assert len(on_prefix) == 1  # once for all rows, not once per row
     assert on_prefix[0][0] == (1, HKV, G * rows, D) and on_prefix[0][2] == (1, HKV, P, D)
+
+
+def test_prefill_attends_each_row_unpadded(monkeypatch):
+    """A forward of rows' first tokens runs each row's causal attention on its own tokens,
+    not padded to the longest row (the old path computed R x S x S scores)."""
+    plan, prefix, hist, counts, starts, plens, q, k_new, v_new = scenario(11)
+    shapes = []
+    attend = A._attend
+
+    def spy(q, k, v, *a, **kw):
+        shapes.append((tuple(q.shape), tuple(k.shape), kw.get("causal", False)))
+        return attend(q, k, v, *a, **kw)
+
+    monkeypatch.setattr(A, "_attend", spy)
+    with A.running(types.SimpleNamespace(config=types.SimpleNamespace(_attn_implementation="x")),
+                   plan) as cache:
+        cache.update(k_new, v_new, 0)
+        A.shared_prefix_attention(types.SimpleNamespace(layer_idx=0), q, k_new, v_new, None)
+    causal = [s for s in shapes if s[2]]
+    assert [s[0] for s in causal] == [(1, HKV * G, n, D) for n in counts]
+    assert [s[1][2] for s in causal] == counts

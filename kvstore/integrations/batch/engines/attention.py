@@ -92,7 +92,9 @@ class ForwardPlan:
     positions: torch.Tensor  # [N] absolute position of each token
     key_positions: torch.Tensor  # [R, C] absolute position of each suffix column
     all_rows: bool  # rows == arange(kv.rows): the buffers need no gather
-    fresh_row: bool  # one row whose tokens start at column 0 (plain causal attention)
+    #: every row's tokens start at column 0 (a prefill): per row (buffer row, first token,
+    #: count), each attended causally on its own (no padding to the longest row); else empty
+    fresh: tuple[tuple[int, int, int], ...] = ()
 
 
 def make_plan(kv: SuffixKV, groups: Sequence[GroupSlice], seq_rows: Sequence[int],
@@ -128,7 +130,8 @@ def make_plan(kv: SuffixKV, groups: Sequence[GroupSlice], seq_rows: Sequence[int
         positions=(prefix[seq_of_token] + cols).to(device),
         key_positions=(prefix.unsqueeze(1) + c).to(device),
         all_rows=list(seq_rows) == list(range(kv.rows)),
-        fresh_row=R == 1 and seq_starts[0] == 0,
+        fresh=tuple(zip(seq_rows, (int(x) for x in first), seq_counts, strict=True))
+        if not any(seq_starts) else (),
     )
 
 
@@ -244,17 +247,24 @@ def _suffix_part(plan: ForwardPlan, layer: int, q: torch.Tensor, scale: float,
     R, S = plan.q_index.shape
     C = plan.key_len
     k, v = plan.kv.k[layer], plan.kv.v[layer]
+    if plan.fresh and window is None:
+        # each sequence's first tokens (a prefill): plain causal attention per sequence, its
+        # queries straight from the packed forward (no padding to the longest)
+        o = torch.empty((Hkv, G, N, D), dtype=torch.float32, device=q.device)
+        lse = torch.empty((Hkv, G, N), dtype=torch.float32, device=q.device)
+        for row, a, n in plan.fresh:
+            qh = q[:, :, a:a + n].reshape(1, Hkv * G, n, D)
+            kh, vh = k[row:row + 1, :, :n], v[row:row + 1, :, :n]
+            if G > 1:
+                kh, vh = kh.repeat_interleave(G, dim=1), vh.repeat_interleave(G, dim=1)
+            oh, lh = _attend(qh, kh, vh, scale, softcap, None, causal=True)
+            o[:, :, a:a + n] = oh.view(Hkv, G, n, D)
+            lse[:, :, a:a + n] = lh.view(Hkv, G, n)
+        return o, lse
     if plan.all_rows:
         k, v = k[:, :, :C], v[:, :, :C]
     else:
         k, v = k[plan.rows, :, :C], v[plan.rows, :, :C]
-    if plan.fresh_row and window is None:
-        # one sequence's first tokens (a prefix being computed): plain causal attention
-        qh = q.reshape(1, Hkv * G, N, D)
-        kh = k.repeat_interleave(G, dim=1) if G > 1 else k
-        vh = v.repeat_interleave(G, dim=1) if G > 1 else v
-        o, lse = _attend(qh, kh, vh, scale, softcap, None, causal=True)
-        return o.view(Hkv, G, N, D), lse.view(Hkv, G, N)
     # [Hkv, G, R, S, D] -> [R, Hkv, G*S, D]: a KV head's queries side by side
     qp = q[:, :, plan.q_index].permute(2, 0, 1, 3, 4).reshape(R, Hkv, G * S, D)
     mask = plan.mask
