@@ -464,11 +464,20 @@ class Group:
         except PermissionError:
             return True
 
-    def tail(self, n: int = 4000) -> str:
+    def tail(self, n: int = 6000) -> str:
+        """The end of the log (vLLM's route listing left out), and the first error's lines
+        when they are further up (an engine core's root cause comes before the front end's
+        traceback)."""
         try:
-            return self.log_path.read_bytes()[-n:].decode(errors="replace")
+            text = self.log_path.read_bytes()[-400_000:].decode(errors="replace")
         except OSError:
             return ""
+        lines = [ln for ln in text.splitlines() if "Route: " not in ln]
+        end = "\n".join(lines)[-n:]
+        first = next((i for i, ln in enumerate(lines) if "Error" in ln or "Traceback" in ln), None)
+        if first is not None and lines[first] not in end:
+            return "\n".join(lines[max(0, first - 5): first + 25])[:n] + "\n[...]\n" + end
+        return end
 
     def wait(self, timeout: float) -> int:
         return self.proc.wait(timeout)
