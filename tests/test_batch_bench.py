@@ -12,11 +12,15 @@ from kvstore.bench import batch as bench
 
 def test_workloads_have_the_issues_shapes():
     ws = {w.name: w for w in bench.workloads()}
-    assert len(ws["doc"].prompts) == 32 and len(ws["instr"].prompts) == 64
-    assert len(ws["docs"].prompts) == 32 and len(ws["nested"].prompts) == 48
+    assert [len(ws[n].prompts) for n in ("doc", "docs", "chat", "long")] == [32, 32, 48, 64]
     doc = ws["doc"].prompts
     assert all(p[:2000] == doc[0][:2000] for p in doc)
+    assert all(p[:400] == ws["chat"].prompts[0][:400] for p in ws["chat"].prompts)
+    assert all(460 <= len(p) <= 600 for p in ws["chat"].prompts)
+    assert all(len(p) >= 3800 for p in ws["long"].prompts) and ws["long"].new_tokens == 64
     assert bench.workloads() == bench.workloads()  # seeded
+    for shape in ("110m", "0.5b"):  # every prompt's ids valid in every model
+        assert bench.MODELS[shape]["vocab_size"] >= bench.VOCAB
 
 
 def test_quick_section_without_vllm(monkeypatch, tmp_path):
@@ -30,5 +34,5 @@ def test_quick_section_without_vllm(monkeypatch, tmp_path):
     for r in tok:  # greedy outputs of HF's padded batch equal the engine's, every prompt
         k, n = re.search(r"HF padded batch (\d+)/(\d+)", r.note).groups()
         assert k == n
-    assert "doc: wall, transformers engine" in names
+    assert "doc: wall, transformers engine" in names and "long: wall, transformers engine" in names
     assert list(tmp_path.iterdir()) == []  # its temp dir is gone

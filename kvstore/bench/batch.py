@@ -1,24 +1,25 @@
-"""Batched prefix sharing against HF padded batching and vLLM's prefix caching, same prompts,
-same run, interleaved.
+"""Batched prefix sharing against vLLM's prefix caching (and, on the toy, HF padded batching),
+same prompts, same run, interleaved.
 
-Model: a Llama with seeded random weights, float32, hidden 128, 2 layers, 4 query / 2 KV heads
-of 32, vocab 2048; 8 greedy new tokens per prompt (EOS ignored). Workloads:
+Models (seeded random weights, float32, :data:`MODELS`): by default a 110M Llama (hidden 768,
+12 layers, 12 query / 4 KV heads of 64, FFN 2048, vocab 8192; ``KVSTORE_BENCH_BATCH_MODEL=0.5b``:
+hidden 896, 24 layers, 14 / 2 heads, FFN 4864, vocab 32k); under ``--quick`` a toy (hidden
+128, 2 layers) and a quarter of the sizes. Greedy, EOS ignored. Workloads (issue 28):
 
-- ``doc``: one 2,000-token document + 32 questions (16-47 tokens);
-- ``instr``: a 500-token instruction + 64 unrelated queries;
-- ``docs``: 4 documents x 8 questions, shuffled;
-- ``nested``: a 256-token system prompt over 8 documents of 1,000 tokens x 6 questions,
-  shuffled (a two-level prefix tree).
+- ``doc``: one 2,000-token document + 32 questions (16-47 tokens), 8 new tokens;
+- ``docs``: 4 documents of 1,500 tokens x 8 questions, shuffled, 8 new;
+- ``chat``: a 400-token system prompt + 48 turns of 60-200 tokens, 8 new (little to share);
+- ``long``: one 3,800-token document x 64 questions x 64 new tokens (decode-heavy).
 
-Methods: the kvstore transformers engine (token batching), HF ``generate`` on the left-padded
-batch, vLLM APC (every prompt in one ``generate``, arrival order) and the kvstore vLLM engine
-(prefixes primed first, plan order, kvstore connector), the last two in worker processes of a
-vLLM environment (``$KVSTORE_VLLM_PYTHON``, else ``.venv-vllm/bin/python`` of the checkout;
-without one their rows are skipped), bound to as many cores as torch uses here
-(``torch.get_num_threads()``; ``OMP_NUM_THREADS=1`` for one each: on a loaded machine two
-OpenMP threads per process wait on each other). Each repeat gives vLLM a fresh ``cache_salt`` (cold
-caches). Times are medians over the repeats (3, 1 with ``--quick``); greedy tokens are checked
-to agree between the engines.
+Methods, each in its own worker process: the kvstore transformers engine
+(``python -m kvstore.bench.batch MODEL_DIR``, started as ``kvstore batch run`` starts it) and
+vLLM APC (every prompt in one ``generate``, arrival order; with ``--quick`` also the kvstore
+vLLM engine: prefixes primed first, plan order, kvstore connector) in a vLLM environment
+(``$KVSTORE_VLLM_PYTHON``, else ``.venv-vllm/bin/python`` of the checkout; without one their
+rows are skipped), each on as many threads as the cores this process may use. Each repeat
+gives vLLM a fresh ``cache_salt`` (cold caches). Times are medians over the repeats
+(``$KVSTORE_BENCH_BATCH_REPEATS``, default 3; 1 with ``--quick``), every time in the note;
+greedy tokens are compared between the methods.
 """
 
 from __future__ import annotations
@@ -42,12 +43,21 @@ from kvstore.bench import BenchOptions, BenchRow, time_row
 SECTION = "batch"
 MARK = "KVSTORE-BATCH "  # the workers' answer lines
 NEW_TOKENS = 8
-VOCAB = 2048
-MODEL = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-             max_position_embeddings=8192, tie_word_embeddings=False)
-#: goals of the transformers engine's wall time against vLLM APC (the issue's)
-GOALS = {"doc": 1.5, "instr": 1.0, "docs": 1.0}
+VOCAB = 2048  # prompts draw token ids below this, valid in every model below
+_LLAMA = dict(max_position_embeddings=8192, tie_word_embeddings=False, head_dim=64)
+#: model shapes (seeded random weights, float32): ``toy`` under ``--quick``, else
+#: ``$KVSTORE_BENCH_BATCH_MODEL`` (default ``110m``)
+MODELS: dict[str, dict[str, Any]] = {
+    "toy": dict(_LLAMA, vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32),
+    "110m": dict(_LLAMA, vocab_size=8192, hidden_size=768, intermediate_size=2048,
+                 num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4),
+    "0.5b": dict(_LLAMA, vocab_size=32000, hidden_size=896, intermediate_size=4864,
+                 num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2),
+}
+MODEL = MODELS["toy"]
+#: goals of the transformers engine's wall time against vLLM APC (issue 28's)
+GOALS = {"doc": 1.5, "docs": 1.5, "chat": 1.0, "long": 2.0}
 VLLM_ENGINE_GOAL = 1.3
 TOKEN_GOAL = 1 / 1.05  # computed tokens within 1.05x of the lower bound
 
@@ -57,10 +67,11 @@ class Workload:
     name: str
     title: str
     prompts: tuple[tuple[int, ...], ...]
+    new_tokens: int = NEW_TOKENS
 
 
 def workloads(quick: bool = False, seed: int = 0) -> list[Workload]:
-    """The four workloads (smaller with ``quick``)."""
+    """The four workloads of issue 28 (a quarter of the sizes with ``quick``)."""
     rng = random.Random(seed)
     s = 4 if quick else 1
 
@@ -72,21 +83,22 @@ def workloads(quick: bool = False, seed: int = 0) -> list[Workload]:
 
     doc = toks(2000 // s)
     w1 = [doc + q() for _ in range(32 // s)]
-    instr = toks(500 // s)
-    w2 = [instr + q() for _ in range(64 // s)]
-    docs = [toks(2000 // s) for _ in range(4)]
-    w3 = [d + q() for d in docs for _ in range(8 // s if quick else 8)]
-    rng.shuffle(w3)
-    system = toks(256 // s)
-    bodies = [toks(1000 // s) for _ in range(8 // s if quick else 8)]
-    w4 = [system + b + q() for b in bodies for _ in range(6 // s if quick else 6)]
-    rng.shuffle(w4)
+    docs = [toks(1500 // s) for _ in range(4)]
+    w2 = [d + q() for d in docs for _ in range(8 // s)]
+    rng.shuffle(w2)
+    system = toks(400 // s)
+    w3 = [system + toks(rng.randrange(60, 201) // s) for _ in range(48 // s)]
+    long = toks(3800 // s)
+    w4 = [long + q() for _ in range(64 // s)]
     return [
-        Workload("doc", f"one {len(doc):,}-token document + {len(w1)} questions", _t(w1)),
-        Workload("instr", f"{len(instr):,}-token instruction + {len(w2)} unrelated queries", _t(w2)),
-        Workload("docs", f"4 documents x {len(w3) // 4} questions, shuffled", _t(w3)),
-        Workload("nested", f"{len(system)}-token system + {len(bodies)} documents x "
-                           f"{len(w4) // len(bodies)} questions, shuffled", _t(w4)),
+        Workload("doc", f"one {len(doc):,}-token document + {len(w1)} questions, "
+                        f"{NEW_TOKENS} new", _t(w1)),
+        Workload("docs", f"4 documents of {len(docs[0]):,} tokens x {len(w2) // 4} questions, "
+                         f"shuffled, {NEW_TOKENS} new", _t(w2)),
+        Workload("chat", f"{len(system)}-token system prompt + {len(w3)} turns of "
+                         f"{60 // s}-{200 // s} tokens, {NEW_TOKENS} new", _t(w3)),
+        Workload("long", f"one {len(long):,}-token document x {len(w4)} questions x "
+                         f"{64 // s} new", _t(w4), new_tokens=64 // s),
     ]
 
 
@@ -94,13 +106,14 @@ def _t(ps: list[list[int]]) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(p) for p in ps)
 
 
-def build_model(path: str | None = None, seed: int = 0) -> Any:
-    """The benchmark's model (seeded random weights, spread so greedy choices are clear)."""
+def build_model(path: str | None = None, seed: int = 0, shape: str = "toy") -> Any:
+    """The benchmark's model of ``shape`` (:data:`MODELS`; seeded random weights, spread so
+    greedy choices are clear)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**MODEL)).eval()
+    model = LlamaForCausalLM(LlamaConfig(**MODELS[shape])).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 2 and "embed" not in name:
@@ -200,7 +213,7 @@ def vllm_python() -> str | None:
     return str(cand) if cand.exists() else None
 
 
-def _hf_padded(model: Any, prompts: Any) -> list[list[int]]:
+def _hf_padded(model: Any, prompts: Any, new_tokens: int) -> list[list[int]]:
     import torch
 
     n = max(len(p) for p in prompts)
@@ -210,65 +223,55 @@ def _hf_padded(model: Any, prompts: Any) -> list[list[int]]:
         ids[i, n - len(p):] = torch.tensor(p)
         mask[i, n - len(p):] = 1
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS,
-                             min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     return out[:, n:].tolist()
 
 
-def _kvstore_tf(engine: Any, prompts: Any) -> tuple[list[list[int]], int]:
-    from kvstore.integrations.batch.requests import BatchRequest, SamplingParams
-
-    params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
-    reqs = [BatchRequest(str(i), p, params) for i, p in enumerate(prompts)]
-    out: list[list[int]] = [[] for _ in reqs]
-    rep = engine.run(reqs, on_done=lambda i, c: out.__setitem__(i, list(c.token_ids)))
-    return out, rep.computed_tokens
+Runner = Callable[[Workload, str], tuple[float, int | None, list[list[int]]]]
 
 
 @dataclass
 class _Method:
     label: str
-    run: Callable[[Any, str], tuple[float, int | None, list[list[int]]]]
+    run: Runner
     times: list[float]
     tokens: int | None = None
     outputs: list[list[int]] | None = None
 
 
-def _methods(model: Any, engine: Any, workers: dict[str, VLLMWorker]) -> list[_Method]:
-    def tf(prompts: Any, salt: str) -> tuple[float, int | None, list[list[int]]]:
-        t = time.perf_counter()
-        out, computed = _kvstore_tf(engine, prompts)
-        return time.perf_counter() - t, computed, out
-
-    def hf(prompts: Any, salt: str) -> tuple[float, int | None, list[list[int]]]:
-        t = time.perf_counter()
-        out = _hf_padded(model, prompts)
-        return time.perf_counter() - t, sum(len(p) for p in prompts), out
-
-    def vllm(mode: str) -> Callable[[Any, str], tuple[float, int | None, list[list[int]]]]:
-        def go(prompts: Any, salt: str) -> tuple[float, int | None, list[list[int]]]:
-            r = workers[mode].run(prompts, salt)
+def _methods(model: Any, workers: dict[str, VLLMWorker]) -> list[_Method]:
+    def worker(mode: str) -> Runner:
+        def go(w: Workload, salt: str) -> tuple[float, int | None, list[list[int]]]:
+            r = workers[mode].run(w.prompts, salt, w.new_tokens)
             return r["seconds"], int(r["computed"]), r["tokens"]
         return go
 
-    ms = [_Method("kvstore transformers engine", tf, []), _Method("HF padded batch", hf, [])]
+    def hf(w: Workload, salt: str) -> tuple[float, int | None, list[list[int]]]:
+        t = time.perf_counter()
+        out = _hf_padded(model, w.prompts, w.new_tokens)
+        return time.perf_counter() - t, sum(len(p) for p in w.prompts), out
+
+    ms = [_Method("kvstore transformers engine", worker("engine"), [])]
+    if model is not None:
+        ms.append(_Method("HF padded batch", hf, []))
     if "apc" in workers:
-        ms.append(_Method("vLLM APC", vllm("apc"), []))
+        ms.append(_Method("vLLM APC", worker("apc"), []))
     if "plan" in workers:
-        ms.append(_Method("kvstore vLLM engine", vllm("plan"), []))
+        ms.append(_Method("kvstore vLLM engine", worker("plan"), []))
     return ms
 
 
 def _measure(w: Workload, methods: list[_Method], repeats: int) -> None:
     for rep in range(repeats):  # interleaved: every method once per round
         for m in methods:
-            dt, tokens, out = m.run(w.prompts, f"bench-{w.name}-{rep}-{time.time_ns()}")
+            dt, tokens, out = m.run(w, f"bench-{w.name}-{rep}-{time.time_ns()}")
             m.times.append(dt)
             m.tokens = tokens
             m.outputs = out
 
 
-def _rows(w: Workload, methods: list[_Method]) -> list[BenchRow]:
+def _rows(w: Workload, methods: list[_Method], shape: str = "toy") -> list[BenchRow]:
     from kvstore.integrations.batch.tree import unique_tokens
 
     by = {m.label: m for m in methods}
@@ -279,7 +282,12 @@ def _rows(w: Workload, methods: list[_Method]) -> list[BenchRow]:
     agree = ", ".join(
         f"{m.label} {sum(a == b for a, b in zip(m.outputs or [], tf.outputs or [], strict=False))}/{len(w.prompts)}"
         for m in methods if m is not tf)
-    note = (f"{w.title}; tokens computed: " + ", ".join(f"{m.label} {m.tokens:,}" for m in methods)
+    m = MODELS[shape]
+    note = (f"{shape} Llama (hidden {m['hidden_size']}, {m['num_hidden_layers']} layers, "
+            f"{m['num_attention_heads']}/{m['num_key_value_heads']} heads, FFN "
+            f"{m['intermediate_size']}, vocab {m['vocab_size']}, float32); {w.title}; "
+            "times: " + ", ".join(f"{x.label} " + "/".join(f"{t:.2f}" for t in x.times)
+                                  for x in methods) + " s; tokens computed: " + ", ".join(f"{m.label} {m.tokens:,}" for m in methods)
             + f"; lower bound {bound:,}, naive {naive:,}; greedy outputs equal to the "
             f"transformers engine's: {agree}")
     rows = [BenchRow(SECTION, f"{w.name}: prefill tokens, transformers engine", float(tf.tokens or 0),
@@ -298,26 +306,34 @@ def _rows(w: Workload, methods: list[_Method]) -> list[BenchRow]:
 
 
 def run(opts: BenchOptions) -> list[BenchRow]:
-    import torch
+    """The section: under ``quick`` the toy model, every method, one repeat; else the
+    ``$KVSTORE_BENCH_BATCH_MODEL`` shape (default 110m) against vLLM APC alone,
+    ``$KVSTORE_BENCH_BATCH_REPEATS`` (default 3) interleaved repeats."""
+    from kvstore.integrations.batch.engines.threads import usable_cores
 
-    from kvstore.integrations.batch.engines.transformers import TransformersEngine
-
+    shape = "toy" if opts.quick else os.environ.get("KVSTORE_BENCH_BATCH_MODEL", "110m")
+    if shape not in MODELS:
+        raise ValueError(f"KVSTORE_BENCH_BATCH_MODEL={shape!r}: one of {', '.join(MODELS)}")
+    repeats = 1 if opts.quick else int(os.environ.get("KVSTORE_BENCH_BATCH_REPEATS", "3"))
     work = Path(tempfile.mkdtemp(prefix="kvstore-bench-batch-", dir=opts.workdir))
     workers: dict[str, VLLMWorker] = {}
     try:
-        model = build_model(str(work / "model"))
-        engine = TransformersEngine(model, eos_token_id=())
+        model = build_model(str(work / "model"), shape=shape)
+        if not opts.quick:  # HF's padded batch only on the toy (hours on the real shapes)
+            model = None
+        threads = usable_cores()  # every method computes on as many cores
+        workers["engine"] = EngineWorker(str(work / "model"), threads=threads)
         py = vllm_python()
-        threads = torch.get_num_threads()  # every method computes on as many cores
         if py is not None:
             workers["apc"] = VLLMWorker(py, str(work / "model"), "apc", threads=threads)
-            workers["plan"] = VLLMWorker(py, str(work / "model"), "plan", str(work / "store"),
-                                         threads=threads)
+            if opts.quick:
+                workers["plan"] = VLLMWorker(py, str(work / "model"), "plan",
+                                             str(work / "store"), threads=threads)
         rows: list[BenchRow] = []
         for w in workloads(opts.quick):
-            methods = _methods(model, engine, workers)
-            _measure(w, methods, 1 if opts.quick else 3)
-            rows.extend(_rows(w, methods))
+            methods = _methods(model, workers)
+            _measure(w, methods, repeats)
+            rows.extend(_rows(w, methods, shape))
         return rows
     finally:
         for wk in workers.values():
