@@ -105,7 +105,7 @@ def check_store(path: str | os.PathLike[str] | None) -> Path:
     if not p.is_dir():
         raise StoreNotFoundError(f"{p} is not a kvstore store: it is not a directory ({hint})")
     if not (p / "index" / "data.mdb").is_file():
-        from kvstore.tiers.disk.guard import missing_index_error
+        from kvstore.tiers.disk import missing_index_error
 
         err = missing_index_error(str(p))  # segments without an index: recover, not "empty"
         if err is not None:

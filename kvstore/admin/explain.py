@@ -27,7 +27,7 @@ from kvstore.admin.nsmatch import (
     resolve_namespace,
 )
 from kvstore.keys import block_keys
-from kvstore.tiers.disk import tombstones as _tomb
+from kvstore.tiers import disk as _tomb  # its tombstone names: NOT_KEPT, Reason, Detail, Tombstone
 
 __all__ = ["BlockExplanation", "Explanation", "Run", "Status", "explain"]
 

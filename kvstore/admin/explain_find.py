@@ -12,11 +12,16 @@ from dataclasses import dataclass
 
 from kvstore.keys import block_keys
 from kvstore.tiers import codec as _codec
-from kvstore.tiers.disk import segments as _seg
-from kvstore.tiers.disk import tombstones as _tomb
-from kvstore.tiers.disk.index import Rec, RecordError, decode_record
-from kvstore.tiers.disk.records import NamespaceInfo
-from kvstore.tiers.disk.tier import DiskTier
+from kvstore.tiers.disk import (
+    NOT_KEPT,
+    DiskTier,
+    NamespaceInfo,
+    Rec,
+    RecordError,
+    block_checksum,
+    decode_record,
+    segment_name,
+)
 
 __all__ = ["Elsewhere", "chain_records", "damage_of", "elsewhere", "other_salts", "tombstones_of"]
 
@@ -69,7 +74,7 @@ class _Segments:
     def size(self, sid: int) -> int | None:
         if sid not in self._size:
             try:
-                self._size[sid] = os.stat(os.path.join(self.segdir, _seg.segment_name(sid))).st_size
+                self._size[sid] = os.stat(os.path.join(self.segdir, segment_name(sid))).st_size
             except OSError:
                 self._size[sid] = None
         return self._size[sid]
@@ -86,7 +91,7 @@ def damage_of(t: DiskTier, key: bytes, rec: Rec, segs: _Segments, *, verify: boo
         return "short_segment"
     if not verify:
         return ""
-    path = os.path.join(segs.segdir, _seg.segment_name(rec.segment))
+    path = os.path.join(segs.segdir, segment_name(rec.segment))
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
@@ -109,7 +114,7 @@ def damage_of(t: DiskTier, key: bytes, rec: Rec, segs: _Segments, *, verify: boo
         except _codec.CodecError:
             return "checksum_mismatch"
         raw = out
-    if _seg.block_checksum(key, rec.namespace_id, raw) != rec.checksum:
+    if block_checksum(key, rec.namespace_id, raw) != rec.checksum:
         return "checksum_mismatch"
     return ""
 
@@ -117,8 +122,8 @@ def damage_of(t: DiskTier, key: bytes, rec: Rec, segs: _Segments, *, verify: boo
 def tombstones_of(t: DiskTier, namespace_id: bytes, keys: Sequence[bytes]):
     """Tombstones of ``keys`` (or ``tombstones.NOT_KEPT``)."""
     if not keys:
-        return [] if _tomb.kept(t) else _tomb.NOT_KEPT
-    return _tomb.lookup_on(t, namespace_id, keys)
+        return [] if t.tombstones_kept() else NOT_KEPT
+    return t.tombstones(namespace_id, keys)
 
 
 @dataclass(frozen=True, slots=True)

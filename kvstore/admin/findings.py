@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from kvstore.admin.common import AdminError
 
 if TYPE_CHECKING:
-    from kvstore.tiers.disk.records import DiskRecord, Finding
+    from kvstore.tiers.disk import DiskRecord, Finding
 
 __all__ = [
     "DEFAULT_GRACE_S",

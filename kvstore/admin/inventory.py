@@ -312,8 +312,7 @@ def inspect_store(path: str | os.PathLike[str] | None = None, *,
                   sparse_threshold: float = SPARSE_THRESHOLD) -> StoreSummary:
     """A summary of the store at ``path``: format, disk use, namespaces, fragmentation,
     index size and persisted counters."""
-    from kvstore.tiers.disk import DISK_FORMAT_VERSION
-    from kvstore.tiers.disk import segments as seg
+    from kvstore.tiers.disk import DISK_FORMAT_VERSION, SEGMENT_RE, TEMP_RE
 
     with open_disk(path, readonly=True) as t:
         st = t.stats()
@@ -335,14 +334,14 @@ def inspect_store(path: str | os.PathLike[str] | None = None, *,
         except FileNotFoundError:
             entries = []
         for de in entries:
-            m = seg.SEGMENT_RE.match(de.name)
+            m = SEGMENT_RE.match(de.name)
             try:
                 size = de.stat(follow_symlinks=False).st_size
             except FileNotFoundError:
                 continue
             if m:
                 files[int(m.group(1), 16)] = size
-            elif seg.TEMP_RE.match(de.name):
+            elif TEMP_RE.match(de.name):
                 temps += 1
         sparse = reclaimable = 0
         for sid, lb in live.items():

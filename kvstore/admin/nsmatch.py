@@ -14,9 +14,7 @@ from dataclasses import dataclass
 from kvstore.admin.common import AdminError
 from kvstore.admin.inventory import layout_string
 from kvstore.namespace import FORMAT_VERSION  # torch-free
-from kvstore.tiers.disk.index import namespace_record_id
-from kvstore.tiers.disk.records import NamespaceInfo
-from kvstore.tiers.disk.segments import DTYPE_SIZES
+from kvstore.tiers.disk import DTYPE_SIZES, NamespaceInfo, namespace_record_id
 
 __all__ = [
     "FORMAT_VERSION",

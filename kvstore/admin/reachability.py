@@ -10,11 +10,10 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from kvstore.admin.findings import FindingEntry, block_id
-from kvstore.tiers.disk.tombstones import Detail, Reason
+from kvstore.tiers.disk import Detail, Reason
 
 if TYPE_CHECKING:
-    from kvstore.tiers.disk import DiskTier
-    from kvstore.tiers.disk.records import DiskRecord
+    from kvstore.tiers.disk import DiskRecord, DiskTier
 
 __all__ = ["find_unreachable", "late_entries", "remove_unreachable"]
 
@@ -29,7 +28,7 @@ def find_unreachable(recs: Iterable[DiskRecord], gone: set[bytes], segdir: str, 
     and how many were left alone because the block whose parent is missing was written less
     than ``grace_s`` ago (its parent may be a write in flight in another process). Blocks in
     ``gone`` are not listed."""
-    from kvstore.tiers.disk import segments as seg
+    from kvstore.tiers.disk import segment_name
 
     present = {block_id(r.namespace_id, r.key): r for r in recs}
     present = {k: r for k, r in present.items() if k not in gone}
@@ -63,7 +62,7 @@ def find_unreachable(recs: Iterable[DiskRecord], gone: set[bytes], segdir: str, 
             detail = (f"{head}: no lookup can reach this block" if k == root else
                       f"below block {r.key.hex()[:16]}, whose parent is missing: no lookup "
                       "can reach this block")
-            out.append(FindingEntry("unreachable", os.path.join(segdir, seg.segment_name(b.segment)),
+            out.append(FindingEntry("unreachable", os.path.join(segdir, segment_name(b.segment)),
                                     b.key.hex(), detail, False, b.stored_nbytes, "drop",
                                     b.namespace_id.hex()))
             stack.extend(children.get(k, ()))
@@ -171,9 +170,9 @@ def remove_unreachable(t: DiskTier, planned: Iterable[bytes],
 def late_entries(late: Iterable[DiskRecord], segdir: str) -> list[FindingEntry]:
     """Findings for blocks removed with the planned ones although not in the plan: written
     meanwhile below one of them, or orphaned by this pass."""
-    from kvstore.tiers.disk import segments as seg
+    from kvstore.tiers.disk import segment_name
 
-    return [FindingEntry("unreachable", os.path.join(segdir, seg.segment_name(r.segment)),
+    return [FindingEntry("unreachable", os.path.join(segdir, segment_name(r.segment)),
                          r.key.hex(), "below a block removed by this pass (written meanwhile, "
                          "or its parent was dropped now): no lookup can reach this block", True,
                          r.stored_nbytes, "drop", r.namespace_id.hex()) for r in late]

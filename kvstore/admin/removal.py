@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from kvstore.admin.common import AdminError, open_disk
 
 if TYPE_CHECKING:
-    from kvstore.tiers.disk.records import DiskRecord, NamespaceInfo
+    from kvstore.tiers.disk import DiskRecord, NamespaceInfo
 
 __all__ = [
     "MIN_PREFIX",
@@ -212,12 +212,12 @@ def plan_removal(path: str | os.PathLike[str] | None, targets: Iterable[str]) ->
 # -- removing ----------------------------------------------------------------------------------
 
 def _segment_files(segdir: str, sids: Iterable[int]) -> dict[int, int]:
-    from kvstore.tiers.disk import segments as seg
+    from kvstore.tiers.disk import segment_name
 
     out = {}
     for sid in set(sids):
         with contextlib.suppress(FileNotFoundError):
-            out[sid] = os.stat(os.path.join(segdir, seg.segment_name(sid))).st_size
+            out[sid] = os.stat(os.path.join(segdir, segment_name(sid))).st_size
     return out
 
 

@@ -26,9 +26,8 @@ from kvstore.admin.repairing import RepairPlan, plan_repair, repair
 if TYPE_CHECKING:
     import torch
 
-    from kvstore.tiers.disk import DiskTier, ReadStatus
-    from kvstore.tiers.disk.check import Listing
-    from kvstore.tiers.disk.records import DiskRecord
+    from kvstore.tiers.disk import DiskRecord, DiskTier, ReadStatus
+    from kvstore.tiers.disk import SegmentListing as Listing
 
 __all__ = ["VerifyProgress", "VerifyResult", "verify"]
 
@@ -71,7 +70,7 @@ def verify(path: str | os.PathLike[str] | None = None, *, fix: bool = False,
     namespace) checks only that namespace's blocks: its findings, none of the store-wide ones
     (orphan and temp files, side indexes), so a fix never touches another tenant's data."""
     from kvstore.admin.common import check_store
-    from kvstore.tiers.disk.guard import require_intact
+    from kvstore.tiers.disk import require_intact
 
     check_grace(grace_s)
     if fix:  # before the long read, not after it
@@ -184,8 +183,7 @@ def _check_batch(ro: DiskTier, batch: list[DiskRecord], scratch: torch.Tensor,
     """One batch read into ``scratch``; a failed read confirmed as damage, a header that does
     not list a block that verifies confirmed as repairable (``listings``: headers read so far,
     by segment id)."""
-    from kvstore.tiers.disk import ReadStatus
-    from kvstore.tiers.disk.check import listing_problem, segment_listing
+    from kvstore.tiers.disk import ReadStatus, listing_problem, segment_listing
 
     dsts, off = [], 0
     for r in batch:
@@ -223,9 +221,9 @@ def _add_unreachable(findings: list[FindingEntry], snapshot: list[DiskRecord], s
 
 
 def _segment_path(segdir: str, sid: int) -> str:
-    from kvstore.tiers.disk import segments as seg
+    from kvstore.tiers.disk import segment_name
 
-    return os.path.join(segdir, seg.segment_name(sid))
+    return os.path.join(segdir, segment_name(sid))
 
 
 def _same_place(cur: DiskRecord | None, r: DiskRecord) -> bool:

@@ -26,10 +26,16 @@ from kvstore.admin.nsmatch import NamespaceFields, resolve_namespace
 from kvstore.keys import block_keys
 from kvstore.packs.format import PackError, encode_header, manifest_checksum
 from kvstore.tiers import codec as _codec
-from kvstore.tiers.disk import segments as _seg
-from kvstore.tiers.disk.index import encode_namespace
-from kvstore.tiers.disk.records import DiskRecord
-from kvstore.tiers.disk.tier import DiskTier
+from kvstore.tiers.disk import (
+    DiskRecord,
+    DiskTier,
+    advance,
+    block_checksum,
+    encode_namespace,
+    fsync_dir,
+    publish,
+    segment_name,
+)
 
 __all__ = ["ExportResult", "export_pack"]
 
@@ -189,7 +195,7 @@ def _write(t: DiskTier, fields: NamespaceFields, nid: bytes, chosen: _Chosen, ou
         fd = -1
         _publish(tmp, out, overwrite)
         published = True
-        _seg.fsync_dir(os.path.dirname(out))
+        fsync_dir(os.path.dirname(out))
         return set()
     finally:
         if fd >= 0:
@@ -204,7 +210,7 @@ def _publish(tmp: str, out: str, overwrite: bool) -> None:
         os.replace(tmp, out)
         return
     try:
-        _seg.publish(tmp, out)  # never over an existing file
+        publish(tmp, out)  # never over an existing file
     except FileExistsError:
         raise PackError("exists", f"{out} exists (written meanwhile?); choose another name "
                         "or pass --force to replace it") from None
@@ -249,7 +255,7 @@ def _copy_blocks(t: DiskTier, fields: NamespaceFields, nid: bytes, chosen: _Chos
 def _copy_segment(t: DiskTier, sid: int, idx: list[int], chosen: _Chosen, nid: bytes, fd: int,
                   start: int, nb: int, bad: set[bytes]) -> list[int]:
     """Copy the blocks ``idx`` of segment ``sid``; returns them when the file is gone."""
-    path = os.path.join(t.path, "segments", _seg.segment_name(sid))
+    path = os.path.join(t.path, "segments", segment_name(sid))
     try:
         sfd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -307,7 +313,7 @@ def _raw_block(view: memoryview, r: DiskRecord, key: bytes, nid: bytes,
         except (_codec.CodecError, KeyError):
             return None
         payload = memoryview(buf).cast("B")
-    if _seg.block_checksum(key, nid, payload) != r.checksum:
+    if block_checksum(key, nid, payload) != r.checksum:
         return None
     return payload
 
@@ -321,4 +327,4 @@ def _flush(fd: int, run: list[tuple[int, memoryview | bytes]], start: int, nb: i
     while written < total:
         n = os.pwritev(fd, views, offset + written)
         written += n
-        _seg.advance(views, n)
+        advance(views, n)

@@ -20,8 +20,7 @@ from kvstore.admin.common import AdminError
 from kvstore.admin.nsmatch import NamespaceFields
 from kvstore.errors import HeaderFormatError
 from kvstore.header_json import load_header
-from kvstore.tiers.disk.index import RecordError, decode_namespace, namespace_record_id
-from kvstore.tiers.disk.segments import ST_DTYPES
+from kvstore.tiers.disk import ST_DTYPES, RecordError, decode_namespace, namespace_record_id
 
 __all__ = ["PACK_VERSION", "PackError", "PackHeader", "encode_header", "manifest_checksum",
            "parse_header"]

@@ -22,7 +22,7 @@ from kvstore.packs.format import (
     parse_header,
     read_header_length,
 )
-from kvstore.tiers.disk.segments import block_checksum
+from kvstore.tiers.disk import block_checksum
 
 __all__ = ["OpenPack", "open_pack", "read_pack_header"]
 

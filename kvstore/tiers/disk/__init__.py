@@ -40,9 +40,21 @@ Guarantees:
 | ``recover``, ``recover_scan`` | ``kvstore recover``: rebuilding the index from segment files |
 """
 
+# The public names: what the store, the front ends (``kvstore.admin``, ``kvstore.packs``:
+# an import-linter contract keeps them to these) and the benchmarks use of the disk tier.
 from kvstore.tiers.base import ReadStatus
-from kvstore.tiers.disk.check import FixScope, RewriteResult
-from kvstore.tiers.disk.index import DISK_FORMAT_VERSION
+from kvstore.tiers.disk.check import FixScope, RewriteResult, listing_problem, segment_listing
+from kvstore.tiers.disk.check import Listing as SegmentListing
+from kvstore.tiers.disk.guard import missing_index_error, require_intact
+from kvstore.tiers.disk.index import (
+    DISK_FORMAT_VERSION,
+    Rec,
+    RecordError,
+    decode_namespace,
+    decode_record,
+    encode_namespace,
+    namespace_record_id,
+)
 from kvstore.tiers.disk.records import (
     CompactResult,
     DiskRecord,
@@ -51,11 +63,31 @@ from kvstore.tiers.disk.records import (
     Finding,
     NamespaceInfo,
 )
+from kvstore.tiers.disk.segments import (
+    DTYPE_SIZES,
+    SEGMENT_RE,
+    ST_DTYPES,
+    TEMP_RE,
+    advance,
+    block_checksum,
+    fsync_dir,
+    publish,
+    segment_name,
+)
 from kvstore.tiers.disk.tier import DiskTier
+
+# tombstones (why a block left the index; ``kvstore explain``)
+from kvstore.tiers.disk.tombstones import NOT_KEPT, Detail, Reason, Tombstone
 
 __all__ = [
     "DISK_FORMAT_VERSION",
+    "DTYPE_SIZES",
+    "NOT_KEPT",
+    "SEGMENT_RE",
+    "ST_DTYPES",
+    "TEMP_RE",
     "CompactResult",
+    "Detail",
     "DiskRecord",
     "DiskStats",
     "DiskTier",
@@ -64,5 +96,23 @@ __all__ = [
     "FixScope",
     "NamespaceInfo",
     "ReadStatus",
+    "Reason",
+    "Rec",
+    "RecordError",
     "RewriteResult",
+    "SegmentListing",
+    "Tombstone",
+    "advance",
+    "block_checksum",
+    "decode_namespace",
+    "decode_record",
+    "encode_namespace",
+    "fsync_dir",
+    "listing_problem",
+    "missing_index_error",
+    "namespace_record_id",
+    "publish",
+    "require_intact",
+    "segment_listing",
+    "segment_name",
 ]
