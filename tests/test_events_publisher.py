@@ -15,6 +15,7 @@ from kvstore.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    EventFormatError,
     EventsConfig,
     decode_batch,
 )
@@ -207,6 +208,41 @@ def test_snapshot_is_the_state_after_the_last_batch(ctx, pub):
     assert pub.stats().snapshots == 1 and pub.stats().blocks == 3
 
 
+def test_numbers_wrap_to_0_after_the_last(ctx, tmp_path):
+    """After 2**64 - 2 comes 0 (0xFF x 8 is the end marker); a replay from a number before
+    the wrap returns the history in the order it was published, across the wrap."""
+    last = fr.MAX_SEQ
+    with EventPublisher(EventsConfig(f"ipc://{tmp_path}/w", heartbeat_s=30),
+                        first_seq=last - 1) as p:
+        sink = p.sink(b"n" * 32, 16)
+        for i in range(3):
+            sink.stored("warm", [k(i)], [None])
+            p.flush()
+        assert p.stats().last_seq == 2 - 1  # batches last - 1, last, 0, 1
+        history = _request(ctx, p.replay_endpoint, fr.seq_bytes(last - 1))
+        assert [m.seq for m in history] == [last - 1, last, 0, 1]
+        assert [m.seq for m in _request(ctx, p.replay_endpoint, fr.seq_bytes(last))] == \
+            [last, 0, 1]
+        assert [m.seq for m in _request(ctx, p.replay_endpoint, fr.seq_bytes(0))] == [0, 1]
+        assert _request(ctx, p.replay_endpoint, fr.seq_bytes(2)) == []
+        assert _request(ctx, p.replay_endpoint, fr.END_SEQ) == []  # no batch's number
+        assert {m.seq for m in _request(ctx, p.replay_endpoint, fr.SNAPSHOT_REQUEST)} == {1}
+    for bad in (-1, fr.MAX_SEQ + 1, 2**64, 1.0, "1"):
+        with pytest.raises(ConfigError, match="first_seq"):
+            EventPublisher(EventsConfig(f"ipc://{tmp_path}/x"), first_seq=bad)
+
+
+def test_sequence_arithmetic():
+    last = fr.MAX_SEQ
+    assert last == 2**64 - 2 and fr.next_seq(last) == 0 and fr.prev_seq(0) == last
+    assert fr.seq_diff(0, last) == 1 and fr.seq_diff(last, 0) == -1
+    assert fr.seq_diff(5, 3) == 2 and fr.seq_diff(3, 5) == -2
+    for bad in (-1, last + 1, 2**64, 1.5, "1", None, True):
+        with pytest.raises(ValueError, match="out of range"):
+            fr.seq_bytes(bad)
+    assert fr.parse_seq(fr.seq_bytes(last)) == last
+
+
 def test_heartbeats(ctx, tmp_path):
     with EventPublisher(EventsConfig(f"ipc://{tmp_path}/hb", heartbeat_s=0.05)) as p:
         s = _sub(ctx, p)
@@ -260,3 +296,11 @@ def test_frames():
     assert fr.parse_reply([b"", b"", fr.END_SEQ, b""]) is None
     with pytest.raises(Exception, match="8 bytes"):
         fr.parse_stream([b"", b"\x00", msgpack.packb([])])
+    # the end marker is no batch's number, on the stream or in a reply
+    with pytest.raises(EventFormatError, match="end marker"):
+        fr.parse_stream([b"", fr.END_SEQ, msgpack.packb([])])
+    with pytest.raises(EventFormatError, match="end marker"):
+        fr.parse_reply([b"", b"t", fr.END_SEQ, b"payload"])
+    for frames in ([b"", None, b""], [b"", 7, b""], [b"", "12345678", b""]):
+        with pytest.raises(EventFormatError):
+            fr.parse_stream(frames)

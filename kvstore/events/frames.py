@@ -13,6 +13,15 @@
   ``AllBlocksCleared``, then the end marker. A vLLM publisher reads the request as a start
   number past its buffer and answers with the end marker alone: a consumer then knows there
   is no snapshot to be had.
+
+**Sequence numbers** are ``0 .. MAX_SEQ`` (``2**64 - 2``): ``END_SEQ`` read unsigned is
+``2**64 - 1`` and marks the end of a reply, so no batch may carry it. The number after
+``MAX_SEQ`` is ``0`` (:func:`next_seq`): numbers run modulo ``SEQ_MOD = 2**64 - 1``, and
+"before"/"after" are decided by serial number arithmetic (:func:`seq_diff`, RFC 1982): the
+shorter way round the circle. For numbers less than ``2**63`` apart (every real stream:
+kvstore's start at the wall clock in microseconds, vLLM's at 0) that is plain ``<``/``>``.
+A frame that carries ``END_SEQ`` or is not 8 bytes where a batch's number belongs is refused
+(:class:`~kvstore.events.codec.EventFormatError`).
 """
 
 from __future__ import annotations
@@ -25,18 +34,48 @@ SEQ_BYTES = 8
 #: vLLM's end-of-replay marker: -1 as a signed 8-byte big-endian integer
 END_SEQ = b"\xff" * SEQ_BYTES
 SNAPSHOT_REQUEST = b"kvstore-snapshot/1"
-_MAX_SEQ = (1 << 64) - 2  # END_SEQ read unsigned is 2**64 - 1
+#: sequence numbers run modulo this: 0 .. 2**64 - 2 (END_SEQ read unsigned is 2**64 - 1)
+SEQ_MOD = (1 << 64) - 1
+MAX_SEQ = SEQ_MOD - 1
+_HALF = SEQ_MOD // 2
+
+
+def valid_seq(seq: object) -> bool:
+    """``seq`` is a sequence number a batch may carry (an int in ``0 .. MAX_SEQ``)."""
+    return type(seq) is int and 0 <= seq <= MAX_SEQ
+
+
+def next_seq(seq: int) -> int:
+    """The number after ``seq``: ``seq + 1``, and ``0`` after ``MAX_SEQ``."""
+    return (seq + 1) % SEQ_MOD
+
+
+def prev_seq(seq: int) -> int:
+    """The number before ``seq`` (``MAX_SEQ`` before ``0``)."""
+    return (seq - 1) % SEQ_MOD
+
+
+def seq_diff(a: int, b: int) -> int:
+    """How far ``a`` is after ``b`` (negative: before), the shorter way round: in
+    ``-(SEQ_MOD // 2) .. SEQ_MOD // 2``."""
+    d = (a - b) % SEQ_MOD
+    return d - SEQ_MOD if d > _HALF else d
 
 
 def seq_bytes(seq: int) -> bytes:
-    if not 0 <= seq <= _MAX_SEQ:
-        raise ValueError(f"sequence number {seq} is out of range")
+    if not valid_seq(seq):
+        raise ValueError(f"sequence number {seq!r} is out of range (0 .. {MAX_SEQ}, an int)")
     return seq.to_bytes(SEQ_BYTES, "big")
 
 
 def parse_seq(b: bytes) -> int:
+    if type(b) is not bytes:
+        raise EventFormatError(f"a sequence number is {SEQ_BYTES} bytes, got a "
+                               f"{type(b).__name__}")
     if len(b) != SEQ_BYTES:
         raise EventFormatError(f"a sequence number is {SEQ_BYTES} bytes, got {len(b)}")
+    if b == END_SEQ:
+        raise EventFormatError("0xFF x 8 is the end marker, not a batch's sequence number")
     return int.from_bytes(b, "big")
 
 
@@ -61,6 +100,8 @@ def parse_reply(frames: list[bytes]) -> StreamMessage | None:
     if len(frames) != 4 or frames[0] != b"":
         raise EventFormatError(f"a reply has 4 frames after its envelope, got {len(frames)}")
     if frames[2] == END_SEQ:
+        if frames[3]:
+            raise EventFormatError("the end marker carries no payload")
         return None
     return StreamMessage(frames[1], parse_seq(frames[2]), frames[3])
 

@@ -9,8 +9,10 @@ answers replay and snapshot requests on the ROUTER socket (:mod:`kvstore.events.
 Sequence numbers start at the publisher's start time in microseconds since the epoch, so a
 restarted publisher's numbers never continue the old ones: a consumer's next expected number
 is never found in the new buffer, and it resyncs from a snapshot instead of splicing two
-histories. The first batch of every publisher is ``AllBlocksCleared``; an empty batch goes out
-after ``heartbeat_s`` without one, so consumers can tell a quiet publisher from a dead one.
+histories. Numbers wrap to 0 after ``2**64 - 2`` (:mod:`kvstore.events.frames`), some
+584,000 years after the epoch. The first batch of every publisher is ``AllBlocksCleared``; an
+empty batch goes out after ``heartbeat_s`` without one, so consumers can tell a quiet
+publisher from a dead one.
 """
 
 from __future__ import annotations
@@ -90,7 +92,13 @@ class EventPublisher:
     """Binds ``config.endpoint`` (PUB) and ``config.replay_endpoint`` (ROUTER) at once;
     ``endpoint`` / ``replay_endpoint`` are the addresses bound (a port 0 resolved)."""
 
-    def __init__(self, config: EventsConfig, *, context: zmq.Context | None = None) -> None:
+    def __init__(self, config: EventsConfig, *, context: zmq.Context | None = None,
+                 first_seq: int | None = None) -> None:
+        """``first_seq``: the first batch's sequence number (default: the start time in
+        microseconds since the epoch, modulo :data:`~kvstore.events.frames.SEQ_MOD`)."""
+        if first_seq is not None and not frames.valid_seq(first_seq):
+            raise ConfigError(f"first_seq must be an int in 0 .. {frames.MAX_SEQ}, got "
+                              f"{first_seq!r}")
         self.config = config
         self._ctx = context or zmq.Context()
         self._own_ctx = context is None
@@ -100,7 +108,8 @@ class EventPublisher:
         self._lock = threading.Lock()
         self._buffer: deque[frames.StreamMessage] = deque(maxlen=config.buffer_steps)
         self._topic = config.topic.encode()
-        self._next_seq = int(time.time() * 1e6)
+        self._next_seq = (int(time.time() * 1e6) % frames.SEQ_MOD if first_seq is None
+                          else first_seq)
         self._counts = {"batches": 0, "events": 0, "replays": 0, "snapshots": 0, "bad": 0}
         self._last_sent = 0.0
         self.endpoint = ""
@@ -137,8 +146,8 @@ class EventPublisher:
 
     def stats(self) -> PublisherStats:
         c = self._counts
-        return PublisherStats(self._next_seq - 1, c["batches"], c["events"], c["replays"],
-                              c["snapshots"], c["bad"],
+        return PublisherStats(frames.prev_seq(self._next_seq), c["batches"], c["events"],
+                              c["replays"], c["snapshots"], c["bad"],
                               sum(len(m) for m in list(self._mirrors.values())),
                               self._queue.qsize())
 
@@ -250,7 +259,7 @@ class EventPublisher:
         assert self._pub is not None
         for chunk in self._batches(events):
             msg = frames.StreamMessage(self._topic, self._next_seq, self._encode(chunk))
-            self._next_seq += 1
+            self._next_seq = frames.next_seq(self._next_seq)
             self._pub.send_multipart([msg.topic, frames.seq_bytes(msg.seq), msg.payload])
             self._buffer.append(msg)
             self._counts["batches"] += 1
@@ -277,14 +286,19 @@ class EventPublisher:
                 log.debug("replay client gone: %s", e)
 
     def _send_replay(self, client: bytes, start: int) -> None:
+        """Every buffered batch from number ``start`` on (vLLM's ``seq >= start``), "on"
+        counted the shorter way round the wrap (:func:`~kvstore.events.frames.seq_diff`): in
+        the order published, ``2**64 - 2`` before ``0``; nothing for an invalid ``start``."""
         self._counts["replays"] += 1
-        for msg in self._buffer:
-            if msg.seq >= start:
+        if not frames.valid_seq(start):
+            return
+        for msg in list(self._buffer):
+            if frames.seq_diff(msg.seq, start) >= 0:
                 self._router.send_multipart(frames.reply(client, msg))  # type: ignore[union-attr]
 
     def _send_snapshot(self, client: bytes) -> None:
         self._counts["snapshots"] += 1
-        seq = self._next_seq - 1  # the state right now is the state after this batch
+        seq = frames.prev_seq(self._next_seq)  # the state now is the state after this batch
         events: list[Event] = [AllBlocksCleared()]
         for m in list(self._mirrors.values()):
             events.extend(m.snapshot())
