@@ -2,6 +2,8 @@
 three: it routes each prompt to the daemon that truly holds its longest prefix (checked by
 asking every daemon's lookup), before and after evictions and a daemon's restart."""
 
+import logging
+
 import pytest
 import torch
 from conftest import wait_until
@@ -48,7 +50,8 @@ def lookups(ds, keys):
     return out
 
 
-def test_route_follows_what_each_daemon_holds(daemons):
+def test_route_follows_what_each_daemon_holds(daemons, caplog):
+    caplog.set_level(logging.INFO, logger="kvstore.routing")
     specs = [EngineSpec(n, d.endpoint) for n, d in daemons.items()]
     # silence_s: long enough that a slow restart shows as a gap, not as falling silent
     with Subscriber(specs, silence_s=120) as sub:
@@ -97,3 +100,7 @@ def test_route_follows_what_each_daemon_holds(daemons):
         assert wait_until(lambda: agrees()[0], timeout=30), agrees()
         assert router.route(TOKENS).engine == "a"
         assert all(s.bad_messages == 0 for s in sub.stats())
+    # c's restart is a resync, not an error (issue 26: a KeyError traceback every time)
+    bad = [r for r in caplog.records if r.name.startswith("kvstore.routing")
+           and (r.levelno > logging.INFO or r.exc_info)]
+    assert not bad, [(r.levelname, r.getMessage(), r.exc_text) for r in bad]

@@ -141,3 +141,50 @@ def test_late_replies_and_overflow():
         f.on_live(msg(s, stored(s)), 0.0)  # more than the feed keeps while it waits
     ask = reply(f, [msg(1, AllBlocksCleared())])
     assert ask == Ask(True) and f.state == SYNCING  # it cannot join: another snapshot
+
+
+LAST = 2**64 - 2  # the largest sequence number: 0xFF x 8 is the replay's end marker
+
+
+def test_a_snapshot_at_the_last_number_continues_with_batch_0():
+    f, idx = feed()
+    assert f.on_live(msg(LAST - 1, stored(1)), 0.0) == Ask(True)
+    f.on_live(msg(LAST, stored(2, parent=1)), 0.0)  # covered by the snapshot: skipped
+    f.on_live(msg(0, stored(3, parent=2)), 0.0)  # after it: applied
+    assert reply(f, [msg(LAST, AllBlocksCleared(), stored(1, 2))]) is None
+    assert f.state == LIVE and f.expected == 1
+    for seq in (1, 2):
+        assert f.on_live(msg(seq, stored(3 + seq, parent=2 + seq)), 0.0) is None
+    assert idx.match([1, 2, 3, 4, 5]).blocks == (5,)
+    s = f.stats()
+    assert (s.state, s.expected, s.batches, s.gaps) == (LIVE, 3, 3, 0)
+
+
+def test_a_gap_across_the_wrap_is_replayed():
+    f, idx = feed()
+    f.on_live(msg(LAST - 2, stored(1)), 0.0)
+    reply(f, [msg(LAST - 2, AllBlocksCleared(), stored(1))])
+    assert f.expected == LAST - 1
+    assert f.on_live(msg(1, stored(5, parent=4)), 0.0) == Ask(False, LAST - 1)
+    assert reply(f, [msg(LAST - 1, stored(2, parent=1)), msg(LAST, stored(3, parent=2)),
+                     msg(0, stored(4, parent=3)), msg(1, stored(5, parent=4))]) is None
+    assert f.state == LIVE and f.expected == 2
+    assert idx.match([1, 2, 3, 4, 5]).blocks == (5,)
+    # a replay that skips the wrap's neighbour (LAST, then 1) does not continue the stream
+    assert f.on_live(msg(4, stored(9)), 0.0) == Ask(False, 2)
+    assert reply(f, [msg(2, stored(6, parent=5)), msg(4, stored(7, parent=6))]) == Ask(True)
+
+
+def test_numbers_out_of_range_are_counted_drops():
+    f, idx = live_feed()
+    for seq in (2**64 - 1, 2**64, -1, "11", 11.0, None):
+        assert f.on_live(StreamMessage(b"", seq, msg(11, stored(2)).payload), 0.0) is None
+    assert f.state == LIVE and f.expected == 11 and f.stats().bad_messages == 6
+    assert f.on_live(msg(11, stored(2, parent=1)), 0.0) is None
+    assert idx.match([1, 2]).blocks == (2,)
+    # in a reply as well
+    assert f.on_live(msg(13, stored(4)), 0.0) == Ask(False, 12)
+    assert f.on_reply(StreamMessage(b"", -5, b""), 0.0) is None
+    assert f.stats().bad_messages == 7
+    assert reply(f, [msg(12, stored(3, parent=2)), msg(13, stored(4, parent=3))]) is None
+    assert f.state == LIVE and idx.match([1, 2, 3, 4]).blocks == (4,)

@@ -15,7 +15,11 @@ publisher for a replay or a snapshot (:class:`Ask`).
 - Nothing heard for ``silence_s`` (kvstore publishers send a heartbeat every second): the
   engine **falls out** (its entry is emptied) until it is heard again and resynced.
 
-Malformed messages are counted and never raised: the worst they cause is a resync.
+Sequence numbers wrap to 0 after ``2**64 - 2`` and are compared the shorter way round
+(:func:`~kvstore.events.frames.seq_diff`): a snapshot at ``2**64 - 2`` continues with batch 0.
+
+Malformed messages (a number out of range or not an int, a payload that is not a batch) are
+counted and never raised: the worst they cause is a resync.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from kvstore.events.codec import DEFAULT_MAX_PAYLOAD, EventFormatError, decode_batch
-from kvstore.events.frames import StreamMessage
+from kvstore.events.frames import StreamMessage, next_seq, seq_diff, valid_seq
 from kvstore.routing.index import PrefixIndex
 
 log = logging.getLogger("kvstore.routing")
@@ -83,14 +87,17 @@ class EngineFeed:
     # -- inputs --------------------------------------------------------------------------------
     def on_live(self, msg: StreamMessage, now: float) -> Ask | None:
         self.last_heard = now
+        if not self._valid(msg):
+            return None
         if self.state == LIVE:
+            if self.expected is None:
+                self.expected = msg.seq  # following a publisher without snapshots
             if msg.seq == self.expected and self._apply(msg):
                 return None
             self._n["gaps"] += 1
-            log.info("engine %s: batch %d where %d was expected; resyncing", self.name,
-                     msg.seq, self.expected)
+            log.info("engine %s: batch %d where %d was expected (lost batches, or a restarted "
+                     "publisher); resyncing", self.name, msg.seq, self.expected)
             self._pend(msg)
-            assert self.expected is not None
             return self._ask(Ask(False, self.expected), now)
         self._pend(msg)
         if self.state in (NEW, SILENT) or (self._asked is None and now >= self._retry_at):
@@ -101,6 +108,8 @@ class EngineFeed:
         """A reply message (``None``: the end marker) to the request outstanding."""
         if self._asked is None:
             return None  # a late reply to a request given up on
+        if msg is not None and not self._valid(msg):
+            return None
         if msg is not None:
             if len(self._reply) < self.max_pending:
                 self._reply.append(msg)
@@ -149,6 +158,13 @@ class EngineFeed:
                          self.snapshot_supported)
 
     # -- internals -----------------------------------------------------------------------------
+    def _valid(self, msg: StreamMessage) -> bool:
+        if valid_seq(msg.seq) and type(msg.payload) is bytes:
+            return True
+        self._n["bad"] += 1
+        log.debug("engine %s: a message numbered %r dropped", self.name, msg.seq)
+        return False
+
     def _pend(self, msg: StreamMessage) -> None:
         if len(self._pending) >= self.max_pending:
             self._pending.clear()
@@ -188,7 +204,7 @@ class EngineFeed:
             return False
         self.index.apply(self.name, batch.events)
         self._n["batches"] += 1
-        self.expected = msg.seq + 1
+        self.expected = next_seq(msg.seq)
         return True
 
     def _finish_replay(self, reply: list[StreamMessage]) -> bool:
@@ -196,12 +212,12 @@ class EngineFeed:
             return False  # that history is gone (or belongs to another publisher)
         batches = [self._decode(m) for m in reply]
         if any(b is None for b in batches) or any(
-                m.seq != reply[0].seq + i for i, m in enumerate(reply)):
+                m.seq != next_seq(p.seq) for p, m in zip(reply, reply[1:], strict=False)):
             return False
         for b in batches:
             self.index.apply(self.name, b.events)  # type: ignore[union-attr]
             self._n["batches"] += 1
-        self.expected = reply[-1].seq + 1
+        self.expected = next_seq(reply[-1].seq)
         self._n["replays"] += 1
         return True
 
@@ -221,7 +237,9 @@ class EngineFeed:
         for b in batches:
             self.index.apply(self.name, b.events)  # type: ignore[union-attr]
         self._n["snapshots"] += 1
-        self.expected = seq + 1
+        self.expected = next_seq(seq)
+        log.info("engine %s: resynced from its publisher's snapshot (after batch %d)",
+                 self.name, seq)
         return True
 
     def _drain(self, now: float) -> Ask | None:
@@ -236,7 +254,7 @@ class EngineFeed:
             msg = self._pending[0]
             if self.expected is None:
                 self.expected = msg.seq  # following a publisher without snapshots
-            if msg.seq < self.expected:
+            if seq_diff(msg.seq, self.expected) < 0:
                 self._pending.popleft()  # covered by the replay or the snapshot
                 continue
             if msg.seq == self.expected:

@@ -5,6 +5,11 @@ way, a DEALER to the engine's replay socket (a fresh one per request, so a late 
 abandoned request can never be taken for the next one). Each engine's :class:`EngineFeed`
 decides what to apply and what to ask for; anything that goes wrong with a message is counted
 and the thread carries on.
+
+Each socket has one owner, this thread, and one way out, :meth:`Subscriber._close_socket`:
+it leaves the poller and the socket map, then closes, exactly once. A DEALER is closed when
+its request is answered (before the feed hears the end marker, so whatever the feed asks next
+gets a fresh one) or abandoned (a request that timed out, a new one due).
 """
 
 from __future__ import annotations
@@ -80,6 +85,7 @@ class Subscriber:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._stats: dict[str, FeedStats] = {}
         self._running = True
+        self._closed = False
         for spec in engines:
             self.add(spec)
         self._thread = threading.Thread(target=self._run, name="kvstore-routing", daemon=True)
@@ -113,12 +119,19 @@ class Subscriber:
         return False
 
     def close(self) -> None:
+        """Stop the thread and close every socket. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
         self._running = False
         self._thread.join(10)
-        for e in self._engines.values():
-            e.sub.close(linger=0)
+        if self._thread.is_alive():  # its sockets are its own: leave them to it
+            log.warning("the KV event subscriber's thread did not stop; its sockets are left")
+            return
+        for e in list(self._engines.values()):
             if e.dealer is not None:
-                e.dealer.close(linger=0)
+                self._close_socket(e, e.dealer)
+            self._close_socket(e, e.sub)
         self._ctx.term()
 
     def __enter__(self) -> Subscriber:
@@ -193,11 +206,13 @@ class Subscriber:
         self._stats[spec.name] = feed.stats()
 
     def _close_socket(self, e: _Engine, sock: zmq.Socket) -> None:
-        self._poller.unregister(sock)
-        self._by_socket.pop(sock, None)
-        sock.close(linger=0)
+        """The one way a registered socket goes: out of the poller, then closed, once."""
         if sock is e.dealer:
             e.dealer = None
+        if self._by_socket.pop(sock, None) is None:
+            return  # not registered (so not ours to close again)
+        self._poller.unregister(sock)
+        sock.close(linger=0)
 
     def _read_live(self, e: _Engine, now: float) -> None:
         for _ in range(_BURST):
@@ -226,10 +241,12 @@ class Subscriber:
             except EventFormatError:
                 e.feed.on_bad()
                 continue
-            self._send(e, e.feed.on_reply(msg, now), now)
             if msg is None:
+                # answered: this socket is done before the feed, which may ask again at once
                 self._close_socket(e, dealer)
+                self._send(e, e.feed.on_reply(None, now), now)
                 return
+            self._send(e, e.feed.on_reply(msg, now), now)
 
     def _send(self, e: _Engine, ask: Ask | None, now: float) -> None:
         if ask is None:
@@ -240,16 +257,21 @@ class Subscriber:
             # no replay socket: an empty answer, so the feed follows the stream from here
             self._send(e, e.feed.on_reply(None, now), now)
             return
+        try:
+            request = (frames.snapshot_request() if ask.snapshot
+                       else frames.replay_request(ask.start_seq))
+        except ValueError as err:  # the feed's numbers are checked: a bug, not a peer
+            log.warning("engine %s: request not sent: %s", e.spec.name, err)
+            return
         d = self._ctx.socket(zmq.DEALER)
         d.setsockopt(zmq.MAXMSGSIZE, self.max_payload + 4096)
         d.setsockopt(zmq.RCVHWM, 0)  # a snapshot arrives whole
         d.setsockopt(zmq.LINGER, 0)
         try:
             d.connect(e.spec.replay_endpoint)
-            d.send_multipart(frames.snapshot_request() if ask.snapshot
-                             else frames.replay_request(ask.start_seq), zmq.NOBLOCK)
+            d.send_multipart(request, zmq.NOBLOCK)
         except zmq.ZMQError as err:
-            d.close(linger=0)
+            d.close(linger=0)  # never registered: closed here, its only owner so far
             log.debug("engine %s: request not sent: %s", e.spec.name, err)
             return
         e.dealer = d
