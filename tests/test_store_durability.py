@@ -225,3 +225,23 @@ def test_evict_of_the_disk_copies_is_not_undone_by_the_writer(tmp_path, monkeypa
     assert s.lookup(keys) == 4  # memory keeps them
     s.close()
     assert on_disk(tmp_path, {0: keys}) == set()
+
+
+def test_evict_of_the_disk_copies_of_refused_blocks_is_not_undone_by_the_next_flush(
+        tmp_path, monkeypatch):
+    """A block the disk refused waits for the next flush's retry; an evict of its disk copy
+    (tier="disk") takes it off that list too, so the retry does not write it after all."""
+    refusing = threading.Event()
+    refuse(monkeypatch, refusing)
+    s = open_(tmp_path)
+    refusing.set()
+    keys = s.block_keys(tokens(8, 4))
+    s.put(keys, keyed_kv(LAY, keys)).wait()
+    s.state.writer.flush()  # the disk refused them: memory-only, retried by the next flush
+    s.evict(keys, tier="disk")
+    refusing.clear()
+    s.flush()  # nothing to vouch for: the caller took them off the disk
+    assert s.lookup(keys) == 4  # memory keeps them
+    s.close()
+    assert on_disk(tmp_path, {0: keys}) == set()
+

@@ -92,6 +92,8 @@ class WriteBack:
                 for k in list(cat.keys()) if keys is None else keys:
                     cat.discard_dirty(k)
                     st.came_from.pop(k, None)
+                # nor does the next flush's retry of what the disk refused write them back
+                st.durability.forget(list(st.durability.unwritten) if keys is None else keys)
         return dropped
 
     def _write_pass(self) -> bool:
