@@ -245,3 +245,24 @@ def test_evict_of_the_disk_copies_of_refused_blocks_is_not_undone_by_the_next_fl
     s.close()
     assert on_disk(tmp_path, {0: keys}) == set()
 
+
+def test_a_refused_block_written_later_and_then_evicted_is_not_reported_lost(
+        tmp_path, monkeypatch):
+    """Second-hit admission writes a block again on its next use: once the disk took it, it
+    is durable, and leaving memory afterwards does not make the next flush report it."""
+    refusing = threading.Event()
+    refuse(monkeypatch, refusing)
+    with open_(tmp_path, admission="second-hit") as s:
+        keys = s.block_keys(tokens(9, 3))
+        s.put(keys, keyed_kv(LAY, keys)).wait()
+        refusing.set()
+        s.fetch(keys).wait()
+        s.fetch(keys).wait()  # the second use: written to disk, which refuses them
+        s.state.writer.flush()
+        assert s.stats().disk_write_dropped == 3
+        refusing.clear()
+        s.fetch(keys).wait()  # the next use writes them again: the disk takes them now
+        s.state.writer.flush()
+        assert s.evict(keys, tier="warm") == 3  # on disk: they may leave memory
+        s.flush()  # every block put is on disk: nothing to report
+    assert on_disk(tmp_path, {0: keys}) == {0}

@@ -182,7 +182,9 @@ class WriteBack:
             if not ok:
                 self.st.counters.disk_write_dropped += len(jobs)
                 self.st.durability.failed([j[0] for j in jobs], cat, self.failure)
-            elif self.st.durable is not None:
+            else:  # on disk now: a refusal of an earlier write of theirs is settled
+                self.st.durability.forget([j[0] for j in jobs])
+            if ok and self.st.durable is not None:
                 self.st.announce_stored(self.st.durable.name, [j[0] for j in jobs],
                                         [j[1] for j in jobs])
         if ok:
