@@ -127,7 +127,6 @@ class _PathWorker:
             )
 
     def _start(self, job: Job) -> None:
-        job.started = time.monotonic()
         try:
             if self.stream is not None:
                 assert self.streams is not None
@@ -138,6 +137,9 @@ class _PathWorker:
         except BaseException as e:  # reported through the transfer
             self._complete(job, False, e)
             return
+        # the bound counts from the copies being queued, not from what run waited for first
+        # (a fetch waits up to the bound for a put still copying: FetchPlan.deps)
+        job.started = time.monotonic()
         if job.events:
             self._inflight.append(job)
         else:
@@ -179,6 +181,9 @@ class _PathWorker:
                 continue
             self._inflight.popleft()
             self._complete(job, True, None)
+            if self._inflight:  # the stream runs it from now on: its bound starts now
+                nxt = self._inflight[0]
+                nxt.started = max(nxt.started, time.monotonic())
 
     def _fail_inflight(self, error: BaseException) -> None:
         """Fail every in-flight job, the oldest first: the copies behind a failed one on the

@@ -247,3 +247,49 @@ def test_a_copy_that_never_completes_fails_within_the_bound():
         t.wait(5)
     assert eng.drain(5)  # the old drain spun for ever: pending never reached 0
     eng.close()
+
+
+class _DoneAt:
+    """An event that completes at a given time (a copy the device finishes then)."""
+
+    def __init__(self, at: float) -> None:
+        self.at = at
+
+    def query(self) -> bool:
+        return time.monotonic() >= self.at
+
+
+def _finish(t):
+    return lambda ok, err: t.set_error(err) if err else t.set_result(ok)
+
+
+def test_the_copy_bound_starts_when_the_copy_is_queued_not_while_its_job_waits_for_a_put():
+    """A fetch's job waits on its own thread for a put still copying (up to the bound), then
+    queues its copy: the copy's bound counts from then, not from the wait's start."""
+    eng = CopyEngine(torch.device("cpu"), copy_timeout_s=2.0)
+    put, fetch = Transfer(), Transfer()
+    t0 = time.monotonic()
+    eng.submit("d2h", Job(put, lambda stream: [_DoneAt(t0 + 1.5)], _finish(put)))
+
+    def run(stream):
+        put.wait(10)  # FetchPlan.deps: the put's bytes first
+        return [_DoneAt(time.monotonic() + 0.8)]
+
+    eng.submit("h2d", Job(fetch, run, _finish(fetch)))
+    assert fetch.wait(10) is True  # 0.8 s of copy: well within the 2 s bound
+    assert eng.device_errors() == 0
+    eng.close()
+
+
+def test_the_copy_bound_of_a_job_queued_behind_another_starts_when_that_one_completes():
+    """Copies on one stream run one after the other: the second's bound is not spent while
+    the device is still doing the first."""
+    eng = CopyEngine(torch.device("cpu"), copy_timeout_s=2.0)
+    first, second = Transfer(), Transfer()
+    t0 = time.monotonic()
+    eng.submit("h2d", Job(first, lambda stream: [_DoneAt(t0 + 1.5)], _finish(first)))
+    eng.submit("h2d", Job(second, lambda stream: [_DoneAt(t0 + 2.3)], _finish(second)))
+    assert first.wait(10) is True
+    assert second.wait(10) is True  # 0.8 s after the first: within the bound
+    assert eng.device_errors() == 0
+    eng.close()
