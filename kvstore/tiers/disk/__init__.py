@@ -25,8 +25,9 @@ Guarantees:
 | module | holds |
 | --- | --- |
 | ``tier`` | :class:`DiskTier`: lifecycle, namespaces, lookups, touches, listing, stats (delegating) |
+| ``context`` | :class:`DiskContext`: the state the modules share (the tier hands it to them) |
 | ``records`` | the public records: ``DiskWrite``, ``DiskRecord``, ``DiskStats``, ``NamespaceInfo``, ``Finding``, ``CompactResult`` |
-| ``reads`` | read planning (runs per segment, ``preadv``), verification, damage handling |
+| ``reads`` | read planning (runs per segment, ``preadv``), verification, damage reports |
 | ``writes`` | encoding, grouping into segments, segment writes and the commit |
 | ``txn`` | index write transactions, unlinking emptied segments after commit, segment ids |
 | ``eviction`` | leaf-first LRU down to the capacity |
