@@ -242,3 +242,39 @@ def test_skipped_without_vllm(tmp_path, monkeypatch):
     res = run_sections(["serve"], BenchOptions(quick=True, workdir=str(tmp_path)), log=io.StringIO())
     assert res.ok and not res.rows
     assert len(res.skipped) == 1 and "serve: not available (no vLLM environment" in res.skipped[0]
+
+
+def test_a_failed_run_is_recorded_and_the_rest_still_runs(tmp_path, monkeypatch):
+    b = sv.Bench("/py", tmp_path, sv.QUICK, io.StringIO())
+    b.lengths = {"prefix_repetition": [288] * 4, "mooncake": [64] * 6}
+    started: list[sv.Group] = []
+
+    def start_engines(case, phase, n):
+        out = []
+        for e in range(n):
+            g = b.procs.start([sys.executable, "-c", "import time; time.sleep(300)"],
+                              tmp_path / f"{case}-{phase}-{e}.log")
+            started.append(g)
+            out.append((g, 1000 + e))
+        return out
+
+    driven = []
+
+    def drive(case, phase, engine, port, workload):
+        driven.append((case, phase, engine, workload))
+        if (phase, workload) == ("cold", "prefix_repetition"):
+            raise RuntimeError("client exited with 1")
+        return sv.RunResult(case, phase, engine, workload, {})
+
+    monkeypatch.setattr(b, "start_engines", start_engines)
+    monkeypatch.setattr(b, "drive", drive)
+    b.run_case(sv.Case("example", "x", 1, ("cold", "restart")))
+    # ExampleConnector leaves the trace out; the failed cold run does not stop the restart
+    assert driven == [("example", "cold", 0, "prefix_repetition"),
+                      ("example", "restart", 0, "prefix_repetition")]
+    assert [f["error"] for f in b.failures] == ["RuntimeError: client exited with 1"]
+    b.run_case(sv.Case("embedded", "x", 1, ("cold",)))
+    assert driven[-1] == ("embedded", "cold", 0, "mooncake")
+    assert len(b.failures) == 2
+    # every engine was stopped when its phase ended
+    assert not any(g.group_alive() for g in started) and b.procs.groups == []
