@@ -266,3 +266,34 @@ def test_a_refused_block_written_later_and_then_evicted_is_not_reported_lost(
         assert s.evict(keys, tier="warm") == 3  # on disk: they may leave memory
         s.flush()  # every block put is on disk: nothing to report
     assert on_disk(tmp_path, {0: keys}) == {0}
+
+
+def test_a_pass_that_cannot_copy_its_blocks_off_the_device_does_not_let_flush_vouch(
+        tmp_path, monkeypatch):
+    """After a faulting copy, CUDA fails every later copy (a sticky error): the writer's copy
+    of its blocks to host memory raises. Those blocks are not on disk: flush says so, and
+    they stay in memory, unpinned, for the next flush."""
+    from kvstore.store.write_back import WriteBack
+
+    real = WriteBack.take_dirty
+    failing = threading.Event()
+
+    def take_dirty(self, limit):
+        jobs = real(self, limit)
+        if failing.is_set():  # a tensor that cannot be copied to the host, as a faulted device's
+            jobs = [(k, p, torch.empty(d.shape, dtype=d.dtype, device="meta"), c)
+                    for k, p, d, c in jobs]
+        return jobs
+
+    monkeypatch.setattr(WriteBack, "take_dirty", take_dirty)
+    with open_(tmp_path) as s:
+        keys = s.block_keys(tokens(10, 3))
+        failing.set()
+        s.put(keys, keyed_kv(LAY, keys)).wait()
+        with pytest.raises(NotDurableError) as ei:
+            s.flush()
+        assert ei.value.blocks == 3
+        assert s.stats().pinned_blocks == 0
+        failing.clear()
+        s.flush()  # written again, now that the copy works
+    assert on_disk(tmp_path, {0: keys}) == {0}

@@ -109,7 +109,14 @@ class WriteBack:
         if not jobs:
             self.commit()
             return False
-        cpu = [(k, p, d if d.device.type == "cpu" else d.to("cpu"), c) for k, p, d, c in jobs]
+        try:
+            cpu = [(k, p, d if d.device.type == "cpu" else d.to("cpu"), c) for k, p, d, c in jobs]
+        except Exception as e:  # a device error (CUDA's is sticky after a faulting copy)
+            log.exception("copying %d dirty blocks off the device failed; they stay "
+                          "memory-only", len(jobs))
+            self.failure = f"unexpected {type(e).__name__}: {e}"
+            self.settle(jobs, False)  # unpinned, and flush does not vouch for them
+            return True
         durable = self.st.durable
         ok, staged = True, False
         for t, tier in enumerate(self.st.lower):
