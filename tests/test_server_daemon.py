@@ -17,7 +17,6 @@ from conftest import wait_until
 from kvstore import ConfigError, KVLayout, connect
 from kvstore.client import Client
 from kvstore.daemon.security import SHM_PREFIX, bind_unix_socket
-from kvstore.wire.messages import ErrorCode, ServerError
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.bfloat16, block_tokens=4)
 MEMORY = ("--cpu-capacity", "1MiB", "--disk-capacity", "0")
@@ -246,12 +245,14 @@ def test_unix_socket_rejects_a_non_protocol_peer_quickly(shared):
     s.close()
 
 
-def test_warm_tier_that_does_not_fit_in_shared_memory_is_refused(serve):
+def test_warm_tier_that_does_not_fit_in_shared_memory_is_refused(serve, tmp_path):
+    # refused when serve starts (issue 31: one line, exit 2), not at the first connect and
+    # never as a SIGBUS later
     free = os.statvfs("/dev/shm").f_bavail * os.statvfs("/dev/shm").f_frsize
-    d = serve("--cpu-capacity", str(free + (1 << 30)), "--disk-capacity", "0")
-    with pytest.raises(ServerError, match="no room") as e:  # not a SIGBUS later
-        connect(d.socket_path, layout=LAYOUT, model_id="big", device="cpu")
-    assert e.value.code == ErrorCode.CONFIG
+    with pytest.raises(RuntimeError, match="does not fit in shared memory"):
+        serve("--cpu-capacity", str(free + (1 << 30)), "--disk-capacity", "0",
+              path=tmp_path / "big", socket=tmp_path / "big-run" / "kvstore.sock")
+    d = serve("--cpu-capacity", "8MiB", "--disk-capacity", "0")
     with connect(d.socket_path, layout=LAYOUT, model_id="small", device="cpu",
                  warm_capacity="1MiB") as c:
         keys = c.block_keys(list(range(8)))

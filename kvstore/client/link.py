@@ -59,7 +59,10 @@ class Link:
         except _CONFIG_ERRORS:
             raise
         except ServerError as e:
-            if not wait or e.code in (ErrorCode.CONFIG, ErrorCode.BAD_REQUEST):
+            # a daemon that answered with its own transient trouble (busy namespaces,
+            # shutting down) is there: miss and retry, as later; anything else raises
+            if e.code in (ErrorCode.CONFIG, ErrorCode.BAD_REQUEST) or (
+                    not wait and e.code not in _SOFT_CODES):
                 raise
             self._mark_down(e)
         except (OSError, ChannelClosed) as e:
