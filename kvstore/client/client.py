@@ -457,8 +457,10 @@ class Client:
         if not answered:  # lost while flushing
             self._unconfirmed(pending)
             return
+        # a refused flush vouched for nothing: the counts stay for the next one (which also
+        # tells whether this daemon survived until its disk took them)
         with self._put_lock:  # puts committed meanwhile stay for the next flush
-            for inst, n in pending.items():
+            for inst, n in pending.items() if refused is None else ():
                 left = self._unflushed.get(inst, 0) - n
                 if left > 0:
                     self._unflushed[inst] = left

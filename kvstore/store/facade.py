@@ -4,6 +4,7 @@ it (residency, fetch, put, paged, write_back, zero_copy) over one
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -12,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvstore.api import BorrowedBlocks, PinReceipt, PutGrant
+from kvstore.errors import KVStoreError
 from kvstore.index import Catalog
 from kvstore.keys import BlockKey, KeyChain
 from kvstore.keys import block_keys as _block_keys
@@ -178,7 +180,8 @@ class Store:
             st.check_open()
             copies = {id(t): t for k, t in st.pending.items() if wanted is None or k in wanted}
         for t in copies.values():  # a put's copy in flight: its blocks become evictable
-            t.wait()
+            with contextlib.suppress(KVStoreError):  # a failed copy stored nothing
+                t.wait()
         with self.write_back.pass_lock:  # no writer pass in flight from here on
             queued = self.write_back.revoke(wanted, memory=tier == "disk")
             return queued + self.residency.evict(ks, tier=tier)

@@ -90,6 +90,8 @@ class WriteBack:
             if memory:
                 cat = st.catalog
                 for k in list(cat.keys()) if keys is None else keys:
+                    if cat.is_pinned(k):  # a pinned block keeps its disk copy (and its write)
+                        continue
                     cat.discard_dirty(k)
                     st.came_from.pop(k, None)
                 # nor does the next flush's retry of what the disk refused write them back
