@@ -8,11 +8,10 @@ from __future__ import annotations
 import functools
 import os
 import random
-import time
 
 import pytest
 import torch
-from support.disk import chain, namespace, small_layout, writes
+from support.disk import chain, fork_call, namespace, small_layout, wait_child, writes
 
 from kvstore.tiers.disk import DiskTier
 
@@ -21,33 +20,6 @@ pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
 LAY = small_layout(torch.bfloat16)
 BN = LAY.block_nbytes
 
-
-def _fork(fn) -> int:
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            fn()
-            code = 0
-        except BaseException:
-            import traceback
-
-            traceback.print_exc()
-        finally:
-            os._exit(code)
-    return pid
-
-
-def _wait(pid: int, timeout: float = 120.0) -> int:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        p, status = os.waitpid(pid, os.WNOHANG)
-        if p:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.01)
-    os.kill(pid, 9)
-    os.waitpid(pid, 0)
-    raise AssertionError("child process timed out")
 
 
 RUNS = int(os.environ.get("KVSTORE_BUDGET_RUNS", "8"))
@@ -99,8 +71,8 @@ def test_two_writers_over_a_small_budget_leave_no_unreachable_block(tmp_path):
         with DiskTier(path, capacity_bytes=CAPACITY) as t:
             t.register_namespace(ns)
         r, w = os.pipe()
-        pids = [_fork(functools.partial(_budget_writer, path, wr, run, w)) for wr in (0, 1)]
-        assert [_wait(p) for p in pids] == [0, 0]
+        pids = [fork_call(functools.partial(_budget_writer, path, wr, run, w)) for wr in (0, 1)]
+        assert [wait_child(p) for p in pids] == [0, 0]
         os.close(w)
         with os.fdopen(r) as f:
             seen.append(sum(int(x) for x in f.read().split()))

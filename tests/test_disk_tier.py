@@ -19,10 +19,12 @@ from safetensors import safe_open
 from support.disk import (
     block_data,
     chain,
+    fork_call,
     namespace,
     populate_fake_index,
     small_layout,
     verify_all,
+    wait_child,
     writes,
 )
 
@@ -433,33 +435,6 @@ def test_two_tiers_one_process_share_env(tmp_path):
         b.close()
 
 
-def _fork(fn) -> int:
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            fn()
-            code = 0
-        except BaseException:
-            import traceback
-
-            traceback.print_exc()
-        finally:
-            os._exit(code)
-    return pid
-
-
-def _wait(pid: int, timeout: float = 60.0) -> int:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        p, status = os.waitpid(pid, os.WNOHANG)
-        if p:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.01)
-    os.kill(pid, 9)
-    os.waitpid(pid, 0)
-    raise AssertionError("child process timed out")
-
 
 def test_tier_used_across_fork(tmp_path):
     ns = namespace(BF16)
@@ -473,7 +448,7 @@ def test_tier_used_across_fork(tmp_path):
             t.write_blocks(writes(chain("f1", 2), ns))
             t.close()
 
-        assert _wait(_fork(child)) == 0
+        assert wait_child(fork_call(child), 60.0) == 0
         assert t.leading_run(chain("f1", 2)) == 2  # the parent's tier still works
         t.write_blocks(writes(chain("f2", 2), ns))
         ok, bad = verify_all(t, BF16)
@@ -508,8 +483,8 @@ def test_two_processes_write_and_read_concurrently(tmp_path):
         assert s.read_damaged == 0
         t.close()
 
-    pids = [_fork(lambda w=w: worker(w)) for w in (0, 1)]
-    assert [_wait(p) for p in pids] == [0, 0]
+    pids = [fork_call(lambda w=w: worker(w)) for w in (0, 1)]
+    assert [wait_child(p, 60.0) for p in pids] == [0, 0]
     with DiskTier(tmp_path, capacity_bytes=1 << 30) as t:
         ok, bad = verify_all(t, BF16)
         assert ok == 4 * 30 and not bad
@@ -546,7 +521,7 @@ def test_compaction_in_one_process_while_another_reads(tmp_path):
         assert s.read_damaged == 0 and s.read_missing == 0
         t.close()
 
-    pid = _fork(reader)
+    pid = fork_call(reader)
     os.close(r)
     with open_tier(tmp_path) as t:
         moved = 0
@@ -557,7 +532,7 @@ def test_compaction_in_one_process_while_another_reads(tmp_path):
         assert moved >= 32
         os.write(w, b"x")
         os.close(w)
-        assert _wait(pid) == 0
+        assert wait_child(pid, 60.0) == 0
         ok, bad = verify_all(t, BF16)
         assert ok == 32 and not bad
         assert t.check() == []
@@ -606,7 +581,7 @@ def test_map_grown_by_another_process(tmp_path):
                 c.write_blocks(writes(chain(f"mg{i + 1}", 10), ns))
             c.close()
 
-        assert _wait(_fork(child)) == 0
+        assert wait_child(fork_call(child), 60.0) == 0
         # this process's map is now smaller than the file: the next transactions adopt it
         assert t.stats().blocks == 202
         assert t.leading_run(chain("mg20", 10)) == 10
@@ -714,7 +689,7 @@ def test_check_fix_while_another_process_writes(tmp_path):
             os.write(w, b"".join(k for k in ks))
         c.close()
 
-    pid = _fork(writer)
+    pid = fork_call(writer)
     os.close(w)
     with DiskTier(tmp_path, capacity_bytes=1 << 30) as t:
         rounds = 0

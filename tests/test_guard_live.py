@@ -12,7 +12,7 @@ import time
 import lmdb
 import pytest
 import torch
-from support.disk import chain, namespace, small_layout, writes
+from support.disk import chain, fork_call, namespace, small_layout, wait_child, writes
 
 from kvstore.errors import StoreCorruptError
 from kvstore.tiers.disk import DiskTier
@@ -22,33 +22,6 @@ pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
 LAY = small_layout(torch.bfloat16)
 BN = LAY.block_nbytes
 
-
-def _fork(fn) -> int:
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            fn()
-            code = 0
-        except BaseException:
-            import traceback
-
-            traceback.print_exc()
-        finally:
-            os._exit(code)
-    return pid
-
-
-def _wait(pid: int, timeout: float = 120.0) -> int:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        p, status = os.waitpid(pid, os.WNOHANG)
-        if p:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.01)
-    os.kill(pid, 9)
-    os.waitpid(pid, 0)
-    raise AssertionError("child process timed out")
 
 
 OPENS = int(os.environ.get("KVSTORE_OPEN_STRESS", "1000"))
@@ -110,7 +83,7 @@ def test_opening_a_store_another_process_grows_is_never_a_false_alarm(tmp_path, 
         t.register_namespace(ns)
         t.write_blocks(writes(chain("first", 4), ns))
     r, w = os.pipe()
-    pid = _fork(lambda: (os.close(w), _grow(tmp_path, ns, r)))
+    pid = fork_call(lambda: (os.close(w), _grow(tmp_path, ns, r)))
     os.close(r)
     for mod in (guard, lmdb_meta):
         monkeypatch.setattr(mod, "os", _Stalled())
@@ -128,7 +101,7 @@ def test_opening_a_store_another_process_grows_is_never_a_false_alarm(tmp_path, 
     finally:
         os.write(w, b"x")
         os.close(w)
-        assert _wait(pid) == 0
+        assert wait_child(pid) == 0
     assert not alarms, f"{len(alarms)} false alarms in {OPENS} opens; the first: {alarms[0]}"
     with DiskTier(tmp_path, capacity_bytes=1 << 30) as t:
         assert t.check() == []

@@ -228,3 +228,34 @@ def crash_round(path: str, layout: KVLayout, *, seed: int, kill_after: float,
         tier.close()
     return {"blocks": ok, "findings": [f.kind for f in findings], "must": len(must),
             "reopen_s": reopen_s, "present": held}
+
+
+def fork_call(fn) -> int:
+    """Run ``fn()`` in a forked child (exit 0 if it returned, 1 with the traceback printed if
+    it raised); returns the child's pid for :func:`wait_child`."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            fn()
+            code = 0
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    return pid
+
+
+def wait_child(pid: int, timeout: float = 120.0) -> int:
+    """The exit code of child ``pid``; kills it and fails the test after ``timeout`` s."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        p, status = os.waitpid(pid, os.WNOHANG)
+        if p:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.01)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    raise AssertionError("child process timed out")
