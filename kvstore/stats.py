@@ -75,3 +75,22 @@ class Counters:
     dirty_dropped: int = 0
     disk_write_dropped: int = 0
     served: dict[str, int] = field(default_factory=dict)  # tier name -> blocks served from it
+
+    # each counter of a call is counted in one place: the store's jobs call these
+    def looked_up(self, asked: int, found: int, *, calls: int = 1) -> None:
+        """``calls`` lookups asked for ``asked`` blocks and found ``found`` of them."""
+        self.lookups += calls
+        self.hits += found
+        self.misses += asked - found
+
+    def fetched(self, asked: int, got: int) -> None:
+        """One fetch (or lease, or borrow) asked for ``asked`` blocks and returned ``got``."""
+        self.fetches += 1
+        self.fetched_blocks += got
+        self.fetch_short += asked - got
+
+    def put_called(self, duplicates: int, dropped: int) -> None:
+        """One put (or granted put): ``duplicates`` already held, ``dropped`` cut off."""
+        self.puts += 1
+        self.put_duplicates += duplicates
+        self.put_dropped += dropped

@@ -14,7 +14,6 @@ import torch
 
 from kvstore.api import BorrowedBlocks, PinReceipt, PutGrant
 from kvstore.errors import KVStoreError
-from kvstore.index import Catalog
 from kvstore.keys import BlockKey, KeyChain
 from kvstore.keys import block_keys as _block_keys
 from kvstore.layout import KVLayout
@@ -83,7 +82,7 @@ class Store:
             st.engine.close()  # queued copies complete first
         if st.writer is not None:
             with st.lock:  # blocks the disk refused before get one last try
-                st.durability.retry(st.catalog)
+                self.residency.retry_unwritten()
             st.writer.close()  # drains what is dirty: close() implies flush()
             with st.lock:
                 error = st.durability.report()
@@ -102,7 +101,7 @@ class Store:
                     st.events.cleared(name)
             st.hot = st.warm = None
             st.lower = []
-            st.catalog = Catalog()
+            self.residency.clear()
 
     @property
     def warm_free_slots(self) -> int:
@@ -244,8 +243,8 @@ class Store:
             for k in ks:
                 if not self.residency.held(k):
                     break
-                st.catalog.pin(k)
                 pinned.append(k)
+            self.residency.pin(pinned)
             return PinReceipt(self.unpin, pinned)
 
     def unpin(self, keys: Sequence[bytes]) -> int:
@@ -255,7 +254,7 @@ class Store:
         with st.lock:
             if st.closed:
                 return 0
-            return sum(1 for k in ks if st.catalog.unpin(k))
+            return sum(1 for k in ks if self.residency.unpin_one(k))
 
     # -- flush / stats ------------------------------------------------------------------
     def flush(self, timeout: float | None = None) -> None:
@@ -276,7 +275,7 @@ class Store:
         if st.writer is None:
             return
         with st.lock:  # blocks the disk refused before: write them again
-            st.durability.retry(st.catalog)
+            self.residency.retry_unwritten()
         if not st.writer.flush(timeout):
             raise TimeoutError(f"flush did not finish within {timeout} s")
         with st.lock:

@@ -102,7 +102,7 @@ class Fetcher:
         with self.st.lock:
             self.st.check_open()
             plan = self.plan(ks, parent, want_result=want_result)
-        job = FetchJob(self, plan, len(ks), want_result, then)
+        job = self.job(plan, len(ks), want_result=want_result, then=then)
         try:
             job.start(out)
         except BaseException:
@@ -110,6 +110,12 @@ class Fetcher:
                 self.release_plan(plan, ok=False)
             raise
         return job.transfer, plan, job.result
+
+    def job(self, plan: FetchPlan, asked: int, *, want_result: bool = True,
+            then: Callable[[bool, BaseException | None], None] | None = None) -> FetchJob:
+        """The job that carries ``plan`` out (of a fetch of ``asked`` blocks): every fetch,
+        prefetch and lease is one, built here."""
+        return FetchJob(self, plan, asked, want_result, then)
 
     def check_out(self, out: torch.Tensor, n: int) -> None:
         check_out(self.st.layout, out, n, device=self.st.device)
@@ -121,7 +127,7 @@ class Fetcher:
         """Pin the leading held run of ``ks`` and lay out where each block comes from.
         ``warm_copies``: reserve warm slots for the blocks read from below (their warm
         copies); without, none is reserved, so nothing in warm is evicted for them."""
-        hot, warm, cat = self.st.hot, self.st.warm, self.st.catalog
+        hot, warm = self.st.hot, self.st.warm
         found: list[tuple[int, int, Located]] = []
         n = self.res.leading_run(ks, found)
         plan = FetchPlan(ks[:n], parent, [], [], [], [], [], [])
@@ -130,10 +136,9 @@ class Fetcher:
                 plan.source[start + q] = (t, loc, q)
         lower_pos: list[int] = []
         # per-block work of every fetch: plain dict lookups, no method call per key
-        hot_slots = hot._slots if hot is not None else {}
-        warm_slots = warm._slots if warm is not None else {}
+        hot_slots = hot.slots if hot is not None else {}
+        warm_slots = warm.slots if warm is not None else {}
         pending = self.st.pending
-        second_hit = self.st.writer is not None and self.st.config.admission == "second-hit"
         on_hot, on_warm, held = plan.hot.append, plan.warm.append, plan.pinned.append
         for i in range(n):
             k = ks[i]
@@ -151,9 +156,9 @@ class Fetcher:
                 dep = pending.get(k)
                 if dep is not None:
                     plan.deps.append((i, dep))
-            if second_hit and cat.use(k) >= 2:
-                cat.mark_dirty(k)
-        cat.pin_many(plan.pinned)
+        if self.res.used(plan.pinned) and self.st.writer is not None:
+            self.st.writer.notify()  # second-hit: blocks used twice go to disk
+        self.res.pin(plan.pinned)
         self.res.touch_chain(plan.keys)
         if lower_pos:
             assert warm is not None
@@ -165,8 +170,6 @@ class Fetcher:
         if want_result and hot is not None and (plan.warm or plan.lower):
             plan.promote = self.res.reserve(hot, len(plan.warm) + sum(1 for _, s in plan.lower if s >= 0))
         plan.valid = len(plan.keys)
-        if self.st.writer is not None and self.st.config.admission == "second-hit":
-            self.st.writer.notify()
         return plan
 
     @staticmethod
@@ -393,16 +396,8 @@ class Fetcher:
             assert warm is not None
             k = plan.keys[p] if p < len(plan.keys) else None
             if k is not None and p < n and k not in warm and p not in plan.unfilled:
-                if k not in cat:
-                    cat.add(k, plan.keys[p - 1] if p else plan.parent)
-                    t = plan.tier_of(p)
-                    if t > 0:
-                        # from a tier below the first (another host's, via Redis): copy it
-                        # into the tiers above that one too
-                        cat.mark_dirty(k)
-                        self.st.came_from[k] = t
-                    else:
-                        cat.set_on_disk(k)
+                self.res.read_from_below(k, plan.keys[p - 1] if p else plan.parent,
+                                         plan.tier_of(p))
                 warm.insert(k, slot)
                 warm.counters.promotions_in += 1
                 joined_warm.append(k)
@@ -426,7 +421,7 @@ class Fetcher:
                 self.res.touch_chain(plan.keys[:n])
             for low in self.st.lower:
                 low.touch(plan.keys[:n])
-        cat.unpin_many(plan.pinned)
+        self.res.unpin(plan.pinned)
 
     # -- prefetch / flush / stats -------------------------------------------------------------
     def prefetch(self, keys: Sequence[bytes]) -> Transfer[int]:
@@ -517,10 +512,7 @@ class FetchJob:
                 self.then(ok, error)
             return
         with self.st.lock:
-            c = self.st.counters
-            c.fetches += 1
-            c.fetched_blocks += plan.valid if ok else 0
-            c.fetch_short += self.asked - (plan.valid if ok else 0)
+            self.st.counters.fetched(self.asked, plan.valid if ok else 0)
             if ok:
                 self.fetcher.count_served(plan, plan.valid)
         filling = self.start_fill(ok)

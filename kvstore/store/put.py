@@ -76,19 +76,15 @@ class Putter:
         self, ks: list[BlockKey], parent: BlockKey | None, kv: torch.Tensor
     ) -> Transfer[int]:
         c = self.st.counters
-        c.puts += 1
-        cat = self.st.catalog
         new = self.res.new_blocks(ks, parent)
         new_pos, new_parents = new.positions, new.parents
-        c.put_duplicates += new.duplicates
-        c.put_dropped += new.dropped
+        c.put_called(new.duplicates, new.dropped)
         self.res.touch_chain(ks)
         if not new_pos:
             return Transfer.completed(0)
         # Link every new block to its parent first: a parent with a child may be demoted but
         # is never evicted as a leaf to make room for its own children.
-        for p, par in zip(new_pos, new_parents, strict=True):
-            cat.add(ks[p], par)
+        self.res.link([ks[p] for p in new_pos], new_parents)
         writes: list[tuple[MemoryTier, list[int], list[int]]] = []  # (tier, positions, slots)
         rest = new_pos
         for tier in (self.st.hot, self.st.warm):
@@ -103,16 +99,15 @@ class Putter:
             rest and self.st.durable is not None
             and self.st.overflow_bytes + len(rest) * self.st.layout.block_nbytes <= OVERFLOW_BYTES
         )
-        for p in reversed(rest):
-            cat.forget(ks[p])  # not in memory: the catalog tracks memory only
+        self.res.unlink([ks[p] for p in rest])  # not in memory: the catalog tracks memory only
         written: list[BlockKey] = []
         for tier, pos, slots in writes:
             for p, s in zip(pos, slots, strict=True):
                 k = ks[p]
                 tier.insert(k, s)
-                cat.pin(k)  # pending until the copy lands: not evicted, not read by the writer
                 written.append(k)
             self.st.announce_stored(tier.name, [ks[p] for p in pos])
+        self.res.pin(written)  # pending until the copy lands: not evicted, not read by the writer
         if written:
             # the whole chain again, leaf first, now with its new blocks: inserted root-first,
             # a chain's root would be its oldest block and every eviction would walk past all
@@ -184,13 +179,11 @@ class Putter:
         cat = self.st.catalog
         for k in written:
             self.st.pending.pop(k, None)
-            cat.unpin(k)
+        self.res.unpin(written)
         if self.st.closed:
             return
         if ok:
-            if self.st.writer is not None and self.st.config.admission == "always":
-                for k in written:
-                    cat.mark_dirty(k)
+            self.res.stored(written)
             return
         # Nothing of a failed copy may be visible: drop its blocks even if a fetch pinned them
         # meanwhile (such a fetch depends on this put and stops before them). Blocks of later
@@ -203,7 +196,7 @@ class Putter:
                 if t is not None and k in t:
                     t.remove(k)
                     self.st.announce_removed(t.name, [k])
-            cat.forget(k)
+            self.res.unlink((k,))
             dropped += 1
         self.st.counters.put_blocks -= dropped
         self.st.counters.put_dropped += dropped

@@ -1,13 +1,17 @@
 """Where blocks are: the leading held run across tiers, LRU touches, making room (eviction,
-demotion, leaf-first removal that keeps what is cached prefix-closed) and ``evict()``."""
+demotion, leaf-first removal that keeps what is cached prefix-closed) and ``evict()``.
+
+The store's catalog (links, pins, disk state) changes only through :class:`Residency`'s
+methods: the other jobs read it, and ask here to link, pin, mark or forget a block."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence, Set
+from collections.abc import Iterable, Sequence, Set
 from dataclasses import dataclass
 from itertools import islice, takewhile
 
 from kvstore.errors import ConfigError
+from kvstore.index import Catalog
 from kvstore.keys import BlockKey
 from kvstore.store.state import DISK, HOT, WARM, StoreState
 from kvstore.tiers.base import Located, LowerTier
@@ -53,8 +57,8 @@ class Residency:
         it located)``: a fetch reads those blocks with it, no second transaction.
         """
         i, n = 0, len(ks)
-        hot = self.st.hot._slots if self.st.hot is not None else {}
-        warm = self.st.warm._slots if self.st.warm is not None else {}
+        hot = self.st.hot.slots if self.st.hot is not None else {}
+        warm = self.st.warm.slots if self.st.warm is not None else {}
         lower = self.st.lower
         while i < n:
             # the hot loop of every lookup: stretches of dict probes run by C-level iterators
@@ -94,11 +98,102 @@ class Residency:
         with self.st.lock:
             self.st.check_open()
             n = self.leading_run(ks)
-            c = self.st.counters
-            c.lookups += 1
-            c.hits += n
-            c.misses += len(ks) - n
+            self.st.counters.looked_up(len(ks), n)
             return n
+
+    # -- the catalog: every change of it is one of these ------------------------------------
+    def link(self, keys: Iterable[BlockKey], parents: Iterable[BlockKey | None]) -> None:
+        """``keys`` enter the catalog under their parents (a put links its new blocks before
+        making room: a parent with a child is never evicted as a leaf for its children)."""
+        add = self.st.catalog.add
+        for k, par in zip(keys, parents, strict=True):
+            add(k, par)
+
+    def unlink(self, keys: Sequence[BlockKey]) -> None:
+        """``keys`` leave the catalog, last first (blocks that got no slot after all)."""
+        forget = self.st.catalog.forget
+        for k in reversed(keys):
+            forget(k)
+
+    def pin(self, keys: Iterable[BlockKey]) -> None:
+        """One pin on each of ``keys``: not evicted, not taken by the writer, until unpinned."""
+        self.st.catalog.pin_many(keys)
+
+    def unpin(self, keys: Iterable[BlockKey]) -> None:
+        """Drop one pin from each of ``keys`` (those not pinned are skipped)."""
+        self.st.catalog.unpin_many(keys)
+
+    def unpin_one(self, key: BlockKey) -> bool:
+        """Drop one pin from ``key``; False if it was not pinned."""
+        return self.st.catalog.unpin(key)
+
+    def stored(self, keys: Iterable[BlockKey]) -> None:
+        """``keys`` landed in memory by a put: dirty for the writer under ``"always"``."""
+        if self.st.writer is not None and self.st.disk_admission.on_store:
+            mark = self.st.catalog.mark_dirty
+            for k in keys:
+                mark(k)
+
+    def used(self, keys: Iterable[BlockKey]) -> bool:
+        """A fetch or lease uses ``keys`` (held in memory): under ``"second-hit"`` one used
+        a second time becomes dirty for the writer. True if the admission counts uses."""
+        if self.st.writer is None or not self.st.disk_admission.on_reuse:
+            return False
+        cat = self.st.catalog
+        for k in keys:
+            if cat.use(k) >= 2:
+                cat.mark_dirty(k)
+        return True
+
+    def read_from_below(self, key: BlockKey, parent: BlockKey | None, tier: int) -> None:
+        """``key`` joins memory from lower tier ``tier``: on disk already if that is the
+        first lower tier; from one below it (another host's, via Redis) it is dirty, to be
+        copied into the tiers above that one too."""
+        cat = self.st.catalog
+        if key in cat:
+            return
+        cat.add(key, parent)
+        if tier > 0:
+            cat.mark_dirty(key)
+            self.st.came_from[key] = tier
+        else:
+            cat.set_on_disk(key)
+
+    def take_dirty(self, limit: int) -> list[BlockKey]:
+        """Up to ``limit`` blocks waiting for the writer, oldest first, off the dirty list."""
+        return self.st.catalog.take_dirty(limit)
+
+    def written(self, keys: Iterable[BlockKey], ok: bool, reason: str | None = None) -> None:
+        """The writer's pass over ``keys`` ended: unpinned, with a lower copy if ``ok``;
+        if not, Durability keeps them for flush to report (``reason``) and retry."""
+        cat = self.st.catalog
+        ks = list(keys)
+        for k in ks:
+            cat.unpin(k)
+            if ok:
+                cat.set_on_disk(k)  # a lower copy exists (disk, or remote alone)
+        if ok:  # on disk now: a refusal of an earlier write of theirs is settled
+            self.st.durability.forget(ks)
+        else:
+            self.st.durability.failed(ks, cat, reason)
+
+    def stop_writing(self, keys: Iterable[BlockKey] | None) -> None:
+        """``keys`` (None: every block) in memory stop waiting for the writer, pinned ones
+        aside (a pinned block keeps its disk copy and its write)."""
+        cat = self.st.catalog
+        for k in list(cat.keys()) if keys is None else keys:
+            if cat.is_pinned(k):
+                continue
+            cat.discard_dirty(k)
+            self.st.came_from.pop(k, None)
+
+    def retry_unwritten(self) -> int:
+        """Blocks the disk refused that memory still holds are dirty again (flush, close)."""
+        return self.st.durability.retry(self.st.catalog)
+
+    def clear(self) -> None:
+        """The store closed: the catalog is empty."""
+        self.st.catalog = Catalog()
 
     def touch_chain(self, keys: list[BlockKey]) -> None:
         # leaf first, root last: roots are the newest, so LRU meets leaves first

@@ -18,6 +18,7 @@ from kvstore.errors import NamespaceMismatchError, StoreClosedError
 from kvstore.index import Catalog
 from kvstore.keys import BlockKey, KeyChain, all_keys, check_key
 from kvstore.stats import Counters
+from kvstore.store.admission import DiskAdmission
 from kvstore.store.durability import Durability
 
 if TYPE_CHECKING:
@@ -62,6 +63,10 @@ class StoreState:
     granted: set[BlockKey] = field(default_factory=set)  # granted puts not yet committed
     durability: Durability = field(default_factory=Durability)  # what flush cannot vouch for
     events: EventSink | None = None  # told what each tier now holds or let go (KV events)
+    disk_admission: DiskAdmission = field(init=False)  # from config.admission
+
+    def __post_init__(self) -> None:
+        self.disk_admission = DiskAdmission(self.config.admission)
 
     def announce_stored(self, tier: str, keys: Sequence[BlockKey],
                         parents: Sequence[BlockKey | None] | None = None) -> None:

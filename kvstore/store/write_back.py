@@ -87,13 +87,8 @@ class WriteBack:
                 job.keys = [job.keys[i] for i in keep]
                 job.parents = [job.parents[i] for i in keep]
                 job.positions = [job.positions[i] for i in keep]
-            if memory:
-                cat = st.catalog
-                for k in list(cat.keys()) if keys is None else keys:
-                    if cat.is_pinned(k):  # a pinned block keeps its disk copy (and its write)
-                        continue
-                    cat.discard_dirty(k)
-                    st.came_from.pop(k, None)
+            if memory:  # a pinned block keeps its disk copy (and its write)
+                self.res.stop_writing(keys)
                 # nor does the next flush's retry of what the disk refused write them back
                 st.durability.forget(list(st.durability.unwritten) if keys is None else keys)
         return dropped
@@ -184,15 +179,9 @@ class WriteBack:
         """Unpin written blocks; with a durable copy made, memory may let them go."""
         with self.st.lock:
             cat = self.st.catalog
-            for k, *_ in jobs:
-                cat.unpin(k)
-                if ok:
-                    cat.set_on_disk(k)  # a lower copy exists (disk, or remote alone)
+            self.res.written([j[0] for j in jobs], ok, self.failure)
             if not ok:
                 self.st.counters.disk_write_dropped += len(jobs)
-                self.st.durability.failed([j[0] for j in jobs], cat, self.failure)
-            else:  # on disk now: a refusal of an earlier write of theirs is settled
-                self.st.durability.forget([j[0] for j in jobs])
             if ok and self.st.durable is not None:
                 self.st.announce_stored(self.st.durable.name, [j[0] for j in jobs],
                                         [j[1] for j in jobs])
@@ -213,7 +202,7 @@ class WriteBack:
             cat = self.st.catalog
             everywhere = len(self.st.lower)
             jobs = []
-            for k in cat.take_dirty(limit):
+            for k in self.res.take_dirty(limit):
                 warm, hot = self.st.warm, self.st.hot
                 if warm is not None and k in warm:
                     data = warm.slab.data[warm.slot(k)]
@@ -221,7 +210,7 @@ class WriteBack:
                     data = hot.slab.data[hot.slot(k)]
                 else:
                     continue
-                cat.pin(k)
+                self.res.pin((k,))
                 jobs.append((k, cat.parent(k), data, self.st.came_from.pop(k, everywhere)))
             return jobs
 

@@ -12,7 +12,7 @@ from kvstore.api import BorrowedBlocks, PutGrant
 from kvstore.copy_engine import Job
 from kvstore.errors import ConfigError, StoreClosedError
 from kvstore.keys import BlockKey
-from kvstore.store.fetch import Fetcher, FetchJob, FetchPlan
+from kvstore.store.fetch import Fetcher, FetchPlan
 from kvstore.store.residency import Residency
 from kvstore.store.state import StoreState
 from kvstore.tiers.slab import paired_runs
@@ -52,10 +52,7 @@ class ZeroCopyPlane:
         """Add lookups answered elsewhere (the daemon's clients probe its key directory
         themselves) to this store's counters."""
         with self.st.lock:
-            c = self.st.counters
-            c.lookups += lookups
-            c.hits += hits
-            c.misses += misses
+            self.st.counters.looked_up(hits + misses, hits, calls=lookups)
 
     def lease_warm(self, keys: Sequence[bytes]) -> tuple[list[BlockKey], list[int]]:
         """Pin the leading held run of ``keys`` *in the warm tier* and return it with its slots.
@@ -72,25 +69,22 @@ class ZeroCopyPlane:
         t.wait()
         with self.st.lock:
             self.st.check_open()
-            warm, cat = self.st.warm, self.st.catalog
+            warm = self.st.warm
             got: list[BlockKey] = []
             slots: list[int] = []
             for k in ks:
                 if k not in warm or k in self.st.pending:
                     break
-                cat.pin(k)
                 got.append(k)
                 slots.append(warm.slot(k))
+            self.res.pin(got)
             warm.touch(reversed(got))
             self._count_lease(plan, len(ks), len(got))
             return got, slots
 
     def _count_lease(self, plan: FetchPlan, asked: int, n: int) -> None:
         """A lease counts as a fetch of its ``n`` leading blocks (under the lock)."""
-        c = self.st.counters
-        c.fetches += 1
-        c.fetched_blocks += n
-        c.fetch_short += asked - n
+        self.st.counters.fetched(asked, n)
         self.fetcher.count_served(plan, n)
 
     def lease_into(self, keys: Sequence[bytes],
@@ -124,7 +118,7 @@ class ZeroCopyPlane:
         if plan is None:
             got, slots = self.lease_warm(keys)
             return LeaseInto(len(got), tuple(got), tuple(enumerate(slots)))
-        job = FetchJob(self.fetcher, plan, len(ks), True, None)
+        job = self.fetcher.job(plan, len(ks))
         try:
             if plan.lower:  # without fill they have no warm slot: nothing is copied later
                 self.fetcher.read_into(plan, into)
@@ -157,7 +151,7 @@ class ZeroCopyPlane:
             plan.valid = n
             copies = [(i, s) for i, s in copies if i < n]
             pinned = [ks[i] for i, _ in copies]
-            self.st.catalog.pin_many(pinned)
+            self.res.pin(pinned)
             self._count_lease(plan, len(ks), n)
             return LeaseInto(n, tuple(pinned), tuple(copies))
 
@@ -178,8 +172,7 @@ class ZeroCopyPlane:
     def release_lease(self, keys: Sequence[bytes]) -> None:
         """Release what :meth:`lease_warm` pinned."""
         with self.st.lock:
-            for k in keys:
-                self.st.catalog.unpin(BlockKey(bytes(k)))
+            self.res.unpin(BlockKey(bytes(k)) for k in keys)
 
     def grant_put(self, keys: Sequence[bytes]) -> PutGrant:
         """Reserve warm slots for the blocks of ``keys`` not held yet (nothing visible yet).
@@ -194,24 +187,19 @@ class ZeroCopyPlane:
         with self.st.lock:
             self.st.check_open()
             c = self.st.counters
-            c.puts += 1
             # granted keys count as held: their blocks are being written by another process
             new = self.res.new_blocks(ks, parent, self.st.granted)
             grant = PutGrant([ks[p] for p in new.positions], new.parents, new.positions, [],
                              new.duplicates)
-            c.put_dropped += new.dropped
-            c.put_duplicates += grant.duplicates
-            for k, par in zip(grant.keys, grant.parents, strict=True):
-                self.st.catalog.add(k, par)  # protects the parents while we make room
+            c.put_called(grant.duplicates, new.dropped)
+            self.res.link(grant.keys, grant.parents)  # protects the parents while we make room
             slots = self.res.reserve(self.st.warm, len(grant.keys)) if grant.keys else []
-            for k in reversed(grant.keys[len(slots):]):
-                self.st.catalog.forget(k)
+            self.res.unlink(grant.keys[len(slots):])
             c.put_dropped += len(grant.keys) - len(slots)
             del grant.keys[len(slots):], grant.parents[len(slots):], grant.positions[len(slots):]
             grant.slots = slots
-            for k in grant.keys:
-                self.st.granted.add(k)
-                self.st.catalog.pin(k)
+            self.st.granted.update(grant.keys)
+            self.res.pin(grant.keys)
             return grant
 
     def commit_put(self, grant: PutGrant) -> int:
@@ -219,14 +207,13 @@ class ZeroCopyPlane:
         with self.st.lock:
             if self.st.closed:
                 return 0
-            warm, cat = self.st.warm, self.st.catalog
+            warm = self.st.warm
             assert warm is not None
             for k, s in zip(grant.keys, grant.slots, strict=True):
                 self.st.granted.discard(k)
-                cat.unpin(k)
                 warm.insert(k, s)
-                if self.st.writer is not None and self.st.config.admission == "always":
-                    cat.mark_dirty(k)
+            self.res.unpin(grant.keys)
+            self.res.stored(grant.keys)
             self.st.counters.put_blocks += len(grant.keys)
             self.st.announce_stored("warm", grant.keys)
             self.res.touch_chain(grant.keys)
@@ -241,11 +228,10 @@ class ZeroCopyPlane:
                 return
             warm, cat = self.st.warm, self.st.catalog
             assert warm is not None
+            self.res.unpin(grant.keys)
+            self.res.unlink([k for k in grant.keys if k in cat and not self.res.held(k)][::-1])
             for k, s in zip(grant.keys, grant.slots, strict=True):
                 self.st.granted.discard(k)
-                cat.unpin(k)
-                if k in cat and not self.res.held(k):
-                    cat.forget(k)
                 warm.release(s)
             self.st.counters.put_dropped += len(grant.keys)
 
@@ -271,19 +257,16 @@ class ZeroCopyPlane:
                 if pending and k in pending:
                     break
                 for ti, t in enumerate(tiers):
-                    s = t._slots.get(k)
+                    s = t.slots.get(k)
                     if s is not None:
                         where.append((ti, s))
                         break
                 else:
                     break
             got = ks[: len(where)]
-            self.st.catalog.pin_many(got)
+            self.res.pin(got)
             self.res.touch_chain(got)
-            c = self.st.counters
-            c.fetches += 1
-            c.fetched_blocks += len(got)
-            c.fetch_short += len(ks) - len(got)
+            self.st.counters.fetched(len(ks), len(got))
         n = len(got)
         try:
             zero_copy = n > 0 and all(ti == where[0][0] for ti, _ in where) and all(
@@ -330,4 +313,4 @@ class ZeroCopyPlane:
     def _unpin(self, keys: list[BlockKey]) -> None:
         with self.st.lock:
             if not self.st.closed:
-                self.st.catalog.unpin_many(keys)
+                self.res.unpin(keys)

@@ -4,7 +4,7 @@ in that order a new block starts."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +64,12 @@ class MemoryTier:
 
     def __len__(self) -> int:
         return len(self._slots)
+
+    @property
+    def slots(self) -> Mapping[BlockKey, int]:
+        """Key -> slot of every block this tier holds, read-only: the store's per-key loops
+        probe it directly (no call per key); it changes only through insert and remove."""
+        return self._slots
 
     @property
     def used_bytes(self) -> int:
