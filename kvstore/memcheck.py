@@ -7,6 +7,11 @@ swapping), or less where a cgroup v2 memory limit says so; elsewhere
 ``os.sysconf`` free pages. GPU memory is ``torch.cuda.mem_get_info`` of the device. Shared
 memory (``kvstore serve``'s warm tiers, files in ``/dev/shm``) needs both: host memory and
 room in that filesystem (a tmpfs is usually half the RAM).
+
+A pinned warm slab is exactly what these checks count: its own mapping of ``slots *
+block_nbytes`` bytes, page-locked in place (``cudaHostRegister``) and unlocked at close, never
+torch's caching host allocator (which rounds a request up to a power of two: a 40 GiB tier
+pinned 64 GiB). :func:`pinned_host_bytes` says how much this process holds locked now.
 """
 
 from __future__ import annotations
@@ -88,6 +93,13 @@ def host_available(meminfo: str = _MEMINFO, cgroup: str = _CGROUP) -> Available 
         limit = _read_int(os.path.join(cgroup, "memory.max"))
         avail = Available(room, limit, f"room under the cgroup limit {cgroup}/memory.max")
     return avail
+
+
+def pinned_host_bytes() -> int:
+    """Host bytes this process's slabs hold page-locked now (exactly their mapped bytes)."""
+    from kvstore.tiers.slab import pinned_bytes
+
+    return pinned_bytes()
 
 
 def check_memory(device: object, *, hot: int, host: int) -> None:

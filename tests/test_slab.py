@@ -228,3 +228,70 @@ def test_store_prefault_waits_for_a_copy_in_flight(tmp_path, monkeypatch):
         with engine.foreground():  # a caller's own reads (Fetcher.read_into) count too
             assert engine.busy()
         assert not engine.busy()
+
+
+class FakeRegistrar:
+    """A :class:`~kvstore.tiers.slab.HostRegistrar` that records instead of page-locking."""
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+        self.live: dict[int, int] = {}
+
+    def available(self):
+        return True
+
+    def register(self, ptr, nbytes):
+        assert ptr not in self.live, "registered twice"
+        self.calls.append(("register", ptr, nbytes))
+        self.live[ptr] = nbytes
+
+    def unregister(self, ptr):
+        assert ptr in self.live, "unregistered without a register"
+        self.calls.append(("unregister", ptr))
+        del self.live[ptr]
+
+
+def _pinned_slab(monkeypatch, **kw):
+    import kvstore.tiers.slab as slab_mod
+
+    fake = FakeRegistrar()
+    monkeypatch.setattr(slab_mod, "REGISTRAR", fake)
+    # torch's caching host allocator must not be what pins the slab
+    real_empty = torch.empty
+
+    def empty(*a, **k):
+        assert not k.get("pin_memory"), "pinned through torch's caching host allocator"
+        return real_empty(*a, **k)
+
+    monkeypatch.setattr(torch, "empty", empty)
+    lay = KVLayout(num_layers=2, num_kv_heads=3, head_dim=8, dtype=torch.float16, block_tokens=4)
+    slab = Slab(lay, 5 * lay.block_nbytes + 100, torch.device("cpu"), pin_memory=True, **kw)
+    monkeypatch.setattr(torch, "empty", real_empty)
+    return fake, slab
+
+
+def test_pinned_slab_registers_exactly_its_bytes_and_unregisters_at_close(monkeypatch):
+    from kvstore.memcheck import pinned_host_bytes
+
+    before = pinned_host_bytes()
+    fake, slab = _pinned_slab(monkeypatch)
+    ptr = slab.data.data_ptr()
+    assert fake.calls == [("register", ptr, slab.nbytes)]  # exact: no rounding up
+    assert slab.pinned_nbytes == slab.nbytes == 5 * slab.layout.block_nbytes
+    assert pinned_host_bytes() - before == slab.nbytes  # memcheck counts what is locked
+    slab.write([4], torch.full((1, slab.layout.block_nbytes), 7, dtype=torch.uint8))
+    assert int(slab.data[4].sum()) == 7 * slab.layout.block_nbytes
+    slab.close()
+    assert fake.calls == [("register", ptr, slab.nbytes), ("unregister", ptr)]
+    assert fake.live == {} and pinned_host_bytes() == before
+    slab.close()  # idempotent: one unregister per register
+    assert len(fake.calls) == 2
+
+
+def test_pinned_shared_slab_registers_its_mapping_and_unregisters_at_close(monkeypatch, tmp_path):
+    path = str(tmp_path / "warm.slab")
+    fake, slab = _pinned_slab(monkeypatch, shared_path=path)
+    ptr = slab.data.data_ptr()
+    assert fake.calls == [("register", ptr, slab.nbytes)]
+    slab.close()
+    assert fake.calls[-1] == ("unregister", ptr) and fake.live == {}

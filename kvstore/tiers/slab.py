@@ -13,6 +13,7 @@ import mmap
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from typing import Protocol
 
 import torch
 
@@ -200,6 +201,8 @@ class Slab:
         self._mmap: mmap.mmap | None = None
         #: key -> slot table the slab's other users probe (shared slabs only)
         self.directory: KeyDirectory | None = None
+        #: bytes page-locked for this slab (cudaHostRegister; 0 when not pinned or no CUDA)
+        self.pinned_nbytes = 0
         if shared_path is not None:
             if device.type != "cpu":
                 raise SizeError("only a host-memory tier can live in shared memory")
@@ -209,7 +212,7 @@ class Slab:
                     self.directory = KeyDirectory.create(directory_path(shared_path), slots)
                 self.data = torch.frombuffer(self._mmap, dtype=torch.uint8).view(slots, layout.block_nbytes)
                 if pin_memory:  # a failure here must not leave the O_EXCL file behind
-                    register_pinned(self.data)
+                    self.pinned_nbytes = register_pinned(self.data)
             except BaseException:
                 self.data = torch.empty((0, layout.block_nbytes), dtype=torch.uint8)
                 if self.directory is not None:
@@ -222,6 +225,22 @@ class Slab:
                 self._mmap = None
                 os.unlink(shared_path)
                 raise
+        elif pin_memory and device.type == "cpu":
+            # Our own anonymous mapping, page-locked in place (cudaHostRegister) for exactly
+            # its bytes: torch's caching host allocator (pin_memory=True) rounds a request up
+            # to a power of two (40 GiB pinned 64 GiB that memcheck never counted) and keeps
+            # it pinned after close.
+            self._mmap = mmap.mmap(-1, slots * layout.block_nbytes,
+                                   mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            try:
+                self.data = torch.frombuffer(self._mmap, dtype=torch.uint8).view(slots, layout.block_nbytes)
+                self.pinned_nbytes = register_pinned(self.data)
+            except BaseException:
+                self.data = torch.empty((0, layout.block_nbytes), dtype=torch.uint8)
+                with contextlib.suppress(BufferError):
+                    self._mmap.close()
+                self._mmap = None
+                raise
         else:
             self.data = torch.empty(
                 (slots, layout.block_nbytes), dtype=torch.uint8, device=device,
@@ -233,19 +252,23 @@ class Slab:
             self.prefault = Prefault(self.data)
 
     def close(self) -> None:
-        """Release a shared-memory mapping (and its file, which only the creator owns)."""
+        """Unpin (cudaHostUnregister) and release a host mapping (and a shared one's file,
+        which only the creator owns)."""
         if self.prefault is not None:
             self.prefault.stop()
-        if self._mmap is not None and self.shared_path is not None:
-            if self.pinned:
-                unregister_pinned(self.data)
-            self.data = torch.empty((0, self.layout.block_nbytes), dtype=torch.uint8)
-            # a view may still be alive somewhere; then the OS frees the mapping at exit
-            with contextlib.suppress(BufferError):
-                self._mmap.close()
+        if self._mmap is None:
+            return
+        if self.pinned_nbytes:
+            unregister_pinned(self.data)  # before the unmap: the driver holds the pages
+            self.pinned_nbytes = 0
+        self.data = torch.empty((0, self.layout.block_nbytes), dtype=torch.uint8)
+        # a view may still be alive somewhere; then the OS frees the mapping at exit
+        with contextlib.suppress(BufferError):
+            self._mmap.close()
+        self._mmap = None
+        if self.shared_path is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.shared_path)
-            self._mmap = None
             if self.directory is not None:
                 self.directory.close()
                 self.directory = None
@@ -290,14 +313,63 @@ def map_shared(path: str, nbytes: int, *, create: bool) -> mmap.mmap:
         os.close(fd)
 
 
-def register_pinned(t: torch.Tensor) -> None:
-    """Page-lock a host mapping so copies to the GPU are DMA (CUDA only)."""
-    if torch.cuda.is_available() and t.numel():
-        err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+class HostRegistrar(Protocol):
+    """Page-locks host memory in place (``cudaHostRegister``); the seam the tests fake."""
+
+    def available(self) -> bool: ...
+
+    def register(self, ptr: int, nbytes: int) -> None: ...
+
+    def unregister(self, ptr: int) -> None: ...
+
+
+class CudaHostRegistrar:
+    """:class:`HostRegistrar` through torch's CUDA runtime bindings (CUDA only)."""
+
+    def available(self) -> bool:
+        return torch.cuda.is_available()
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
         if int(err) != 0:
-            raise OSError(f"cudaHostRegister failed with error {int(err)}")
+            raise OSError(f"cudaHostRegister of {nbytes} B failed with error {int(err)}")
+
+    def unregister(self, ptr: int) -> None:
+        err = torch.cuda.cudart().cudaHostUnregister(ptr)
+        if int(err) != 0:
+            raise OSError(f"cudaHostUnregister failed with error {int(err)}")
+
+
+#: the process's registrar (tests swap in a fake)
+REGISTRAR: HostRegistrar = CudaHostRegistrar()
+_pinned: dict[int, int] = {}  # address -> bytes registered by this process, live
+_pinned_lock = threading.Lock()
+
+
+def register_pinned(t: torch.Tensor) -> int:
+    """Page-lock the bytes of host tensor ``t`` (a mapping of ours) so copies to the GPU are
+    DMA: exactly ``t``'s bytes, counted in :func:`pinned_bytes` until
+    :func:`unregister_pinned`. Returns the bytes registered (0 without CUDA)."""
+    nbytes = t.numel() * t.element_size()
+    if not nbytes or not REGISTRAR.available():
+        return 0
+    ptr = t.data_ptr()
+    REGISTRAR.register(ptr, nbytes)
+    with _pinned_lock:
+        _pinned[ptr] = nbytes
+    return nbytes
 
 
 def unregister_pinned(t: torch.Tensor) -> None:
-    if torch.cuda.is_available() and t.numel():
-        torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+    """Undo :func:`register_pinned` of ``t`` (nothing if it was not registered)."""
+    ptr = t.data_ptr()
+    with _pinned_lock:
+        if _pinned.pop(ptr, None) is None:
+            return
+    REGISTRAR.unregister(ptr)
+
+
+def pinned_bytes() -> int:
+    """Host bytes this process's slabs hold page-locked now (:mod:`kvstore.memcheck`)."""
+    with _pinned_lock:
+        return sum(_pinned.values())
