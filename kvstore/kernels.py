@@ -143,20 +143,80 @@ def cuda_kernels_available(device: torch.device | None = None) -> bool:
     return _kernels(device or torch.device("cuda", torch.cuda.current_device())) is not None
 
 
+@dataclass(frozen=True, slots=True)
+class LaunchArgs:
+    """One launch of a paged-copy kernel: grid, block and the scalar arguments after the
+    three pointers (store-side blocks, engine pages, page ids), strides in bytes."""
+
+    grid: tuple[int, int]
+    block: tuple[int]
+    n_pages_moved: int
+    planes: int
+    chunk_bytes: int
+    ppb: int
+    block_stride: int  # store side: from one block to the next (kv[:, layer]: the whole block)
+    block_plane_stride: int  # store side: from one plane (K, V) of a block to the next
+    page_plane_stride: int  # engine side: from one plane to the next (0 without a plane axis)
+    page_stride: int  # engine side: from one page to the next
+
+    def scalars(self) -> tuple[int, ...]:
+        return (self.n_pages_moved, self.planes, self.chunk_bytes, self.ppb, self.block_stride,
+                self.block_plane_stride, self.page_plane_stride, self.page_stride)
+
+
+def _dense_from(t: torch.Tensor, dim: int) -> bool:
+    """Whether ``t``'s axes from ``dim`` on are laid out densely (as if contiguous)."""
+    expected = 1
+    for size, stride in zip(reversed(t.shape[dim:]), reversed(t.stride()[dim:]), strict=True):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def launch_args(layout: KVLayout, geo: PagedGeometry, blocks: torch.Tensor, pages: torch.Tensor,
+                n_pages_moved: int) -> LaunchArgs | None:
+    """The kernel arguments for copying ``n_pages_moved`` pages between ``blocks`` (one layer
+    of store blocks, ``[n, P, T, H, D]``, any strides of its first two axes: ``kv[:, layer]``
+    is read or written in place) and ``pages`` (the engine's flash layout, any strides of its
+    plane and page axes); None when a layout the kernels cannot address (a token, head or
+    dim axis not dense) must take the torch path."""
+    if geo.kind != FLASH or blocks.dim() != 5 or blocks.element_size() != pages.element_size():
+        return None
+    P = layout.kv_planes
+    if not _dense_from(blocks, 2) or blocks.shape[1] != P:
+        return None
+    if geo.planes_axis:
+        if pages.dim() != 5 or not _dense_from(pages, 2):
+            return None
+        page_plane, page = pages.stride(0), pages.stride(1)
+    else:
+        if pages.dim() != 4 or not _dense_from(pages, 1) or P != 1:
+            return None
+        page_plane, page = 0, pages.stride(0)
+    esz = blocks.element_size()
+    chunk = geo.page_size * layout.num_kv_heads * layout.head_dim * esz
+    return LaunchArgs(
+        grid=(n_pages_moved, P), block=(_THREADS,), n_pages_moved=n_pages_moved, planes=P,
+        chunk_bytes=chunk, ppb=geo.pages_per_block, block_stride=blocks.stride(0) * esz,
+        block_plane_stride=blocks.stride(1) * esz, page_plane_stride=page_plane * esz,
+        page_stride=page * esz,
+    )
+
+
 def _use_kernel(geo: PagedGeometry, t: torch.Tensor, other: torch.Tensor) -> bool:
     return (geo.kind == FLASH and t.is_cuda and other.is_cuda and t.device == other.device
-            and t.is_contiguous() and _failed is None)
+            and _failed is None)
 
 
-def _launch(name: str, a: torch.Tensor, b: torch.Tensor, ids: torch.Tensor, planes: int,
-            num_pages: int, chunk_bytes: int, ppb: int) -> bool:
+def _launch(name: str, a: torch.Tensor, b: torch.Tensor, ids: torch.Tensor,
+            args: LaunchArgs) -> bool:
     """Launch ``name`` on ``a``'s device and current stream; False (logged once, torch from
     then on) when the kernels are unavailable or the launch fails."""
     kernels = _kernels(a.device)
     if kernels is None:
         return False
-    m = ids.numel()
-    if m == 0:
+    if args.n_pages_moved == 0:
         return True
     try:
         import cupy
@@ -164,10 +224,9 @@ def _launch(name: str, a: torch.Tensor, b: torch.Tensor, ids: torch.Tensor, plan
         with cupy.cuda.Device(a.device.index):
             stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(a.device).cuda_stream)
             with stream:
-                kernels[name]((m, planes), (_THREADS,), (
-                    a.data_ptr(), b.data_ptr(), ids.data_ptr(), cupy.int64(m),
-                    cupy.int64(planes), cupy.int64(num_pages), cupy.int64(chunk_bytes),
-                    cupy.int64(ppb),
+                kernels[name](args.grid, args.block, (
+                    a.data_ptr(), b.data_ptr(), ids.data_ptr(),
+                    *(cupy.int64(v) for v in args.scalars()),
                 ))
     except Exception as e:  # a launch error (config, driver): never wrong KV, torch instead
         _fail(f"launching {name} failed ({type(e).__name__})", str(e))
@@ -177,24 +236,25 @@ def _launch(name: str, a: torch.Tensor, b: torch.Tensor, ids: torch.Tensor, plan
 
 def scatter_pages(layout: KVLayout, geo: PagedGeometry, blocks_layer: torch.Tensor,
                   dst: object, ids: torch.Tensor) -> None:
-    """Write one layer of blocks (``[n, P, T, H, D]``) into engine pages ``ids``."""
+    """Write one layer of blocks (``[n, P, T, H, D]``, strided: read in place) into engine
+    pages ``ids``."""
     (t,) = _layer_tensors(dst) if geo.kind == FLASH else (None,)
     if t is not None and _use_kernel(geo, t, blocks_layer):
-        src = blocks_layer.contiguous()
-        chunk = geo.page_size * layout.num_kv_heads * layout.head_dim * layout.itemsize
-        if _launch("kvstore_scatter_pages", src, t, ids.to(t.device, torch.int64).contiguous(),
-                   layout.kv_planes, geo.num_pages, chunk, geo.pages_per_block):
+        args = launch_args(layout, geo, blocks_layer, t, ids.numel())
+        if args is not None and _launch("kvstore_scatter_pages", blocks_layer, t,
+                                        ids.to(t.device, torch.int64).contiguous(), args):
             return
     scatter_layer(layout, geo, blocks_layer, dst, ids)
 
 
 def gather_pages(layout: KVLayout, geo: PagedGeometry, src: object, ids: torch.Tensor,
                  out: torch.Tensor) -> None:
-    """Read engine pages ``ids`` of one layer into ``out`` (``[n, P, T, H, D]``)."""
+    """Read engine pages ``ids`` of one layer into ``out`` (``[n, P, T, H, D]``, strided:
+    ``kv[:, layer]`` is written in place)."""
     (t,) = _layer_tensors(src) if geo.kind == FLASH else (None,)
-    if t is not None and _use_kernel(geo, t, out) and out.is_contiguous():
-        chunk = geo.page_size * layout.num_kv_heads * layout.head_dim * layout.itemsize
-        if _launch("kvstore_gather_pages", t, out, ids.to(t.device, torch.int64).contiguous(),
-                   layout.kv_planes, geo.num_pages, chunk, geo.pages_per_block):
+    if t is not None and _use_kernel(geo, t, out):
+        args = launch_args(layout, geo, out, t, ids.numel())
+        if args is not None and _launch("kvstore_gather_pages", t, out,
+                                        ids.to(t.device, torch.int64).contiguous(), args):
             return
     gather_layer(layout, geo, src, ids, out)

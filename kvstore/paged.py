@@ -132,15 +132,20 @@ def scatter_layer(
     n = blocks_layer.shape[0]
     P, H, D = layout.kv_planes, layout.num_kv_heads, layout.head_dim
     m = n * geo.pages_per_block
-    src = blocks_layer.to(geo.device).reshape(n, P, geo.pages_per_block, geo.page_size, H, D)
-    src = src.permute(1, 0, 2, 3, 4, 5).reshape(P, m, geo.page_size, H, D)
+    src = blocks_layer.to(geo.device)
     if geo.kind == FLASH:
+        # views only: a strided ``kv[:, layer]`` is read in place (the old reshape to
+        # [P, n * ppb, ...] copied it whenever L * P > 1)
         (t,) = _layer_tensors(dst)
+        v = src.unflatten(2, (geo.pages_per_block, geo.page_size)).transpose(0, 1)
+        idx = ids.view(n, geo.pages_per_block)
         if geo.planes_axis:
-            t.index_copy_(1, ids, src)
+            t[:, idx] = v
         else:
-            t.index_copy_(0, ids, src[0])
+            t[idx] = v[0]
         return
+    src = src.reshape(n, P, geo.pages_per_block, geo.page_size, H, D)
+    src = src.permute(1, 0, 2, 3, 4, 5).reshape(P, m, geo.page_size, H, D)
     tensors = _layer_tensors(dst)
     per_row = tensors[0].shape[2] // geo.page_size
     rows, cols = ids // per_row, ids % per_row

@@ -151,3 +151,132 @@ def test_load_into_right_after_put_many_times():
             pages = pages_for(4, 8)
             assert s.load_into(keys, pages, [3, 1]).wait(10) == 2
             assert torch.equal(pages[2][:, 3], kv[0, 2])
+
+
+# -- strided store-side blocks (kv[:, layer]) and engine pages: read and written in place ------
+def _self_alloc_bytes(fn) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    return sum(max(0, e.self_cpu_memory_usage) for e in prof.events())
+
+
+def test_reference_scatter_reads_a_strided_layer_slice_without_a_copy():
+    from kvstore.paged import paged_geometry, scatter_layer
+
+    lay = KVLayout(num_layers=4, num_kv_heads=4, head_dim=16, dtype=torch.float16, block_tokens=16)
+    kv = torch.randn(lay.batch_shape(8)).to(lay.dtype)
+    blocks = kv[:, 1]  # what save_from/load_into hand over: not contiguous
+    assert not blocks.is_contiguous()
+    ids = torch.randperm(40)[:32]
+    got = torch.zeros(2, 40, 4, 4, 16, dtype=lay.dtype)
+    geo = paged_geometry(lay, [got] * 4)
+    ref = got.clone()
+    for b in range(8):
+        for j in range(4):
+            ref[:, ids[b * 4 + j]] = blocks[b, :, j * 4 : (j + 1) * 4]
+    allocated = _self_alloc_bytes(lambda: scatter_layer(lay, geo, blocks, got, ids))
+    assert torch.equal(got, ref)
+    assert allocated < blocks.numel() * blocks.element_size() // 4  # the old reshape copied it all
+
+
+def _storage_bytes(t):
+    st = t.untyped_storage()
+    return torch.empty(0, dtype=torch.uint8).set_(st), t.data_ptr() - st.data_ptr()
+
+
+def emulate_kernel(name, a, b, ids, args):
+    """What paged_copy.cu does with ``args``, byte for byte, on CPU tensors' storage."""
+    A, ao = _storage_bytes(a)
+    B, bo = _storage_bytes(b)
+    c = args.chunk_bytes
+    assert args.grid == (args.n_pages_moved, args.planes)
+    for m in range(args.n_pages_moved):
+        blk, j = divmod(m, args.ppb)
+        for p in range(args.planes):
+            store = blk * args.block_stride + p * args.block_plane_stride + j * c
+            page = p * args.page_plane_stride + int(ids[m]) * args.page_stride
+            if name == "kvstore_scatter_pages":
+                B[bo + page : bo + page + c] = A[ao + store : ao + store + c]
+            else:
+                B[bo + store : bo + store + c] = A[ao + page : ao + page + c]
+
+
+@pytest.mark.parametrize("planes_axis", [True, False])
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_kernel_launch_args_address_strided_blocks_and_pages(planes_axis, page_size):
+    from kvstore.kernels import launch_args
+    from kvstore.paged import gather_layer, paged_geometry, scatter_layer
+
+    P = 2 if planes_axis else 1
+    lay = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16, block_tokens=16,
+                   kv_planes=P)
+    n, ppb, num_pages = 5, 16 // page_size, 5 * (16 // page_size) + 7
+    kv = torch.randn(lay.batch_shape(n)).to(lay.dtype)
+    # engine pages that are a strided view too (every other page of a bigger cache)
+    shape = (num_pages, 2, page_size, 2, 8)
+    big = torch.randn((P, *shape) if planes_axis else shape).to(lay.dtype)
+    pages = big.select(-4, 0)
+    assert not pages.is_contiguous()
+    geo = paged_geometry(lay, [pages] * 3)
+    ids = torch.randperm(num_pages)[: n * ppb]
+    for layer in range(3):
+        blocks = kv[:, layer]
+        args = launch_args(lay, geo, blocks, pages, ids.numel())
+        assert args is not None
+        assert args.block_stride == lay.block_nbytes  # kv[:, layer]: one whole block apart
+        ref, got = pages.clone(), big.clone().select(-4, 0)
+        scatter_layer(lay, geo, blocks, ref, ids)
+        emulate_kernel("kvstore_scatter_pages", blocks, got, ids, args)
+        assert torch.equal(ref, got)
+        out_ref = torch.empty_like(blocks)
+        out = torch.zeros_like(kv)
+        gather_layer(lay, geo, pages, ids, out_ref)
+        emulate_kernel("kvstore_gather_pages", pages, out[:, layer], ids,
+                       launch_args(lay, geo, out[:, layer], pages, ids.numel()))
+        assert torch.equal(out[:, layer], out_ref)
+        assert not out[:, (layer + 1) % 3].any()  # nothing outside its layer written
+
+
+def test_kernel_launch_args_refuse_what_the_kernels_cannot_address():
+    from kvstore.kernels import launch_args
+    from kvstore.paged import paged_geometry
+
+    lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=8, dtype=torch.float16, block_tokens=4)
+    pages = torch.zeros(2, 6, 4, 2, 8, dtype=lay.dtype)
+    geo = paged_geometry(lay, [pages])
+    heads_last = torch.zeros(2, 2, 4, 8, 2, dtype=lay.dtype).permute(0, 1, 2, 4, 3)  # H not dense
+    assert launch_args(lay, geo, heads_last, pages, 2) is None
+    odd_pages = torch.zeros(2, 6, 2, 8, 4, dtype=lay.dtype).permute(0, 1, 4, 2, 3)
+    assert launch_args(lay, geo, torch.zeros(2, 2, 4, 2, 8, dtype=lay.dtype), odd_pages, 2) is None
+
+
+def test_kernel_dispatch_passes_strided_tensors_in_place(monkeypatch):
+    """scatter_pages/gather_pages hand kv[:, layer] itself to the kernel: no .contiguous()
+    copy (scatter), no torch fallback for a non-contiguous out (gather)."""
+    import kvstore.kernels as kernels
+    from kvstore.paged import gather_layer, paged_geometry
+
+    launched = []
+
+    def launch(name, a, b, ids, args):
+        launched.append((name, a.data_ptr(), b.data_ptr()))
+        emulate_kernel(name, a, b, ids, args)
+        return True
+
+    monkeypatch.setattr(kernels, "_use_kernel", lambda geo, t, other: True)
+    monkeypatch.setattr(kernels, "_launch", launch)
+    lay = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float16, block_tokens=8)
+    kv = torch.randn(lay.batch_shape(3)).to(lay.dtype)
+    pages = torch.zeros(2, 12, 4, 2, 8, dtype=lay.dtype)
+    geo = paged_geometry(lay, [pages, pages])
+    ids = torch.randperm(12)[:6]
+    kernels.scatter_pages(lay, geo, kv[:, 1], pages, ids)
+    out = torch.zeros_like(kv)
+    kernels.gather_pages(lay, geo, pages, ids, out[:, 0])
+    assert launched == [("kvstore_scatter_pages", kv[:, 1].data_ptr(), pages.data_ptr()),
+                        ("kvstore_gather_pages", pages.data_ptr(), out[:, 0].data_ptr())]
+    ref = torch.empty_like(kv[:, 1])
+    gather_layer(lay, geo, pages, ids, ref)
+    assert torch.equal(ref, kv[:, 1]) and torch.equal(out[:, 0], kv[:, 1])
