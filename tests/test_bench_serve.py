@@ -278,3 +278,9 @@ def test_a_failed_run_is_recorded_and_the_rest_still_runs(tmp_path, monkeypatch)
     assert len(b.failures) == 2
     # every engine was stopped when its phase ended
     assert not any(g.group_alive() for g in started) and b.procs.groups == []
+
+
+def test_daemon_socket_fits_af_unix(tmp_path):
+    assert sv.daemon_socket(tmp_path) == tmp_path / "kv.sock"
+    deep = tmp_path / ("d" * 120)
+    assert len(str(sv.daemon_socket(deep))) < 108

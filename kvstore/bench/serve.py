@@ -151,9 +151,12 @@ def transfer_config(case: str, work: Path, engine: int = 0) -> dict[str, Any] | 
 
 
 def daemon_socket(work: Path) -> Path:
-    # a short path: AF_UNIX paths are limited to 107 bytes
-    return Path(tempfile.gettempdir()) / f"kvstore-serve-bench-{os.getpid()}.sock" \
-        if len(str(work / "kv.sock")) > 100 else work / "kv.sock"
+    """The daemon's socket: in ``work``, or in the temp dir when that path would be too long
+    for AF_UNIX (107 bytes)."""
+    sock = work / "kv.sock"
+    if len(str(sock)) > 100:
+        sock = Path(tempfile.gettempdir()) / f"kvstore-serve-bench-{os.getpid()}.sock"
+    return sock
 
 
 def server_command(python: str, model: str, port: int, transfer: Mapping[str, Any] | None,
