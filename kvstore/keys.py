@@ -291,13 +291,16 @@ def join_keys(seq: object) -> bytes | None:
     return b"".join(seq) if all_keys(seq) else None  # type: ignore[arg-type]
 
 
-def check_key(key: object) -> BlockKey:
-    """Return ``key`` as bytes if it is a 32-byte key, else raise :class:`KeyFormatError`."""
+def check_key(key: object, what: str | None = None) -> BlockKey:
+    """Return ``key`` as bytes if it is a 32-byte key, else raise :class:`KeyFormatError`:
+    naming ``what`` (``"key must be 32 bytes"``, the tiers' word) or, without it, telling
+    the caller where block keys come from (the store's and client's)."""
     if isinstance(key, bytes) and len(key) == KEY_BYTES:
         return BlockKey(key)
     if isinstance(key, (bytearray, memoryview)) and len(key) == KEY_BYTES:
         return BlockKey(bytes(key))
-    raise KeyFormatError(
-        f"block keys must be 32-byte bytes objects from block_keys(), got {type(key).__name__}"
-        + (f" of length {len(key)}" if isinstance(key, (bytes, bytearray)) else "")
-    )
+    got = type(key).__name__ + (f" of length {len(key)}" if isinstance(key, (bytes, bytearray))
+                                else "")
+    if what is None:
+        raise KeyFormatError(f"block keys must be 32-byte bytes objects from block_keys(), got {got}")
+    raise KeyFormatError(f"{what} must be {KEY_BYTES} bytes, got {got}")

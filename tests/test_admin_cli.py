@@ -335,7 +335,7 @@ def test_inspect_a_namespace_or_block_by_id(base_store, capsys):
 def test_missing_default_store_names_the_demos_store(tmp_path, monkeypatch, capsys):
     """Issue 31: ``kvstore ls`` right after ``kvstore demo`` failed on the default store
     without a word about where the demo's blocks are."""
-    from kvstore.demo import default_store_path
+    from kvstore.commands.demo_workload import default_store_path
 
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.delenv("XDG_CACHE_HOME", raising=False)

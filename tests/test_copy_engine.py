@@ -8,7 +8,7 @@ import torch
 from conftest import random_kv
 
 from kvstore import KVLayout, StoreClosedError, Transfer, TransferError, open_store
-from kvstore.copy_engine import CopyEngine, Job
+from kvstore.store.copy_engine import CopyEngine, Job
 
 LAY = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype=torch.float32, block_tokens=4)
 BN = LAY.block_nbytes

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from kvstore.demo import default_store_path, workload_size
+from kvstore.commands.demo_workload import default_store_path, workload_size
 from kvstore.integrations import transformers_available
 
 
@@ -110,7 +110,8 @@ def test_default_store_path(monkeypatch, tmp_path):
 
 
 def test_importing_kvstore_does_not_import_transformers():
-    code = ("import sys, kvstore, kvstore.integrations, kvstore.batch, kvstore.demo, kvstore.cli\n"
+    code = ("import sys, kvstore, kvstore.integrations, kvstore.batch, kvstore.cli\n"
+            "import kvstore.commands.demo_workload\n"
             "import kvstore.commands.demo\n"
             "assert 'transformers' not in sys.modules, 'transformers was imported'\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -7,7 +7,7 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore.index import Catalog
+from kvstore.store.catalog import Catalog
 
 KEYS = [bytes([i]) * 32 for i in range(6)]
 

@@ -199,7 +199,7 @@ def test_store_prefault_waits_for_a_copy_in_flight(tmp_path, monkeypatch):
     import time
 
     from kvstore import open_store
-    from kvstore.copy_engine import Job
+    from kvstore.store.copy_engine import Job
     from kvstore.transfer import Transfer
 
     go, calls = _gated_madvise(monkeypatch)

@@ -20,7 +20,7 @@ import kvstore.store.paged as paged_mod
 import kvstore.store.put as put_mod
 import kvstore.streams as streams
 from kvstore import KVLayout, TensorMismatchError, Transfer, TransferError, open_store
-from kvstore.copy_engine import CopyEngine, Job
+from kvstore.store.copy_engine import CopyEngine, Job
 from kvstore.store.put import OverflowJob
 from kvstore.streams import RecordingStreams, handoff, host_wait
 

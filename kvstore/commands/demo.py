@@ -29,7 +29,7 @@ _COLUMNS = (
 def _phase(args: argparse.Namespace, path: Path, *, cold: bool, console: Any) -> dict[str, Any]:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from kvstore.demo import run_phase, workload_size
+    from kvstore.commands.demo_workload import run_phase, workload_size
 
     label = COLD if cold else RESTARTED
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -86,7 +86,7 @@ def slower_reason(r: dict[str, Any], *, cold: bool, size: str) -> str | None:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from kvstore.demo import default_store_path
+    from kvstore.commands.demo_workload import default_store_path
 
     path = Path(args.store).expanduser().absolute() if args.store else default_store_path()
     console = Console(stderr=True)

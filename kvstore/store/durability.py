@@ -19,8 +19,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kvstore.errors import NotDurableError
-from kvstore.index import Catalog
 from kvstore.keys import BlockKey
+from kvstore.store.catalog import Catalog
 
 
 @dataclass(slots=True)

@@ -26,9 +26,9 @@ from kvstore.store.paged import PagedIO
 from kvstore.store.put import Putter
 from kvstore.store.residency import Residency
 from kvstore.store.write_back import WriteBack
+from kvstore.store.writer import WriteBehind
 from kvstore.store.zero_copy import LeaseInto, ZeroCopyPlane
 from kvstore.transfer import Transfer
-from kvstore.writer import WriteBehind
 
 if TYPE_CHECKING:
     from kvstore.events.sink import EventSink

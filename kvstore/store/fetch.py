@@ -10,15 +10,15 @@ from typing import Any
 import torch
 
 from kvstore import streams as _streams
-from kvstore.copy_engine import (
+from kvstore.errors import StoreClosedError
+from kvstore.keys import BlockKey
+from kvstore.store.copy_engine import (
     Job,
     copy_block_runs,
     copy_done,
     layerwise_supported,
     mark_layer_done,
 )
-from kvstore.errors import StoreClosedError
-from kvstore.keys import BlockKey
 from kvstore.store.residency import Residency
 from kvstore.store.state import StoreState
 from kvstore.streams import NO_HANDOFF, Handoff, Stream, begin_copy, handoff, host_wait

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from kvstore.copy_engine import CopyEngine
 from kvstore.errors import ConfigError
 from kvstore.memcheck import check_memory
 from kvstore.store.config import StoreConfig
+from kvstore.store.copy_engine import CopyEngine
 from kvstore.store.state import HOT, WARM, StoreState
 from kvstore.tiers.memory import MemoryTier
 

@@ -8,11 +8,11 @@ from collections.abc import Sequence
 import torch
 
 from kvstore import streams as _streams
-from kvstore.copy_engine import Job, mark_layer_done
 from kvstore.errors import TransferError
 from kvstore.kernels import gather_pages, scatter_pages
 from kvstore.keys import KeyChain
 from kvstore.paged import _layer_tensors, page_index, paged_geometry
+from kvstore.store.copy_engine import Job, mark_layer_done
 from kvstore.store.fetch import Fetcher
 from kvstore.store.put import Putter
 from kvstore.store.state import StoreState

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstore.copy_engine import Job, copy_done
 from kvstore.keys import BlockKey
+from kvstore.store.copy_engine import Job, copy_done
 from kvstore.store.residency import Residency
 from kvstore.store.state import StoreState
 from kvstore.streams import Event, Handoff, Stream, Streams, begin_copy, handoff, host_wait

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from itertools import islice, takewhile
 
 from kvstore.errors import ConfigError
-from kvstore.index import Catalog
 from kvstore.keys import BlockKey
+from kvstore.store.catalog import Catalog
 from kvstore.store.state import DISK, HOT, WARM, StoreState
 from kvstore.tiers.base import Located, LowerTier
 from kvstore.tiers.memory import MemoryTier

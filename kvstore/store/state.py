@@ -15,25 +15,25 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvstore.errors import NamespaceMismatchError, StoreClosedError
-from kvstore.index import Catalog
 from kvstore.keys import BlockKey, KeyChain, all_keys, check_key
 from kvstore.stats import Counters
 from kvstore.store.admission import DiskAdmission
+from kvstore.store.catalog import Catalog
 from kvstore.store.durability import Durability
 
 if TYPE_CHECKING:
     import torch
 
-    from kvstore.copy_engine import CopyEngine
     from kvstore.events.sink import EventSink
     from kvstore.layout import KVLayout
     from kvstore.namespace import Namespace
     from kvstore.store.config import StoreConfig
+    from kvstore.store.copy_engine import CopyEngine
     from kvstore.store.put import OverflowJob
+    from kvstore.store.writer import WriteBehind
     from kvstore.tiers.base import LowerTier
     from kvstore.tiers.memory import MemoryTier
     from kvstore.transfer import Transfer
-    from kvstore.writer import WriteBehind
 
 #: tier names (``kvstore.api.Tier`` values)
 HOT, WARM, DISK, REMOTE = "hot", "warm", "disk", "remote"

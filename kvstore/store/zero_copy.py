@@ -9,9 +9,9 @@ from dataclasses import dataclass
 import torch
 
 from kvstore.api import BorrowedBlocks, PutGrant
-from kvstore.copy_engine import Job
 from kvstore.errors import ConfigError, StoreClosedError
 from kvstore.keys import BlockKey
+from kvstore.store.copy_engine import Job
 from kvstore.store.fetch import Fetcher, FetchPlan
 from kvstore.store.residency import Residency
 from kvstore.store.state import StoreState

@@ -14,13 +14,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from kvstore.errors import KeyFormatError, TensorMismatchError
+from kvstore.errors import TensorMismatchError
+from kvstore.keys import KEY_BYTES, check_key
 from kvstore.stats import TierStats
 
 if TYPE_CHECKING:
     import torch
 
-KEY_BYTES = 32
 
 __all__ = ["KEY_BYTES", "BlockWrite", "Located", "LowerTier", "ReadStatus", "StagedWrites",
            "as_byte_tensor", "check_key"]
@@ -132,16 +132,6 @@ class StagedWrites(Protocol):
 
     def abort(self, staged: Sequence[object]) -> None:
         ...
-
-
-def check_key(k: object, what: str = "key") -> bytes:
-    """``k`` as 32 bytes, or :class:`KeyFormatError` naming ``what``."""
-    if isinstance(k, bytes) and len(k) == KEY_BYTES:
-        return k
-    if isinstance(k, (bytearray, memoryview)) and len(k) == KEY_BYTES:
-        return bytes(k)
-    raise KeyFormatError(f"{what} must be 32 bytes, got {type(k).__name__}"
-                         + (f" of length {len(k)}" if isinstance(k, (bytes, bytearray)) else ""))
 
 
 def as_byte_tensor(t: object, what: str) -> torch.Tensor:

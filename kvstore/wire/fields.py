@@ -9,6 +9,7 @@ import struct
 from dataclasses import dataclass
 from typing import ClassVar
 
+from kvstore.keys import KEY_BYTES
 from kvstore.wire.errors import BadRequest
 
 __all__ = [
@@ -25,7 +26,6 @@ __all__ = [
     "split_keys",
 ]
 
-KEY_BYTES = 32
 MAX_ID = 2**63 - 1
 
 

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kvstore.errors import DiskError
+from kvstore.keys import KEY_BYTES
 from kvstore.tiers import codec as _codec
 from kvstore.tiers.disk import segments as _seg
 from kvstore.tiers.disk.index import (
@@ -41,7 +42,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvstore.disk")
 
-_KEY_BYTES = 32
 
 
 def compact(ctx: DiskContext, thr: float, max_segment_bytes: int,
@@ -85,10 +85,10 @@ def compact(ctx: DiskContext, thr: float, max_segment_bytes: int,
                 if damage is not None:
                     drop_damaged(ctx, [damage])
                 continue
-            if key[_KEY_BYTES:] in names:  # the same key of another namespace
+            if key[KEY_BYTES:] in names:  # the same key of another namespace
                 flush()
                 names.clear()
-            names.add(key[_KEY_BYTES:])
+            names.add(key[KEY_BYTES:])
             pending.append((key, rec, payload))
             pending_bytes += rec.stored_nbytes
             if pending_bytes >= limit:
@@ -123,7 +123,7 @@ def _live_records_of(ctx: DiskContext, sid: int) -> list[tuple[bytes, Rec]]:
                 ns = bytes.fromhex(str(meta.get(name, "")).split(";")[3])
             except (ValueError, IndexError):
                 continue  # not a block of ours, or no namespace to find it under
-            if len(key) != _KEY_BYTES or len(ns) != _KEY_BYTES:
+            if len(key) != KEY_BYTES or len(ns) != KEY_BYTES:
                 continue
             key = ns + key  # the dbkey, as every helper below takes it
             rec = lookup_record(txn, db, key)
@@ -140,7 +140,7 @@ def _entry_for(ctx: DiskContext, ck: bytes, rec: Rec, payload: bytearray) -> _se
         dtype, shape = ns.st_dtype, ns.shape
     else:
         dtype, shape = "U8", [rec.stored_nbytes]
-    return _seg.SegmentEntry(ck[_KEY_BYTES:].hex(), dtype, shape, payload, rec.stored_nbytes,
+    return _seg.SegmentEntry(ck[KEY_BYTES:].hex(), dtype, shape, payload, rec.stored_nbytes,
                              _seg.block_meta(cname, rec.raw_nbytes, rec.checksum,
                                              rec.namespace_id, rec.parent))
 

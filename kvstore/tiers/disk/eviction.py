@@ -11,6 +11,7 @@ import heapq
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from kvstore.keys import KEY_BYTES
 from kvstore.tiers.disk import tombstones as _tomb
 from kvstore.tiers.disk.index import (
     DB_BLOCKS,
@@ -29,7 +30,6 @@ from kvstore.tiers.disk.txn import unlink_segments, write_ops
 if TYPE_CHECKING:
     from kvstore.tiers.disk.context import DiskContext
 
-_KEY_BYTES = 32
 _SELECT_BATCH = 50_000
 
 
@@ -57,7 +57,7 @@ def evict_to_budget(ctx: DiskContext, capacity_bytes: int,
                 if rec is None or ops.txn.get(ck, db=children_db) is not None:
                     continue  # gone, or gained a child meanwhile
                 ops.remove(ck, rec)
-                done.append(ck[_KEY_BYTES:])
+                done.append(ck[KEY_BYTES:])
                 traces.append((ck, rec.created_us))
             tomb = sh.dbs.get(_tomb.DB_TOMBSTONES)
             if tomb is not None and traces:  # so that explain can say "evicted", and when
@@ -96,7 +96,7 @@ def _select_victims(ctx: DiskContext, excess: int,
                 lk = ck
                 ok = cur.next()
             key = lk[8:]  # the dbkey
-            if protect is not None and protect(key[_KEY_BYTES:]):
+            if protect is not None and protect(key[KEY_BYTES:]):
                 continue
             rec = lookup_record(txn, blocks, key)
             if rec is None:

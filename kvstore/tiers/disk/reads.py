@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 
 from kvstore.errors import StoreClosedError, TensorMismatchError
+from kvstore.keys import KEY_BYTES
 from kvstore.tiers import codec as _codec
 from kvstore.tiers.base import ReadStatus, check_key
 from kvstore.tiers.disk import segments as _seg
@@ -42,7 +43,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvstore.disk")
 
 _csum = _seg.block_checksum
-_KEY_BYTES = 32
 _RUN_BYTES = 8 << 20  # one preadv reads at most this many adjacent bytes
 _RUN_IOVS = 256
 
@@ -170,7 +170,7 @@ def read_many(ctx: DiskContext, keys: Sequence[bytes],
         raise TensorMismatchError(f"read_many got {len(keys)} keys but {len(dsts)} destinations")
     if mirrors is not None:
         _check_mirrors(mirrors, dsts)
-    keys = [check_key(k) for k in keys]
+    keys = [check_key(k, "key") for k in keys]
     bufs = [_as_parts(d, f"dsts[{i}]") for i, d in enumerate(dsts)]
     db = sh.dbs[DB_BLOCKS]
     if records is not None and namespace_id is not None and len(records) == len(keys):
@@ -384,7 +384,7 @@ def _read_verified(rd: _Reading, run, keys, bufs, nb, out, fd: int, chunk: int) 
         while done < n_run:
             i, rec = run[done]
             if nb[i] > chunk:  # a large block: read and hash piece by piece
-                n, csum = _seg.pread_checksum(fd, bufs[i], rec.offset, keys[i][_KEY_BYTES:],
+                n, csum = _seg.pread_checksum(fd, bufs[i], rec.offset, keys[i][KEY_BYTES:],
                                                rec.namespace_id, chunk)
                 if n != nb[i]:
                     return done
@@ -404,7 +404,7 @@ def _read_verified(rd: _Reading, run, keys, bufs, nb, out, fd: int, chunk: int) 
             if _seg.preadv_all(fd, views, rec.offset) != size:
                 return done
             for j, rj in run[done:end]:
-                ok += _settle(rd, keys[j], rj, _seg.parts_checksum(keys[j][_KEY_BYTES:],
+                ok += _settle(rd, keys[j], rj, _seg.parts_checksum(keys[j][KEY_BYTES:],
                                                                  rj.namespace_id, bufs[j]), out, j)
             done = end
         return done
@@ -453,7 +453,7 @@ def _read_one(rd: _Reading, key: bytes, raw: bytes | None, buf: memoryview | Par
         ns = rd.ctx.namespaces.get(rec.namespace_id)
         if ns is None or ns.nbytes != len(buf):  # the caller's buffer is wrong
             raise TensorMismatchError(
-                f"destination has {len(buf)} bytes but block {key[-_KEY_BYTES:].hex()[:16]} has "
+                f"destination has {len(buf)} bytes but block {key[-KEY_BYTES:].hex()[:16]} has "
                 f"{rec.raw_nbytes}"
             )
         return damaged(rd, key, rec, ReadStatus.DAMAGED,
@@ -481,7 +481,7 @@ def _read_one(rd: _Reading, key: bytes, raw: bytes | None, buf: memoryview | Par
 def read_rec(ctx: DiskContext, key: bytes, rec: Rec, buf: memoryview) -> tuple[ReadStatus, str]:
     """Read one record's bytes into ``buf`` and verify. Returns (status, reason).
     ``key``: the block key or its dbkey."""
-    key = key[-_KEY_BYTES:]
+    key = key[-KEY_BYTES:]
     fds = ctx.fds
     try:
         fe = fds.acquire(rec.segment)
@@ -521,7 +521,7 @@ def damaged(rd: _Reading, key: bytes, rec: Rec | None, status: ReadStatus, why: 
     rd.ctx.counters.add("read_missing" if status is ReadStatus.MISSING else "read_damaged")
     where = f"segment {rec.segment:016x} offset {rec.offset}" if rec else "index"
     log.warning("disk tier %s: block %s is %s (%s, %s); dropping its index entry",
-                rd.ctx.path, key[-_KEY_BYTES:].hex()[:16], status.value, why, where)
+                rd.ctx.path, key[-KEY_BYTES:].hex()[:16], status.value, why, where)
     rd.damaged.append(Damage(key, rec, status, why))
     return status
 
@@ -547,13 +547,13 @@ def read_payload(ctx: DiskContext, key: bytes,
         if n != rec.stored_nbytes:
             status, why = ReadStatus.DAMAGED, "short_segment"
         elif rec.codec == _codec.CODEC_NONE:
-            if _csum(key[_KEY_BYTES:], rec.namespace_id, payload) != rec.checksum:
+            if _csum(key[KEY_BYTES:], rec.namespace_id, payload) != rec.checksum:
                 status, why = ReadStatus.DAMAGED, "checksum_mismatch"
         else:
             out = np.empty(rec.raw_nbytes, dtype=np.uint8)
             try:
                 _codec.decompress_into(rec.codec, payload, out)
-                if _csum(key[_KEY_BYTES:], rec.namespace_id, out) != rec.checksum:
+                if _csum(key[KEY_BYTES:], rec.namespace_id, out) != rec.checksum:
                     status, why = ReadStatus.DAMAGED, "checksum_mismatch"
             except _codec.CodecError as e:
                 status, why = ReadStatus.DAMAGED, f"checksum_mismatch ({e})"

@@ -20,7 +20,7 @@ import lmdb
 
 from kvstore import filemodes as _modes
 from kvstore.errors import ConfigError, DiskError, KVStoreError, StoreClosedError
-from kvstore.keys import all_keys
+from kvstore.keys import KEY_BYTES, all_keys
 from kvstore.sizes import parse_size
 from kvstore.tiers import codec as _codec
 from kvstore.tiers.base import ReadStatus, check_key
@@ -52,7 +52,6 @@ if TYPE_CHECKING:  # torch is imported by whoever hands us tensors: listing need
 
 log = logging.getLogger("kvstore.disk")
 
-_KEY_BYTES = 32
 _RECORDS_CHUNK = 1024
 
 
@@ -226,7 +225,7 @@ class DiskTier:
         sh = ctx.sh
         db = sh.dbs[DB_BLOCKS]
         if not all_keys(keys):
-            keys = [check_key(k) for k in keys]
+            keys = [check_key(k, "key") for k in keys]
         out: list[bytes] = []
         with sh.read() as txn:
             get = txn.get
@@ -245,7 +244,7 @@ class DiskTier:
     def get_record(self, key: bytes, namespace_id: bytes | None = None) -> DiskRecord | None:
         """The index record of ``key``, or None."""
         ctx = self._ensure()
-        key = check_key(key)
+        key = check_key(key, "key")
         with ctx.sh.read() as txn:
             (ck,) = ctx.namespaces.dbkeys(txn, [key], namespace_id)
         r = ctx.get_rec(ck)
@@ -257,7 +256,7 @@ class DiskTier:
         """Read one block straight into ``dst`` (CPU uint8 contiguous 1-D, block_nbytes) and
         verify it. Never raises for damage; ``dst`` holds the block only when OK."""
         ctx = self._ensure()
-        key = check_key(key)
+        key = check_key(key, "key")
         buf = as_buffer(dst, "dst")
         with ctx.sh.read() as txn:
             (ck,) = ctx.namespaces.dbkeys(txn, [key], namespace_id)
@@ -329,7 +328,7 @@ class DiskTier:
         left alone (a tenant can never delete another tenant's blocks). Each leaves a
         tombstone saying ``reason`` (``kvstore explain``)."""
         ctx = self._ensure_writable()
-        keys = [check_key(k) for k in keys]
+        keys = [check_key(k, "key") for k in keys]
         if not keys:
             return 0
         with ctx.sh.read() as txn:
@@ -340,12 +339,12 @@ class DiskTier:
     def delete_owned(self, keys: Sequence[bytes], namespace_id: bytes) -> list[bytes]:
         """Remove the blocks of ``keys`` that belong to ``namespace_id``; returns those keys."""
         ctx = self._ensure_writable()
-        keys = [check_key(k) for k in keys]
+        keys = [check_key(k, "key") for k in keys]
         namespace_id = check_key(namespace_id, "namespace_id")
         if not keys:
             return []
         gone = _txn.drop_entries(ctx, [(namespace_id + k, None) for k in keys], namespace_id)
-        return [ck[_KEY_BYTES:] for ck in gone]
+        return [ck[KEY_BYTES:] for ck in gone]
 
     # -- access tracking ------------------------------------------------------------------
     def touch(self, keys: Sequence[bytes], namespace_id: bytes | None = None) -> None:
@@ -353,7 +352,7 @@ class DiskTier:
         ctx = self._ensure()
         if self.readonly:
             return
-        keys = [check_key(k) for k in keys]
+        keys = [check_key(k, "key") for k in keys]
         if namespace_id is not None:
             keys = ctx.namespaces.dbkeys(None, keys, namespace_id)  # no transaction needed
         else:
@@ -406,8 +405,8 @@ class DiskTier:
                 r = decode_record(raw)
             except RecordError:
                 continue
-            if r.namespace_id == ck[:_KEY_BYTES]:
-                yield disk_record(ck[_KEY_BYTES:], r)
+            if r.namespace_id == ck[:KEY_BYTES]:
+                yield disk_record(ck[KEY_BYTES:], r)
 
     def _iter_raw(self, namespace_id: bytes | None = None) -> Iterator[tuple[bytes, bytes]]:
         """(dbkey, record) pairs in key order (of one namespace: a range of its prefix)."""

@@ -66,7 +66,6 @@ __all__ = ["ADMISSIONS", "RemoteConfig", "RemoteStats", "RemoteTier", "RemoteWri
 
 log = logging.getLogger("kvstore.remote")
 
-_KEY_BYTES = 32
 _WBUF_KEEP = 256 << 20  # write_blocks keeps its value buffer up to this size
 _NA = object()
 # cluster replies meaning "not here (now)": a miss, and the slot table is re-read
@@ -287,7 +286,7 @@ class RemoteTier:
         per node, all nodes at once). Unreachable nodes count as absent. ``namespace_id`` is
         accepted for the LowerTier contract: the tier's key space is its ``key_prefix``."""
         self._ensure()
-        keys = [_check_key(k) for k in keys]
+        keys = [_check_key(k, "key") for k in keys]
         if not keys:
             return 0
         rkeys = [self.redis_key(k) for k in keys]
@@ -315,7 +314,7 @@ class RemoteTier:
         self._ensure()
         if len(keys) != len(dsts):
             raise TensorMismatchError(f"read_many got {len(keys)} keys but {len(dsts)} destinations")
-        keys = [_check_key(k) for k in keys]
+        keys = [_check_key(k, "key") for k in keys]
         arrs = [_as_array(d, f"dsts[{i}]") for i, d in enumerate(dsts)]
         if namespace_id is not None:
             namespace_id = _check_key(namespace_id, "namespace_id")
@@ -405,7 +404,7 @@ class RemoteTier:
         for i, w in enumerate(items):
             if not isinstance(w, RemoteWrite):
                 raise TypeError(f"items[{i}] must be a RemoteWrite, got {type(w).__name__}")
-            todo.append((_check_key(w.key), _check_key(w.namespace_id, "namespace_id"),
+            todo.append((_check_key(w.key, "key"), _check_key(w.namespace_id, "namespace_id"),
                          _as_array(w.data, f"items[{i}].data"), self._itemsize(w)))
         if not todo:
             return 0
@@ -478,7 +477,7 @@ class RemoteTier:
 
     def _delete(self, keys: Sequence[bytes]) -> list[bytes]:
         self._ensure()
-        keys = [_check_key(k) for k in keys]
+        keys = [_check_key(k, "key") for k in keys]
         if not keys:
             return []
         rkeys = [self.redis_key(k) for k in keys]
