@@ -161,7 +161,8 @@ def test_gpu_check_runs_every_check_it_can_on_the_cpu():
     r = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--cpu"],
                        capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    for check in ("preflight", "kernels == torch reference", "race", "round trip with a hot tier",
-                  "layer-wise", "forced device fault"):
+    for check in ("preflight", "kernels == torch reference", "race", "pinned warm slab: exact bytes",
+                  "round trip with a hot tier", "demotion overlap", "layer-wise",
+                  "forced device fault"):
         assert f"| {check}" in r.stdout
     assert "**NO**" not in r.stdout and "all passed" in r.stdout

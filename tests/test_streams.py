@@ -274,3 +274,90 @@ def test_puts_run_on_their_own_path_and_a_fetch_waits_for_a_put_still_copying(fa
         assert put.wait(5) == 2
         assert torch.equal(fetched.wait(5), kv)
         assert eng.counters()["d2h"][0] == 2 and eng.counters()["h2d"][0] >= 1
+
+
+# -- demotion (hot -> warm): an async copy on the d2h stream, never under the lock -----------------
+def _gate_d2h(eng):
+    """Hold the d2h worker until the returned event is set (jobs queue behind it)."""
+    gate = threading.Event()
+    eng.submit("d2h", Job(Transfer(), lambda st: (gate.wait(10), [])[1], lambda ok, e: None))
+    return gate
+
+
+def test_demotion_is_enqueued_on_the_d2h_stream_and_the_lock_is_not_held_across_it(fake):
+    fwd = fake.new_stream("forward")
+    with store(hot=2, warm=8) as s, fake.use(fwd):
+        eng, cat = s.state.engine, s.state.catalog
+        d2h, h2d = eng.stream("d2h").name, eng.stream("h2d").name
+        a, kv_a = s.block_keys(list(range(8))), random_kv(LAY, 2)
+        s.put(a, kv_a).wait(5)
+        assert s.stats().tier("hot").blocks == 2
+        for k in a:  # waiting for a disk writer (whose host reads must not see a partial copy)
+            cat.mark_dirty(k)
+        gate = _gate_d2h(eng)  # the copies queued from now on have not landed
+        b, kv_b = s.block_keys(list(range(100, 108))), random_kv(LAY, 2, seed=1)
+        put_b = s.put(b, kv_b)  # hot is full of a's blocks (no lower copy): demoted
+        # put returned with the demotion copies in flight: the lock is free meanwhile
+        took: list[bool] = []
+
+        def take() -> None:
+            ok = s.state.lock.acquire(timeout=2)
+            took.append(ok)
+            if ok:
+                s.state.lock.release()
+
+        th = threading.Thread(target=take)
+        th.start()
+        th.join()
+        assert took == [True]
+        assert s.lookup(a) == 2  # still found (warm, pending)
+        assert all(cat.is_pinned(k) and k in s.state.pending for k in a)  # pinned until it lands
+        assert not any(cat.is_dirty(k) for k in a)  # the writer takes them once they landed
+        demotions = [e for e in fake.log if e[0] == "access" and e[2] == "demotion"]
+        assert demotions == [("access", d2h, "demotion")] * 2  # not on the caller's stream
+        assert ("wait", h2d, d2h) in fake.log  # a promotion into a freed slot comes after it
+        fetched = s.fetch(a)  # planned on the demotions in flight: waits for them
+        gate.set()
+        assert put_b.wait(5) == 2 and torch.equal(fetched.wait(5), kv_a)
+        assert eng.drain(5)
+        assert not any(cat.is_pinned(k) or k in s.state.pending for k in a)
+        assert all(cat.is_dirty(k) for k in a)
+        st = s.stats()
+        assert st.tier("warm").demotions_in == 2
+        assert torch.equal(s.fetch(b).wait(5), kv_b) and torch.equal(s.fetch(a).wait(5), kv_a)
+        assert fake.violations == []
+
+
+def _promote_into_a_slot_freed_by_demotion(s):
+    """hot holds one block: a fetch of a warm block promotes it into the slot that the
+    demotion of the hot block frees, while that demotion's copy has not been seen done."""
+    b, kv_b = s.block_keys(list(range(100, 104))), random_kv(LAY, 1, seed=2)
+    a, kv_a = s.block_keys(list(range(4))), random_kv(LAY, 1, seed=3)
+    s.put(b, kv_b).wait(5)
+    s.put(a, kv_a).wait(5)  # b demoted, a in hot
+    s.flush()
+    gate = _gate_d2h(s.state.engine)
+    assert torch.equal(s.fetch(b).wait(5), kv_b)  # promotion: demotes a, takes its slot
+    gate.set()
+    s.flush()
+    assert torch.equal(s.fetch(a).wait(5), kv_a) and torch.equal(s.fetch(b).wait(5), kv_b)
+
+
+def test_a_promotion_into_a_slot_freed_by_demotion_waits_for_the_copy(fake, monkeypatch):
+    with store(hot=1, warm=8) as s:
+        _promote_into_a_slot_freed_by_demotion(s)
+        assert s.stats().tier("hot").promotions_in >= 1
+    assert fake.violations == []
+    # negative control: without the h2d stream's wait on the demotion's event, the fake sees
+    # the promotion overwrite the hot slot the demotion copy is still reading
+    orig = streams.FakeStream.wait_event
+
+    def skip(self, ev):
+        if self is not h2d[0] or ev.stream != d2h[0]:
+            orig(self, ev)
+
+    with store(hot=1, warm=8) as s:
+        h2d, d2h = [s.state.engine.stream("h2d")], [s.state.engine.stream("d2h").name]
+        monkeypatch.setattr(streams.FakeStream, "wait_event", skip)
+        _promote_into_a_slot_freed_by_demotion(s)
+    assert any("promotion" in v and "demotion" in v for v in fake.violations), fake.violations

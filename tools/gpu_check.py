@@ -11,9 +11,12 @@ Checks (each in its own try: one failure never hides the others):
    data, page sizes 1..16, enough pages for every id asked for.
 3. race: a side stream sleeps then writes ``kv``; ``put``/``save_from`` with no sync; fetch
    back; ``torch.equal`` (CPU: the recording fake of kvstore.streams asserts the same order).
-4. open: warm slab bytes (pinned on CUDA) and open time.
+4. open: warm slab bytes (pinned on CUDA) and open time; the pinned bytes are exactly the
+   slab's (cudaHostRegister on its own mapping, not torch's caching host allocator, which
+   rounds up to a power of two) and are unpinned at close (CPU: through a fake registrar).
 5. round trip with a hot tier (``gpu_capacity > 0``): hot hit, promotion, demotion,
-   concurrent put and fetch.
+   concurrent put and fetch; demotion overlap: a put that demotes a full hot tier returns
+   before the hot -> warm copies land (they run on the d2h stream, not under the lock).
 6. layer-wise loading: ``load_into`` + ``wait_layer`` on a non-default stream.
 7. a forced device fault in a subprocess surfaces as an error, not a hang.
 8. (GPU) H2D/D2H bandwidth against raw pinned copies, hot tier on.
@@ -228,6 +231,116 @@ def check_round_trip(c: Ctx) -> None:
         f"put_dropped {st.put_dropped}")
 
 
+def check_pinned(c: Ctx) -> None:
+    from kvstore import KVLayout
+    from kvstore.memcheck import pinned_host_bytes
+    from kvstore.tiers import slab as slab_mod
+
+    torch = c.torch
+    lay = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+    blocks = 40 if c.cpu else 640  # 80 MiB / 1.25 GiB: not a power of two
+    calls: list[tuple] = []
+    real = slab_mod.REGISTRAR
+
+    class Recording:
+        def available(self) -> bool:
+            return True if c.cpu else real.available()
+
+        def register(self, ptr: int, nbytes: int) -> None:
+            calls.append(("register", ptr, nbytes))
+            if not c.cpu:
+                real.register(ptr, nbytes)
+
+        def unregister(self, ptr: int) -> None:
+            calls.append(("unregister", ptr))
+            if not c.cpu:
+                real.unregister(ptr)
+
+    slab_mod.REGISTRAR = Recording()
+    try:
+        before = pinned_host_bytes()
+        host_before = _host_allocator_bytes(c)
+        slab = slab_mod.Slab(lay, blocks * lay.block_nbytes, torch.device("cpu"), pin_memory=True)
+        locked = pinned_host_bytes() - before
+        grew = _host_allocator_bytes(c) - host_before
+        ptr = slab.data.data_ptr()
+        slab.close()
+        after = pinned_host_bytes() - before
+    finally:
+        slab_mod.REGISTRAR = real
+    ok = (calls == [("register", ptr, slab.nbytes), ("unregister", ptr)]
+          and locked == slab.nbytes and after == 0 and grew == 0)
+    row("pinned warm slab: exact bytes", ok,
+        f"{locked >> 20} MiB locked for a {slab.nbytes >> 20} MiB slab, {after} B after close",
+        ("fake registrar" if c.cpu else "cudaHostRegister") + f"; caching host allocator +{grew} B")
+    assert ok, calls
+
+
+def _host_allocator_bytes(c: Ctx) -> int:
+    """Bytes torch's caching host allocator holds (0 where it does not say)."""
+    if c.cpu:
+        return 0
+    try:
+        stats = c.torch.cuda.host_memory_stats()
+        return int(stats.get("reserved_bytes.current", stats.get("segment.current", 0)))
+    except Exception:
+        return 0
+
+
+def check_demotion_overlap(c: Ctx) -> None:
+    import threading
+
+    from kvstore import KVLayout
+    from kvstore.transfer import Transfer
+
+    torch = c.torch
+    c.use_fake()
+    lay = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+    n = 4 if c.cpu else 64  # 8 MiB / 128 MiB of hot blocks demoted by one put
+    with c.store(n, 4 * n, lay) as s:
+        kv0 = torch.randn(lay.batch_shape(n), device=c.device).to(lay.dtype)
+        kv1 = torch.randn(lay.batch_shape(n), device=c.device).to(lay.dtype)
+        k0 = s.block_keys(list(range(n * 16)))
+        k1 = s.block_keys(list(range(10**6, 10**6 + n * 16)))
+        s.put(k0, kv0).wait(60)
+        s.flush()
+        eng = s.state.engine
+        Job = sys.modules[type(eng).__module__].Job  # wherever the copy engine lives
+        gate = threading.Event()
+        if c.cpu:  # hold the d2h path: the demotion copies are still "in flight" below
+            eng.submit("d2h", Job(Transfer(), lambda st: (gate.wait(30), [])[1], lambda ok, e: None))
+        c.sync()
+        t0 = time.perf_counter()
+        t = s.put(k1, kv1)  # hot is full of k0 (no lower copy): all of it is demoted
+        t_call = time.perf_counter() - t0
+        in_flight = sum(1 for k in k0 if k in s.state.pending)
+        free = s.state.lock.acquire(timeout=5)
+        if free:
+            s.state.lock.release()
+        gate.set()
+        t.wait(60)
+        s.flush()
+        t_all = time.perf_counter() - t0
+        st = s.stats()
+        on_d2h = True
+        if c.cpu:
+            d2h = eng.stream("d2h").name
+            on_d2h = [e[1] for e in c.fake.log if e[0] == "access" and e[2] == "demotion"] == [d2h] * n
+        same = bool(torch.equal(s.fetch(k0).wait(60).cpu(), kv0.cpu()))
+    bad = c.fake.violations if c.fake is not None else []
+    demoted = st.tier("warm").demotions_in
+    ok = same and free and on_d2h and demoted >= n and not bad and (not c.cpu or in_flight == n)
+    if not ok:
+        row("demotion overlap", False, "FAILED", f"equal={same} lock free={free} on d2h={on_d2h} "
+            f"demoted={demoted} in flight={in_flight} violations={bad[:2]}")
+        raise AssertionError("demotion overlap")
+    row("demotion overlap", ok,
+        f"put returned in {t_call * 1e3:.1f} ms, {demoted} demotions landed by {t_all * 1e3:.1f} ms",
+        f"{in_flight} still copying at return; lock free meanwhile: {free}"
+        + (f"; fake: {len(bad)} ordering violations" if c.cpu else ""))
+    assert ok, bad[:3]
+
+
 def check_layerwise(c: Ctx) -> None:
     from kvstore import KVLayout
 
@@ -345,8 +458,8 @@ def check_bandwidth(c: Ctx) -> None:
         row(name, None, f"{v:.1f} GB/s", f"raw pinned copy_ {r:.1f} GB/s ({v / r:.2f}x)")
 
 
-CHECKS = (check_preflight, check_kernels, check_race, check_open, check_round_trip,
-          check_layerwise, check_fault, check_bandwidth)
+CHECKS = (check_preflight, check_kernels, check_race, check_open, check_pinned, check_round_trip,
+          check_demotion_overlap, check_layerwise, check_fault, check_bandwidth)
 CPU_SKIPS = {"check_bandwidth"}
 
 

@@ -10,6 +10,8 @@ from collections.abc import Iterable, Sequence, Set
 from dataclasses import dataclass
 from itertools import islice, takewhile
 
+import torch
+
 from kvstore.errors import ConfigError
 from kvstore.keys import BlockKey
 from kvstore.store.catalog import Catalog
@@ -286,6 +288,12 @@ class Residency:
         return True
 
     def demote(self, key: BlockKey) -> bool:
+        """Move hot block ``key`` into a warm slot, freeing its hot slot now.
+
+        With streams (CUDA) the copy is only enqueued here, on the copy engine's ``d2h``
+        stream (:meth:`_demote_async`): the lock is held for the enqueue, never across the
+        copy, and the caller's stream is not used. Without streams, one block's host copy.
+        """
         hot, warm = self.st.hot, self.st.warm
         assert hot is not None and warm is not None
         self.st.catalog.pin(key)  # keep it in hot while warm makes room
@@ -295,14 +303,87 @@ class Residency:
             self.st.catalog.unpin(key)
         if not slots:
             return False
-        warm.slab.data[slots[0]].copy_(hot.slab.data[hot.slot(key)])
-        warm.insert(key, slots[0])
+        src, dst = hot.slot(key), slots[0]
+        eng = self.st.engine
+        if eng is not None and eng.streams is not None:
+            self._demote_async(key, hot.slab.data[src : src + 1], warm.slab.data[dst : dst + 1])
+        else:
+            warm.slab.data[dst].copy_(hot.slab.data[src])
+        warm.insert(key, dst)
         warm.counters.demotions_in += 1
         self.st.announce_stored(warm.name, [key])
         hot.remove(key, for_room=True)
         hot.counters.evictions += 1
         self.st.announce_removed(hot.name, [key])
         return True
+
+    def _demote_async(self, key: BlockKey, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Enqueue the hot -> warm copy of ``key`` on the ``d2h`` stream (kvstore.streams).
+
+        Before: the hot slot's earlier writers and readers are done (it was unpinned: their
+        events were seen complete), as are the warm slot's. After: the freed hot slot's next
+        writer is a put on this same stream (behind the copy) or a promotion on ``h2d``, which
+        waits on the copy's event, enqueued now; the warm copy stays pinned (no eviction, no
+        writer) and pending (a fetch waits for its transfer) until the ``d2h`` worker sees
+        the event complete. A copy that fails drops the block (its hot copy is gone).
+        """
+        from kvstore.errors import StoreClosedError
+        from kvstore.store.copy_engine import Job
+        from kvstore.streams import host_wait
+        from kvstore.transfer import Transfer
+
+        eng = self.st.engine
+        assert eng is not None and eng.streams is not None
+        streams = eng.streams
+        d2h, h2d = eng.stream("d2h"), eng.stream("h2d")
+        assert d2h is not None and h2d is not None
+        with streams.use(d2h):
+            streams.access(d2h, reads=[src], writes=[dst], what="demotion")
+            dst.copy_(src, non_blocking=True)
+            done = d2h.record_event()
+        h2d.wait_event(done)
+        t: Transfer[int] = Transfer()
+        cat = self.st.catalog
+        cat.pin(key)
+        self.st.pending[key] = t
+        dirty = cat.is_dirty(key)
+        if dirty:  # the writer reads the warm slot on the host: not before the copy lands
+            cat.discard_dirty(key)
+
+        def settle(ok: bool) -> None:  # under the lock
+            if self.st.pending.get(key) is t:
+                del self.st.pending[key]
+            cat.unpin(key)
+            if self.st.closed or key not in cat:
+                return
+            if ok:
+                if dirty:
+                    cat.mark_dirty(key)
+                return
+            warm = self.st.warm
+            if warm is not None and key in warm:  # its bytes may be partial: never visible
+                warm.remove(key)
+                self.st.announce_removed(warm.name, [key])
+            if not self.held(key):
+                if dirty:
+                    self.st.counters.dirty_dropped += 1
+                cat.forget(key)
+
+        def finish(ok: bool, error: BaseException | None) -> None:
+            with self.st.lock:
+                settle(ok)
+            t.set_result(1 if ok else 0)  # a fetch planned on it stops before a failed one
+
+        try:
+            eng.submit("d2h", Job(t, lambda stream: [done], finish))
+        except StoreClosedError:  # the engine is closing: settle here
+            try:
+                host_wait(done, what="a demotion")
+                ok = True
+            except Exception:
+                ok = False
+            settle(ok)
+            t.set_result(1 if ok else 0)
 
     # -- evict ----------------------------------------------------------------------------
     def evict(self, keys: Sequence[bytes] | None = None, *, tier: str | None = None) -> int:
