@@ -291,6 +291,7 @@ def check_demotion_overlap(c: Ctx) -> None:
     import threading
 
     from kvstore import KVLayout
+    from kvstore.store.copy_engine import Job
     from kvstore.transfer import Transfer
 
     torch = c.torch
@@ -305,7 +306,6 @@ def check_demotion_overlap(c: Ctx) -> None:
         s.put(k0, kv0).wait(60)
         s.flush()
         eng = s.state.engine
-        Job = sys.modules[type(eng).__module__].Job  # wherever the copy engine lives
         gate = threading.Event()
         if c.cpu:  # hold the d2h path: the demotion copies are still "in flight" below
             eng.submit("d2h", Job(Transfer(), lambda st: (gate.wait(30), [])[1], lambda ok, e: None))
