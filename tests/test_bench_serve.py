@@ -70,6 +70,11 @@ def test_server_commands_name_the_connectors(tmp_path):
 
     ex = cfg("example")
     assert ex["kv_connector"] == "ExampleConnector"
+    # ExampleConnector saves only a request's first scheduled chunk: its engines prefill whole
+    c = sv.server_command("/py", "/m", 1, sv.transfer_config("example", tmp_path), scale)
+    assert "--no-enable-chunked-prefill" in c
+    emb = sv.server_command("/py", "/m", 1, sv.transfer_config("embedded", tmp_path), scale)
+    assert "--no-enable-chunked-prefill" not in emb
     emb = cfg("embedded")
     assert emb["kv_connector"] == "KVStoreConnector"
     assert emb["kv_connector_module_path"] == "kvstore.integrations.vllm"
@@ -269,12 +274,13 @@ def test_a_failed_run_is_recorded_and_the_rest_still_runs(tmp_path, monkeypatch)
     monkeypatch.setattr(b, "start_engines", start_engines)
     monkeypatch.setattr(b, "drive", drive)
     b.run_case(sv.Case("example", "x", 1, ("cold", "restart")))
-    # ExampleConnector leaves the trace out; the failed cold run does not stop the restart
-    assert driven == [("example", "cold", 0, "prefix_repetition"),
-                      ("example", "restart", 0, "prefix_repetition")]
+    # the failed run does not stop the next workload nor the restart
+    assert driven == [("example", p, 0, w) for p in ("cold", "restart")
+                      for w in ("prefix_repetition", "mooncake")]
     assert [f["error"] for f in b.failures] == ["RuntimeError: client exited with 1"]
+    monkeypatch.setitem(sv.SKIP, ("embedded", "mooncake"), "not today")
     b.run_case(sv.Case("embedded", "x", 1, ("cold",)))
-    assert driven[-1] == ("embedded", "cold", 0, "mooncake")
+    assert driven[-1] == ("embedded", "cold", 0, "prefix_repetition")  # mooncake left out
     assert len(b.failures) == 2
     # every engine was stopped when its phase ended
     assert not any(g.group_alive() for g in started) and b.procs.groups == []
@@ -284,3 +290,36 @@ def test_daemon_socket_fits_af_unix(tmp_path):
     assert sv.daemon_socket(tmp_path) == tmp_path / "kv.sock"
     deep = tmp_path / ("d" * 120)
     assert len(str(sv.daemon_socket(deep))) < 108
+
+
+def test_sigterm_stops_every_group_even_when_sent_twice(tmp_path):
+    """The section's process, sent SIGTERM twice, still kills what it started."""
+    script = tmp_path / "s.py"
+    script.write_text(f"""
+import time
+from pathlib import Path
+from kvstore.bench import serve as sv
+procs = sv.Procs()
+with sv._sigterm_unwinds():
+    try:
+        g = procs.start(["sh", "-c", "sleep 300 & wait"], Path({str(tmp_path / 'g.log')!r}))
+        print(g.pgid, flush=True)
+        while True:
+            time.sleep(0.1)
+    finally:
+        time.sleep(1.0)  # the second SIGTERM lands in here
+        procs.stop_all()
+        print("cleaned", flush=True)
+""")
+    import subprocess
+
+    p = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None
+    pgid = int(p.stdout.readline())
+    p.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    p.send_signal(signal.SIGTERM)
+    out, _ = p.communicate(timeout=60)
+    assert "cleaned" in out and p.returncode == 128 + signal.SIGTERM
+    with pytest.raises(ProcessLookupError):
+        os.killpg(pgid, 0)

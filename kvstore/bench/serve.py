@@ -123,12 +123,13 @@ def plan(quick: bool = False) -> list[Case]:
 
 WORKLOADS = ("prefix_repetition", "mooncake")
 #: workloads a case leaves out, and why
-SKIP = {
-    ("example", "mooncake"): "vLLM's ExampleConnector kills the engine on the trace after a "
-    "restart (inject_kv_into_layer: 'shape mismatch: value tensor of shape [896, 4, 128] cannot "
-    "be broadcast to indexing result of shape [1056, 4, 128]'; it keys its files by the whole "
-    "prompt and a later turn of a conversation matches an earlier, shorter one)",
-}
+SKIP: dict[tuple[str, str], str] = {}
+#: vLLM's ExampleConnector (a debug connector) saves a request's KV once, in the step that first
+#: schedules it: with chunked prefill that is only the first chunk, and after a restart it loads
+#: the whole prompt from the short file and kills the engine ("shape mismatch: value tensor of
+#: shape [896, 4, 128] cannot be broadcast to indexing result of shape [1056, 4, 128]"). Its
+#: engines prefill every prompt whole.
+EXAMPLE_ARGS = ("--no-enable-chunked-prefill",)
 
 
 def transfer_config(case: str, work: Path, engine: int = 0) -> dict[str, Any] | None:
@@ -171,6 +172,8 @@ def server_command(python: str, model: str, port: int, transfer: Mapping[str, An
            "--enforce-eager"]
     if transfer is not None:
         cmd += ["--kv-transfer-config", json.dumps(transfer)]
+        if transfer.get("kv_connector") == "ExampleConnector":
+            cmd += [*EXAMPLE_ARGS, "--max-num-batched-tokens", str(scale.max_model_len)]
     return cmd
 
 
@@ -694,6 +697,30 @@ class Bench:
         self.say(f"{workload:<17} {r.tag:<22} {_fmt_note(figs)}")
         return r
 
+    def cleanup(self, keep: bool) -> None:
+        """Stop every process, write ``serve_results.json`` and print the table; remove the work
+        directory unless ``keep``."""
+        self.procs.stop_all()
+        if self.daemon is not None:
+            self.daemon.stop()
+        summary = {"scale": asdict(self.scale) | {"model": dict(self.scale.model)},
+                   "results": [asdict(r) for r in self.results],
+                   "start_seconds": self.start_seconds, "trace_reuse": self.trace_reuse,
+                   "failures": self.failures,
+                   "skipped": [f"{c} {w}: {why}" for (c, w), why in SKIP.items()],
+                   "load_average": os.getloadavg()}
+        with contextlib.suppress(OSError):
+            (self.work / "serve_results.json").write_text(json.dumps(summary, indent=1))
+        if self.results:
+            print(markdown_table(self.results), file=sys.stderr, flush=True)
+        for f in self.failures:
+            print(f"FAILED: {f['workload']} {f['case']} {f['phase']} engine {f['engine']}: "
+                  f"{f['error'][-300:]}", file=sys.stderr, flush=True)
+        if not keep:
+            shutil.rmtree(self.work, ignore_errors=True)
+        else:
+            self.say(f"kept {self.work} (logs, client JSON, serve_results.json)")
+
     def failed(self, case: str, phase: str, engine: int, workload: str, why: str) -> None:
         """A run that did not finish: recorded (the JSON, the log), the next ones still run."""
         self.failures.append({"case": case, "phase": phase, "engine": engine,
@@ -739,16 +766,20 @@ class Bench:
 
 @contextlib.contextmanager
 def _sigterm_unwinds() -> Iterator[None]:
-    """SIGTERM raises ``SystemExit`` while the section runs (main thread only), so its
-    ``finally`` kills every process group it started."""
+    """The first SIGTERM raises ``SystemExit`` while the section runs (main thread only), so
+    its ``finally`` kills every process group it started; a second one while that cleanup
+    runs is ignored (the default action would end the process with engines left running)."""
     import threading
 
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    got: list[int] = []
 
     def _raise(signum: int, frame: object) -> None:
-        raise SystemExit(128 + signum)
+        got.append(signum)
+        if len(got) == 1:
+            raise SystemExit(128 + signum)
 
     old = signal.signal(signal.SIGTERM, _raise)
     try:
@@ -771,32 +802,13 @@ def run(opts: BenchOptions, *, cases: Sequence[str] | None = None,
     todo = [Case(c.key, c.label, c.engines, tuple(p for p in c.phases
                                                   if phases is None or p in phases))
             for c in plan(scale.quick) if cases is None or c.key in cases]
-    try:
-        with _sigterm_unwinds():
+    with _sigterm_unwinds():
+        try:
             b.prepare()
             for case in todo:
                 b.run_case(case)
-    finally:
-        b.procs.stop_all()
-        if b.daemon is not None:
-            b.daemon.stop()
-        summary = {"scale": asdict(scale) | {"model": dict(scale.model)},
-                   "results": [asdict(r) for r in b.results], "start_seconds": b.start_seconds,
-                   "trace_reuse": b.trace_reuse,
-                   "failures": b.failures, "skipped": [f"{c} {w}: {why}" for (c, w), why
-                                                       in SKIP.items()],
-                   "load_average": os.getloadavg()}
-        with contextlib.suppress(OSError):
-            (work / "serve_results.json").write_text(json.dumps(summary, indent=1))
-        if b.results:
-            print(markdown_table(b.results), file=sys.stderr, flush=True)
-        for f in b.failures:
-            print(f"FAILED: {f['workload']} {f['case']} {f['phase']} engine {f['engine']}: "
-                  f"{f['error'][-300:]}", file=sys.stderr, flush=True)
-        if not keep:
-            shutil.rmtree(work, ignore_errors=True)
-        else:
-            b.say(f"kept {work} (logs, client JSON, serve_results.json)")
+        finally:
+            b.cleanup(keep)
     nan = float("nan")
     return rows_from(b.results) + [
         BenchRow(SECTION, f"{f['workload']}: {f['case']} {f['phase']} engine {f['engine']}: "
