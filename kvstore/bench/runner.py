@@ -53,8 +53,9 @@ SECTIONS = {
                        "decision time"),
     "replay": Section("kvstore.bench.replay", "the default eviction policy vs LRU and Belady on "
                       "the Mooncake trace through a real store; its bookkeeping per block"),
-    "batch": Section("kvstore.bench.batch", "batched prefix sharing vs HF padded batching and "
-                     "vLLM prefix caching (needs transformers)"),
+    "batch": Section("kvstore.bench.batch", "batched prefix sharing on a 110M Llama (0.5B with "
+                     "KVSTORE_BENCH_BATCH_MODEL=0.5b; a toy under --quick) vs vLLM prefix "
+                     "caching in float32 (needs transformers, .venv-vllm)"),
     "serve": Section("kvstore.bench.serve", "vllm serve driven by vLLM's own client: alone, "
                      "ExampleConnector, kvstore embedded, two engines on one daemon, cold and "
                      "after a restart (needs .venv-vllm)"),
