@@ -297,3 +297,24 @@ def test_a_pass_that_cannot_copy_its_blocks_off_the_device_does_not_let_flush_vo
         failing.clear()
         s.flush()  # written again, now that the copy works
     assert on_disk(tmp_path, {0: keys}) == {0}
+
+
+def test_the_writer_never_takes_a_block_whose_copy_is_still_in_flight(tmp_path):
+    """Second-hit admission can mark a block dirty (on a fetch) while its put copy is still
+    in flight: the writer must leave it for later, not read its slot before the bytes land."""
+    from kvstore.transfer import Transfer
+
+    with open_(tmp_path) as s:
+        keys = s.block_keys(tokens(5, 2))
+        s.put(keys, keyed_kv(LAY, keys)).wait()
+        st, res = s.state, s.residency
+        with st.lock:
+            st.catalog.mark_dirty(keys[0])
+            st.catalog.mark_dirty(keys[1])
+            st.pending[keys[0]] = Transfer()  # as if its copy had not landed yet
+            try:
+                assert res.take_dirty(8) == [keys[1]]
+                assert st.catalog.is_dirty(keys[0])  # still waiting for the writer
+            finally:
+                del st.pending[keys[0]]
+        assert res.take_dirty(8) == [keys[0]]

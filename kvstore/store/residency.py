@@ -162,8 +162,20 @@ class Residency:
             cat.set_on_disk(key)
 
     def take_dirty(self, limit: int) -> list[BlockKey]:
-        """Up to ``limit`` blocks waiting for the writer, oldest first, off the dirty list."""
-        return self.st.catalog.take_dirty(limit)
+        """Up to ``limit`` blocks waiting for the writer, oldest first, off the dirty list.
+
+        A block whose copy into memory is still in flight (a put, a demotion) stays on the
+        list: its slot does not hold its bytes yet (second-hit admission can mark it dirty on
+        a fetch before the copy lands); the copy's completion wakes the writer again."""
+        cat = self.st.catalog
+        keys = cat.take_dirty(limit)
+        pending = self.st.pending
+        if pending and any(k in pending for k in keys):
+            for k in keys:
+                if k in pending:
+                    cat.mark_dirty(k)
+            keys = [k for k in keys if k not in pending]
+        return keys
 
     def written(self, keys: Iterable[BlockKey], ok: bool, reason: str | None = None) -> None:
         """The writer's pass over ``keys`` ended: unpinned, with a lower copy if ``ok``;
