@@ -104,20 +104,6 @@ def test_policies_list_exactly_the_held_blocks_and_are_deterministic(make, ops):
     assert drive(make(), ops) == drive(make(), ops)
 
 
-@settings(max_examples=60, deadline=None)
-@given(ops=ops_st)
-def test_adaptive_keeps_children_before_parents(ops):
-    p = AdaptivePolicy(6, scale=2.0, tune=False)
-    drive(p, ops)
-    keys = [(0,), (0, 1), (0, 1, 2)]
-    for k in keys:
-        if k not in p:
-            p.insert(k)
-    p.touch(keys[::-1])
-    order = p.order()
-    assert order.index((0, 1, 2)) < order.index((0, 1)) < order.index((0,))
-
-
 # -- the trace families ----------------------------------------------------------------------
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_families_are_deterministic_per_seed_and_share_prefixes(family):

@@ -14,7 +14,7 @@ from support.policy import BN, LAY, drive, kv_for, ops_st
 
 from kvstore import open_store
 from kvstore.tiers.admission import ADMISSIONS
-from kvstore.tiers.policy import EVICTIONS, LRUPolicy, ReusePolicy
+from kvstore.tiers.policy import EVICTIONS, AdaptivePolicy, LRUPolicy, ReusePolicy
 
 prompt_st = st.lists(st.sampled_from([1, 2, 3]), min_size=2, max_size=14)
 
@@ -126,8 +126,11 @@ def test_policy_lists_exactly_the_held_blocks_and_is_deterministic(make, ops):
 
 @settings(max_examples=80, deadline=None)
 @given(ops=ops_st)
-def test_touched_chain_keeps_children_before_parents(ops):
-    p = ReusePolicy(6, tune=False)
+@pytest.mark.parametrize("make", [lambda: ReusePolicy(6, tune=False),
+                                  lambda: AdaptivePolicy(6, scale=2.0, tune=False)],
+                         ids=["reuse", "adaptive"])
+def test_touched_chain_keeps_children_before_parents(make, ops):
+    p = make()
     drive(p, ops)
     keys = [(0,), (0, 1), (0, 1, 2)]
     for k in keys:
