@@ -55,7 +55,6 @@ class WriteBack:
         self.st = st
         self.res = res
         self.staged = Staged()  # touched only by the writer's thread (or under ``pass_lock``)
-        self.failure = ""  # the durable tier's last write error, for Durability
         # held for a whole pass: an evict takes it to see no write of its keys in flight
         self.pass_lock = threading.Lock()
 
@@ -111,41 +110,41 @@ class WriteBack:
         except Exception as e:  # a device error (CUDA's is sticky after a faulting copy)
             log.exception("copying %d dirty blocks off the device failed; they stay "
                           "memory-only", len(jobs))
-            self.failure = f"unexpected {type(e).__name__}: {e}"
-            self.settle(jobs, False)  # unpinned, and flush does not vouch for them
+            self.settle(jobs, why(e))  # unpinned, and flush does not vouch for them
             return True
         durable = self.st.durable
-        ok, staged = True, False
+        error: str | None = None  # the durable copy decides whether memory may let them go
+        staged = False
         for t, tier in enumerate(self.st.lower):
             items = [BlockWrite(k, p, d) for k, p, d, c in cpu if t < c]
             if tier is durable and isinstance(tier, StagedWrites) and items:
-                staged = self.stage(tier, items, jobs)
-                ok = staged
+                error = self.stage(tier, items, jobs)
+                staged = error is None
                 continue
-            wrote = self.write_tier(tier, items)
-            if not tier.volatile:  # the durable copy decides whether memory may let them go
-                ok = ok and wrote
+            failed = self.write_tier(tier, items)
+            if not tier.volatile and error is None:
+                error = failed
         if not staged:  # written (or failed) already: settle now
-            self.settle(jobs, ok)
+            self.settle(jobs, error)
         if self.commit_due():
             self.commit()
         return True
 
-    def stage(self, tier: StagedWrites, items: list[BlockWrite], jobs: list[Job]) -> bool:
-        """Stage ``items`` on the durable tier; their blocks settle at the commit."""
+    def stage(self, tier: StagedWrites, items: list[BlockWrite], jobs: list[Job]) -> str | None:
+        """Stage ``items`` on the durable tier; their blocks settle at the commit. Returns
+        why it failed, or None."""
         try:
             batch = tier.stage(items)
         except Exception as e:  # DiskError or worse: these blocks stay memory-only
             log.warning("disk tier write failed, %d blocks stay memory-only: %s", len(items), e)
-            self.failure = str(e)
-            return False
+            return str(e)
         s = self.staged
         if not s.batches:
             s.since = time.monotonic()
         s.batches.append(batch)
         s.jobs.extend(jobs)
         s.nbytes += len(items) * self.st.layout.block_nbytes
-        return True
+        return None
 
     def commit_due(self) -> bool:
         s = self.staged
@@ -161,25 +160,26 @@ class WriteBack:
         if not s.batches:
             return
         tier = self.st.durable
-        ok = False
+        error = None
         try:
             assert isinstance(tier, StagedWrites)
             tier.commit(s.batches)
-            ok = True
         except DiskError as e:
             log.warning("disk tier write failed, %d blocks stay memory-only: %s", len(s.jobs), e)
-            self.failure = str(e)
+            error = why(e)
         except Exception as e:
             log.exception("disk tier write failed unexpectedly; %d blocks stay memory-only",
                           len(s.jobs))
-            self.failure = f"unexpected {type(e).__name__}: {e}"
-        self.settle(s.jobs, ok)
+            error = why(e)
+        self.settle(s.jobs, error)
 
-    def settle(self, jobs: list[Job], ok: bool) -> None:
-        """Unpin written blocks; with a durable copy made, memory may let them go."""
+    def settle(self, jobs: list[Job], error: str | None) -> None:
+        """Unpin written blocks; with a durable copy made (``error`` None), memory may let
+        them go; otherwise Durability keeps ``error`` for flush to report."""
+        ok = error is None
         with self.st.lock:
             cat = self.st.catalog
-            self.res.written([j[0] for j in jobs], ok, self.failure)
+            self.res.written([j[0] for j in jobs], ok, error)
             if not ok:
                 self.st.counters.disk_write_dropped += len(jobs)
             if ok and self.st.durable is not None:
@@ -214,24 +214,21 @@ class WriteBack:
                 jobs.append((k, cat.parent(k), data, self.st.came_from.pop(k, everywhere)))
             return jobs
 
-    def write_tier(self, tier: LowerTier, items: list[BlockWrite]) -> bool:
-        """``items`` into ``tier``; False (logged) if it failed."""
+    def write_tier(self, tier: LowerTier, items: list[BlockWrite]) -> str | None:
+        """``items`` into ``tier``; why it failed (logged), or None."""
         if not items:
-            return True
+            return None
         try:
             tier.write(items)
-            return True
+            return None
         except DiskError as e:
             log.warning("%s tier write failed, %d blocks stay memory-only: %s",
                         tier.name, len(items), e)
-            if not tier.volatile:
-                self.failure = str(e)
+            return why(e)
         except Exception as e:
             log.exception("%s tier write failed unexpectedly; %d blocks stay memory-only",
                           tier.name, len(items))
-            if not tier.volatile:
-                self.failure = f"unexpected {type(e).__name__}: {e}"
-        return False
+            return why(e)
 
     def write_overflow(self, job: OverflowJob) -> None:
         ok = False
@@ -262,3 +259,8 @@ class WriteBack:
             elif durable is not None:
                 self.st.announce_stored(durable.name, job.keys, job.parents)
         job.transfer.set_result(base + (len(job.keys) if ok else 0))
+
+
+def why(e: BaseException) -> str:
+    """A failed write's cause, as flush's NotDurableError states it."""
+    return str(e) if isinstance(e, DiskError) else f"unexpected {type(e).__name__}: {e}"
