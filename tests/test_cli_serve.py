@@ -171,3 +171,21 @@ def test_daemon_subprocess_ignores_a_checkout_in_the_working_directory(tmp_path,
     finally:
         d.stop()
     assert "the checkout in the cwd ran" not in d.log()
+
+
+def test_stats_socket_finds_the_store_while_the_daemon_closes_files(daemon, monkeypatch):
+    """An fd of the daemon that closes between listing /proc/PID/fd and reading its link (the
+    daemon opens and closes segment files all the time) does not hide its daemon.lock."""
+    from kvstore.commands import stats
+
+    real = os.readlink
+    calls = []
+
+    def flaky(path):
+        calls.append(path)
+        if len(calls) == 1:
+            raise FileNotFoundError(2, "No such file or directory", str(path))
+        return real(path)
+
+    monkeypatch.setattr(stats.os, "readlink", flaky)
+    assert stats.daemon_store_path(str(daemon.socket_path)) == daemon.path

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import socket
 import struct
@@ -30,10 +31,13 @@ def daemon_store_path(sock_path: str) -> Path | None:
             s.connect(sock)
             cred = s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
         pid = struct.unpack("3i", cred)[0]
-        fds = Path(f"/proc/{pid}/fd")
-        links = [os.readlink(fd) for fd in fds.iterdir()]
+        fds = list(Path(f"/proc/{pid}/fd").iterdir())
     except (OSError, AttributeError):
         return None
+    links = []
+    for fd in fds:  # the daemon opens and closes files meanwhile: a vanished fd is no answer
+        with contextlib.suppress(OSError):
+            links.append(os.readlink(fd))
     for target in links:
         if os.path.basename(target) != LOCK_NAME:
             continue
