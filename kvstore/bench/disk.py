@@ -275,10 +275,9 @@ def reopen_row(nrec: int, workdir: str | None) -> BenchRow:
     ``leading_run``."""
     import torch
 
-    from kvstore.bench.fake_index import populate_fake_index
     from kvstore.layout import KVLayout
     from kvstore.namespace import Namespace
-    from kvstore.tiers.disk import DiskTier
+    from kvstore.tiers.disk import DiskTier, populate_fake_index
 
     layout = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16,
                       block_tokens=16)

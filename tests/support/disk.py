@@ -1,7 +1,7 @@
 """Helpers shared by the disk tier's tests and ``tools/stress_disk.py``: deterministic block
 content derived from the key, small layouts, and the kill-the-writer crash round.
-``populate_fake_index`` (a large index without payload) lives in the package, beside the disk
-benchmark that needs it (:mod:`kvstore.bench.fake_index`), and is re-exported here.
+``populate_fake_index`` (a large index without payload) is the disk tier's own
+(:mod:`kvstore.tiers.disk.synthetic`, also used by the ``disk`` benchmark), re-exported here.
 """
 
 from __future__ import annotations
@@ -17,10 +17,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvstore.bench.fake_index import populate_fake_index
 from kvstore.layout import KVLayout
 from kvstore.namespace import Namespace
-from kvstore.tiers.disk import DiskTier, DiskWrite, ReadStatus
+from kvstore.tiers.disk import DiskTier, DiskWrite, ReadStatus, populate_fake_index
 
 __all__ = [
     "CrashLog", "block_data", "chain", "crash_round", "namespace", "parse_acks",

@@ -39,6 +39,7 @@ Guarantees:
 | ``guard`` | index validation before LMDB maps the file (``StoreCorruptError``) |
 | ``lmdb_meta``, ``lmdb_trees`` | LMDB 0.9's file layout and meta pages; the B-tree walk |
 | ``recover``, ``recover_scan`` | ``kvstore recover``: rebuilding the index from segment files |
+| ``synthetic`` | records without payload inserted straight into the index (``populate_fake_index``) |
 """
 
 # The public names: what the store, the front ends (``kvstore.admin``, ``kvstore.packs``:
@@ -75,7 +76,7 @@ from kvstore.tiers.disk.segments import (
     publish,
     segment_name,
 )
-from kvstore.tiers.disk.tier import DiskTier
+from kvstore.tiers.disk.tier import DiskTier, populate_fake_index
 
 # tombstones (why a block left the index; ``kvstore explain``)
 from kvstore.tiers.disk.tombstones import NOT_KEPT, Detail, Reason, Tombstone
@@ -112,6 +113,7 @@ __all__ = [
     "listing_problem",
     "missing_index_error",
     "namespace_record_id",
+    "populate_fake_index",
     "publish",
     "require_intact",
     "segment_listing",

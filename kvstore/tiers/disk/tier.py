@@ -28,6 +28,7 @@ from kvstore.tiers.disk import check as _check
 from kvstore.tiers.disk import compaction as _compaction
 from kvstore.tiers.disk import eviction as _eviction
 from kvstore.tiers.disk import reads as _reads
+from kvstore.tiers.disk import synthetic as _synthetic
 from kvstore.tiers.disk import tombstones as _tomb
 from kvstore.tiers.disk import txn as _txn
 from kvstore.tiers.disk import writes as _writes
@@ -165,7 +166,7 @@ class DiskTier:
         return ctx
 
     @property
-    def _sh(self) -> SharedEnv:  # the tests' and the fake index's way to the environment
+    def _sh(self) -> SharedEnv:  # the tests' way to the environment
         return self._ensure().sh
 
     # -- namespaces -----------------------------------------------------------------------
@@ -488,9 +489,16 @@ class DiskTier:
         _tomb.record_in(self._ensure_writable(), items, reason, tier_code, detail=detail,
                         removed_us=removed_us)
 
-    # -- index write transactions (the fake index of the benchmarks) ----------------------
-    def _write_raw(self, fn: Callable) -> object:
-        return _txn.write_raw(self._ensure(), fn)
+    # -- a synthetic index (the benchmarks' reopen of a large store) ---------------------
+    def add_synthetic_records(self, ns: Namespace, n: int, *, txn_size: int = 250_000) -> None:
+        """Register ``ns`` and insert ``n`` records of it without payload straight into the
+        index, ``txn_size`` per write transaction (:mod:`kvstore.tiers.disk.synthetic`): chains
+        of 16 blocks, leaves in the LRU index, consistent totals, the same records every time.
+        The segment files they name do not exist, so only opening, lookups, listing and stats
+        mean anything afterwards: for timing what depends on the index's size alone. Meant
+        for a new, empty tier."""
+        self.register_namespace(ns)
+        _synthetic.add_records(self._ensure_writable(), ns, n, txn_size=txn_size)
 
     # -- lifecycle ----------------------------------------------------------------------------
     def close(self) -> None:
@@ -519,3 +527,11 @@ class DiskTier:
 
     def __repr__(self) -> str:
         return f"DiskTier({self.path!r}, codec={self.codec!r}, readonly={self.readonly})"
+
+
+def populate_fake_index(path: str, n: int, ns: Namespace, *, txn_size: int = 250_000) -> None:
+    """Create a disk tier at ``path`` whose index holds ``n`` records of ``ns`` pointing at
+    segment files that do not exist (:meth:`DiskTier.add_synthetic_records`), and close it.
+    For reopen-time measurements only: the ``disk`` benchmark and the disk tier's tests."""
+    with DiskTier(path, capacity_bytes=1 << 50) as t:
+        t.add_synthetic_records(ns, n, txn_size=txn_size)
