@@ -6,8 +6,9 @@ import pytest
 
 pytest.importorskip("redis", reason="redis-py is not installed (pip install 'redis>=5')")
 
-from kvstore.bench import BenchOptions, procs
+from kvstore.bench import BenchOptions
 from kvstore.bench import remote as remote_bench
+from kvstore.tiers.remote import local_server as procs
 
 
 def test_remote_bench_without_redis_server_is_empty(monkeypatch):

@@ -164,7 +164,7 @@ def _bandwidth_rows(socket_path: Path, quick: bool) -> list[BenchRow]:
 
 
 def run(opts: BenchOptions) -> list[BenchRow]:
-    from kvstore.bench.procs import DaemonProcess
+    from kvstore.daemon.process import DaemonProcess
 
     base = Path(tempfile.mkdtemp(prefix="kvstore-bench-daemon-", dir=opts.workdir))
     quick = opts.quick

@@ -97,7 +97,7 @@ def run(opts: BenchOptions) -> list[BenchRow]:
         import redis  # noqa: F401
     except ImportError:
         return []
-    from kvstore.bench.procs import RedisProcess, redis_server_path
+    from kvstore.tiers.remote.local_server import RedisProcess, redis_server_path
 
     if redis_server_path() is None:
         return []

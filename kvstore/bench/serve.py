@@ -654,7 +654,7 @@ class Bench:
         return [w for w in WORKLOADS if w in self.lengths]
 
     def start_engines(self, case: str, phase: str, n: int) -> list[tuple[Group, int]]:
-        from kvstore.bench.procs import free_port
+        from kvstore.tiers.remote.local_server import free_port
 
         out = []
         for e in range(n):
@@ -729,7 +729,7 @@ class Bench:
 
     def run_case(self, case: Case) -> None:
         if case.key == "shared":
-            from kvstore.bench.procs import DaemonProcess
+            from kvstore.daemon.process import DaemonProcess
 
             sock = daemon_socket(self.work)
             self.daemon = DaemonProcess(self.work / "store-daemon", sock, "--cpu-capacity", "1GiB",

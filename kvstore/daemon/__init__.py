@@ -10,7 +10,7 @@
 | ``connection`` | one client connection: hello, then requests in order |
 | ``daemon`` | the asyncio server, its thread pool, graceful shutdown |
 | ``metrics`` | Prometheus metrics (file or 127.0.0.1 HTTP) |
-| ``testing`` | start/stop a daemon subprocess (tests, benchmarks) |
+| ``process`` | ``DaemonProcess``: ``kvstore serve`` as a child process (benchmarks, tests); the daemon never imports it |
 
 The client is :mod:`kvstore.client` (``kvstore.connect``); the protocol is documented in
 ``docs/protocol.md``.

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import functools
 
-from kvstore.bench.procs import DaemonProcess
+from kvstore.daemon.process import DaemonProcess
 
 _BOOT = """
 import dataclasses, sys

@@ -1,8 +1,9 @@
 """Real Redis processes on 127.0.0.1 for the remote tier's tests.
 
 ``RedisProcess`` (one ``redis-server`` on a free loopback port, no persistence) and the port
-helpers live in the package, beside the remote benchmark that starts one
-(:mod:`kvstore.bench.procs`), and are re-exported here. Test-only: ``make_tls_files`` (a
+helpers live in the package, beside the remote tier they serve
+(:mod:`kvstore.tiers.remote.local_server`; the ``remote`` benchmark uses them too), and are
+re-exported here. Test-only: ``make_tls_files`` (a
 throwaway CA and server certificate), ``RedisClusterProcesses`` (an N-master cluster made with
 ``redis-cli --cluster create``) and ``SilentServer`` (a listening socket that accepts and never
 answers: a hung Redis).
@@ -19,7 +20,13 @@ import tempfile
 import threading
 import time
 
-from kvstore.bench.procs import HOST, RedisProcess, free_port, redis_cli_path, redis_server_path
+from kvstore.tiers.remote.local_server import (
+    HOST,
+    RedisProcess,
+    free_port,
+    redis_cli_path,
+    redis_server_path,
+)
 
 __all__ = [
     "HOST", "RedisClusterProcesses", "RedisProcess", "SilentServer", "free_port",

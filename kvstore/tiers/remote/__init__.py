@@ -7,6 +7,7 @@
 | ``config`` | ``RemoteConfig``, ``RemoteWrite``, ``RemoteStats`` |
 | ``conn`` | URLs, nodes, cluster topology, the circuit breaker |
 | ``format`` | the value format: header, codec, checksums |
+| ``local_server`` | ``RedisProcess``: a local ``redis-server`` (benchmarks, tests); the tier never imports it |
 """
 
 from kvstore.tiers.base import ReadStatus
