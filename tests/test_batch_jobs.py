@@ -197,8 +197,8 @@ def test_resume_after_interruption_recomputes_nothing_finished(model_dir, tmp_pa
     ran: list[str] = []
 
     def wrapped(die_after):
-        def open_engine(args, tok):
-            engine = real(args, tok)
+        def open_engine(args, tok, prompts=()):
+            engine, warm = real(args, tok, prompts)
             inner = engine.run
 
             def run(reqs, on_done=None):
@@ -214,7 +214,7 @@ def test_resume_after_interruption_recomputes_nothing_finished(model_dir, tmp_pa
                 return inner(reqs, on_done=done)
 
             engine.run = run
-            return engine
+            return engine, warm
         return open_engine
 
     monkeypatch.setattr(cmd, "_open_engine", wrapped(5))  # dies after 5 results, as if killed
@@ -264,7 +264,7 @@ def test_every_line_failing_for_one_reason_is_said_once_and_nothing_runs(model_d
     """Issue 31 item 6: text prompts to a model without a tokenizer fail every line alike."""
     from kvstore.commands import batch as cmd
 
-    def no_engine(args, tok):
+    def no_engine(args, tok, prompts=()):
         raise AssertionError("no line can run: the model must not be loaded")
 
     monkeypatch.setattr(cmd, "_open_engine", no_engine)
@@ -297,8 +297,8 @@ def test_summary_of_a_job_with_nothing_left_to_compute(model_dir, tmp_path, caps
 
     real = cmd._open_engine
 
-    def open_engine(args, tok):
-        engine = real(args, tok)
+    def open_engine(args, tok, prompts=()):
+        engine, warm = real(args, tok, prompts)
         inner = engine.run
 
         def run(reqs, on_done=None):
@@ -309,7 +309,7 @@ def test_summary_of_a_job_with_nothing_left_to_compute(model_dir, tmp_path, caps
             return inner(reqs, on_done=done)
 
         engine.run = run
-        return engine
+        return engine, warm
 
     monkeypatch.setattr(cmd, "_open_engine", open_engine)
     with pytest.raises(Killed):
@@ -320,3 +320,178 @@ def test_summary_of_a_job_with_nothing_left_to_compute(model_dir, tmp_path, caps
     text = capsys.readouterr().out
     assert "3 kept from an interrupted run" in text and "(from )" not in text
     assert len(out.read_text().splitlines()) == 3
+
+
+# -- memory: the store's warm tier sized from the job, --cpu-capacity, peak RSS -------------------
+BLOCK = 8192  # the fixture model's block: 2 layers x (K, V) x 16 tokens x 2 heads x 16 x 4 B
+
+
+def record_store(monkeypatch):
+    """Wrap ``_open_engine``: the warm-tier capacity of the store the engine really got."""
+    from kvstore.commands import batch as cmd
+
+    real = cmd._open_engine
+    seen = {}
+
+    def open_engine(args, tok, prompts=()):
+        engine, warm = real(args, tok, prompts)
+        if engine.store is not None:
+            seen["warm"] = engine.store.stats().tier("warm").capacity_bytes
+        seen["max_prefix_tokens"] = engine.max_prefix_tokens
+        return engine, warm
+
+    monkeypatch.setattr(cmd, "_open_engine", open_engine)
+    return seen
+
+
+def test_warm_tier_is_sized_from_the_job_and_peak_rss_is_reported(model_dir, tmp_path, capsys,
+                                                                    monkeypatch):
+    """Issue 28: with --store, the warm tier was open_store's 4 GiB, faulted in at open (a
+    tiny model's job peaked at 4.8-5.1 GB); now it follows the job."""
+    from kvstore.integrations.batch.memory import DEFAULT_CAP, MIN_BLOCKS, peak_rss
+
+    seen = record_store(monkeypatch)
+    small, big = tmp_path / "small.jsonl", tmp_path / "big.jsonl"
+    write_job(small, bad=False)  # one 60-token document: 3 full blocks
+    rng = random.Random(1)
+    docs = [[rng.randrange(VOCAB) for _ in range(200)] for _ in range(4)]
+    big.write_text("".join(json.dumps({"custom_id": f"d{i}-{j}", "max_tokens": 2,
+                                       "token_ids": d + [rng.randrange(VOCAB) for _ in range(5)]})
+                           + "\n" for i, d in enumerate(docs) for j in range(3)))
+    sized = {}
+    for name, src in (("small", small), ("big", big)):
+        assert run_cli(src, tmp_path / f"{name}.out", "--model", model_dir, "--store",
+                       tmp_path / "s", "--format", "json") == 0
+        doc = json.loads(capsys.readouterr().out)
+        store = doc["store"]
+        assert store["sized_from"] == "job" and store["block_bytes"] == BLOCK
+        assert store["cpu_capacity_bytes"] == seen["warm"]  # what the store really got
+        sized[name] = store
+        peak = doc["summary"]["peak_rss_bytes"]
+        assert 50 << 20 < peak <= peak_rss()  # this process's, in bytes (not KiB)
+    assert sized["small"]["prefix_blocks"] == 3
+    assert sized["small"]["cpu_capacity_bytes"] == MIN_BLOCKS * BLOCK  # 128 KiB
+    assert sized["small"]["cpu_capacity_bytes"] * 1000 < DEFAULT_CAP
+    assert sized["big"]["prefix_blocks"] == 4 * (200 // 16)
+    assert sized["big"]["cpu_capacity_bytes"] == -(-48 * 5 // 4) * BLOCK  # 1.25x headroom
+
+    assert run_cli(small, tmp_path / "t.out", "--model", model_dir, "--store", tmp_path / "s") == 0
+    text = capsys.readouterr().out
+    assert "peak memory (RSS)" in text and "MiB" in text.split("peak memory (RSS)")[1]
+    assert "sized from the job's 3 shared-prefix blocks" in text
+    assert run_cli(small, tmp_path / "u.out", "--model", model_dir) == 0  # no store: RSS only
+    text = capsys.readouterr().out
+    assert "peak memory (RSS)" in text and "store warm tier" not in text
+
+
+def test_cpu_capacity_and_max_prefix_tokens_override(model_dir, tmp_path, capsys, monkeypatch):
+    seen = record_store(monkeypatch)
+    src = tmp_path / "in.jsonl"
+    write_job(src, bad=False)
+    assert run_cli(src, tmp_path / "o.jsonl", "--model", model_dir, "--store", tmp_path / "s",
+                   "--cpu-capacity", "1MiB", "--max-prefix-tokens", "500",
+                   "--format", "json") == 0
+    store = json.loads(capsys.readouterr().out)["store"]
+    assert store["sized_from"] == "--cpu-capacity" and store["cpu_capacity_bytes"] == 1 << 20
+    assert seen == {"warm": 1 << 20, "max_prefix_tokens": 500}
+    assert run_cli(src, tmp_path / "p.jsonl", "--model", model_dir, "--store", tmp_path / "s",
+                   "--cpu-capacity", "1MiB") == 0
+    assert "1.0 MiB (128 blocks of 8.0 KiB), from --cpu-capacity" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("value, words", [
+    ("-1MiB", "negative"),
+    ("lots", "is not a size"),
+    ("12XB", "is not a size"),
+    ("0", "less than 1 B: it is the store's warm tier"),
+])
+def test_bad_cpu_capacity_is_a_usage_error(model_dir, tmp_path, capsys, value, words):
+    src = tmp_path / "in.jsonl"
+    write_job(src, bad=False)
+    with pytest.raises(SystemExit) as e:
+        run_cli(src, tmp_path / "o.jsonl", "--model", model_dir, "--store", tmp_path / "s",
+                f"--cpu-capacity={value}")
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--cpu-capacity" in err and words in err, err
+
+
+def test_cpu_capacity_below_one_block_or_without_a_store(model_dir, tmp_path, capsys):
+    src = tmp_path / "in.jsonl"
+    write_job(src, bad=False)
+    out = tmp_path / "o.jsonl"
+    assert run_cli(src, out, "--model", model_dir, "--store", tmp_path / "s",
+                   "--cpu-capacity", "4KiB") == 2
+    err = capsys.readouterr().err
+    assert "--cpu-capacity 4.0 KiB is smaller than one block of this model (8.0 KiB" in err
+    assert "give at least 8.0 KiB" in err and "leave --cpu-capacity out" in err
+    assert not out.exists() and not (tmp_path / "s").exists()
+    assert run_cli(src, out, "--model", model_dir, "--cpu-capacity", "1MiB") == 2
+    assert "give --store PATH too" in capsys.readouterr().err and not out.exists()
+
+
+def test_a_prefix_of_whole_blocks_loaded_from_the_store(model_dir, tmp_path, capsys):
+    """The second run finds the whole shared prefix (64 tokens: 4 blocks) in the store and
+    runs no forward for it (it used to run one over 0 tokens, which failed)."""
+    rng = random.Random(3)
+    doc = [rng.randrange(VOCAB) for _ in range(64)]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"custom_id": f"q{i}", "max_tokens": 3, "token_ids":
+                                       doc + [rng.randrange(VOCAB) for _ in range(3 + i)]})
+                           + "\n" for i in range(4)))
+    runs = []
+    for name in ("a", "b"):
+        assert run_cli(src, tmp_path / f"{name}.jsonl", "--model", model_dir, "--store",
+                       tmp_path / "s", "--format", "json") == 0
+        runs.append(json.loads(capsys.readouterr().out)["summary"])
+    assert runs[0]["stored_tokens"] == 0 and runs[1]["stored_tokens"] == 64
+    assert runs[1]["computed_tokens"] == runs[0]["computed_tokens"] - 64
+    assert (tmp_path / "a.jsonl").read_text() == (tmp_path / "b.jsonl").read_text()
+
+
+def test_prefix_blocks_count_nested_prefixes_once():
+    from kvstore.integrations.batch.memory import MIN_BLOCKS, prefix_blocks, warm_capacity
+
+    rng = random.Random(0)
+    system = [rng.randrange(VOCAB) for _ in range(40)]  # 2 full blocks, shared by all
+    docs = [system + [rng.randrange(VOCAB) for _ in range(50)] for _ in range(2)]  # 90: 5 blocks
+    prompts = [d + [rng.randrange(VOCAB) for _ in range(4)] for d in docs for _ in range(3)]
+    assert prefix_blocks(prompts, 16) == 2 + 2 * (5 - 2)
+    assert prefix_blocks(prompts[:1], 16) == 0  # one prompt shares nothing
+    assert warm_capacity([], block_tokens=16, block_nbytes=100).capacity == MIN_BLOCKS * 100
+    capped = warm_capacity(prompts, block_tokens=16, block_nbytes=100, cap=250)
+    assert capped.capacity == 200 and capped.capped and capped.blocks == 2
+    assert warm_capacity(prompts, block_tokens=16, block_nbytes=100, cap=10).capacity == 100
+
+
+def test_vllm_engine_gets_the_job_sized_warm_tier(model_dir, tmp_path, monkeypatch):
+    """``--engine vllm --store``: the connector's warm tier is sized the same way (vLLM's
+    32-token blocks), or ``--cpu-capacity``; a fake ``vllm`` records what the engine asks."""
+    import argparse
+    import sys
+    import types
+
+    from kvstore.commands import batch as cmd
+
+    asked = {}
+    vllm = types.ModuleType("vllm")
+    vllm.LLM = lambda **kw: asked.setdefault("llm", kw)
+    config = types.ModuleType("vllm.config")
+    config.KVTransferConfig = lambda **kw: kw
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    monkeypatch.setitem(sys.modules, "vllm.config", config)
+    rng = random.Random(2)
+    doc = [rng.randrange(VOCAB) for _ in range(100)]  # 3 blocks of 32 tokens
+    prompts = [doc + [rng.randrange(VOCAB)] for _ in range(3)]
+    args = argparse.Namespace(engine="vllm", model=str(model_dir), store=str(tmp_path / "s"),
+                              salt=None, dtype="auto", max_batch_tokens=512, cpu_capacity=None)
+    engine, warm = cmd._open_engine(args, None, prompts)
+    extra = asked["llm"]["kv_transfer_config"]["kv_connector_extra_config"]
+    assert warm.prefix_blocks == 3 and warm.block_nbytes == 2 * BLOCK  # 32-token blocks
+    assert extra == {"store_path": args.store, "cpu_capacity": warm.capacity}
+    assert warm.capacity == 16 * 2 * BLOCK
+    args.cpu_capacity = 3 << 20
+    asked.clear()
+    engine, warm = cmd._open_engine(args, None, prompts)
+    assert asked["llm"]["kv_transfer_config"]["kv_connector_extra_config"]["cpu_capacity"] == 3 << 20
+    assert warm.source == "--cpu-capacity"

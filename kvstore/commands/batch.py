@@ -7,10 +7,11 @@ import hashlib
 import json
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvstore.commands.args import Formatter, add_format, examples, integer
+from kvstore.commands.args import Formatter, add_format, examples, integer, size
 from kvstore.commands.output import (
     EXIT_ERROR,
     EXIT_OK,
@@ -23,6 +24,9 @@ from kvstore.commands.output import (
     progress,
     table,
 )
+
+if TYPE_CHECKING:
+    from kvstore.integrations.batch.memory import WarmSizing
 
 _MAX_ERRORS_SHOWN = 20
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -55,26 +59,63 @@ def _dtype(name: str) -> Any:
             "float16": torch.float16}[name]
 
 
-def _open_engine(args: argparse.Namespace, tokenizer: Any) -> Any:
-    if args.engine == "vllm":
-        from kvstore.integrations.batch.engines.vllm import VLLMEngine
+def _warm_sizing(args: argparse.Namespace, layout: Any,
+                 prompts: Sequence[Sequence[int]]) -> WarmSizing | None:
+    """The store's warm tier: ``--cpu-capacity`` when given, else sized from the job."""
+    from kvstore.integrations.batch.memory import (
+        WarmSizing,
+        check_capacity,
+        prefix_blocks,
+        warm_capacity,
+    )
 
+    if not args.store:
+        return None
+    if args.cpu_capacity is None:
+        return warm_capacity(prompts, block_tokens=layout.block_tokens,
+                             block_nbytes=layout.block_nbytes)
+    check_capacity(args.cpu_capacity, layout.block_nbytes,
+                   layout=f"{layout.num_layers} layers x {layout.num_kv_heads} KV heads x "
+                          f"{layout.head_dim} x {layout.block_tokens} tokens, K and V, "
+                          f"{str(layout.dtype).removeprefix('torch.')}")
+    return WarmSizing(capacity=args.cpu_capacity, source="--cpu-capacity",
+                      prefix_blocks=prefix_blocks(prompts, layout.block_tokens),
+                      block_nbytes=layout.block_nbytes)
+
+
+def _open_engine(args: argparse.Namespace, tokenizer: Any, prompts: Sequence[Sequence[int]] = ()
+                 ) -> tuple[Any, WarmSizing | None]:
+    """The engine, and the warm tier of its store (None without ``--store``)."""
+    if args.engine == "vllm":
+        from transformers import AutoConfig
+
+        from kvstore.integrations.batch.engines.vllm import VLLMEngine
+        from kvstore.integrations.transformers import layout_for
+
+        dtype = None if args.dtype == "auto" else _dtype(args.dtype)
+        layout = layout_for(AutoConfig.from_pretrained(args.model), dtype=dtype,
+                            block_tokens=VLLMEngine.BLOCK_SIZE)
+        sizing = _warm_sizing(args, layout, prompts)
         return VLLMEngine.open(args.model, store_path=args.store, salt=args.salt,
-                               dtype=args.dtype, max_batch_tokens=args.max_batch_tokens)
+                               dtype=args.dtype, max_batch_tokens=args.max_batch_tokens,
+                               cpu_capacity=sizing.capacity if sizing else None), sizing
     from transformers import AutoModelForCausalLM
 
     from kvstore.integrations.batch.engines.transformers import TransformersEngine
 
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=_dtype(args.dtype))
     model = model.to(args.device).eval()
-    store = None
+    store = sizing = None
     if args.store:
-        from kvstore.integrations.transformers import open_store_for
+        from kvstore.integrations.transformers import layout_for, open_store_for
 
-        store = open_store_for(model, args.store)
+        sizing = _warm_sizing(args, layout_for(model), prompts)
+        assert sizing is not None
+        store = open_store_for(model, args.store, cpu_capacity=sizing.capacity)
     return TransformersEngine(model, tokenizer=tokenizer, store=store, salt=args.salt,
                               max_batch_tokens=args.max_batch_tokens,
-                              max_batch_rows=args.max_batch_rows)
+                              max_batch_rows=args.max_batch_rows,
+                              max_prefix_tokens=args.max_prefix_tokens), sizing
 
 
 def _report_errors(job: Any) -> None:
@@ -116,7 +157,19 @@ def _plan_only(args: argparse.Namespace, job: Any) -> int:
     return EXIT_ERROR if job.errors else EXIT_OK
 
 
-def _print_summary(s: Any, out_path: str) -> None:
+def _warm_text(w: WarmSizing) -> str:
+    from kvstore.sizes import format_size, plural
+
+    size = f"{format_size(w.capacity)} ({plural(w.blocks, 'block')} of {format_size(w.block_nbytes)})"
+    if w.source != "job":
+        return f"{size}, from {w.source}"
+    why = f"the job's {plural(w.prefix_blocks, 'shared-prefix block')}"
+    return f"{size}, sized from {why}" + (" (capped)" if w.capped else "")
+
+
+def _print_summary(s: Any, out_path: str, warm: WarmSizing | None) -> None:
+    from kvstore.sizes import format_size
+
     bound = s.computed_tokens / s.lower_bound_tokens if s.lower_bound_tokens else 0.0
     rows = [
         ("engine", s.engine), ("output", out_path),
@@ -133,6 +186,9 @@ def _print_summary(s: Any, out_path: str) -> None:
     rows += [("generated tokens", f"{s.generated_tokens:,}"),
              ("wall time", f"{s.seconds:.2f} s"),
              ("throughput", f"{s.tokens_per_s:,.0f} tokens/s ({s.generated_per_s:,.0f} generated)")]
+    if warm is not None:
+        rows.append(("store warm tier", _warm_text(warm)))
+    rows.append(("peak memory (RSS)", format_size(s.peak_rss_bytes)))
     out_console().print(kv_grid(rows, right=False))
 
 
@@ -147,6 +203,10 @@ def run(args: argparse.Namespace) -> int:
         return error("batch", f"--model {args.model}: not a model directory")
     if args.output is None and not args.plan_only:
         return error("batch", "OUT is required (or give --plan-only)")
+    if args.cpu_capacity is not None and not args.store:
+        return error("batch", "--cpu-capacity sizes the warm tier of the --store: give "
+                     "--store PATH too, or leave --cpu-capacity out (without a store the "
+                     "engine keeps shared prefixes in its own memory only)")
     cfg, tok = _model_info(args.model)
     tokenize = (lambda text: tok(text).input_ids) if tok is not None else None
     job = read_requests(args.input, tokenize=tokenize, vocab=getattr(cfg, "vocab_size", None),
@@ -164,9 +224,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_job(args: argparse.Namespace, job: Any, tok: Any) -> int:
+    import dataclasses
+
+    from kvstore.integrations.batch.memory import peak_rss
     from kvstore.integrations.batch.runner import run_job
 
-    engine = _open_engine(args, tok)
+    engine, warm = _open_engine(args, tok, [r.token_ids for r in job.requests])
     err = err_console()
     try:
         with progress(err, f"kvstore batch ({engine.name})") as bar:
@@ -181,11 +244,16 @@ def _run_job(args: argparse.Namespace, job: Any, tok: Any) -> int:
         close = getattr(engine, "close", None)
         if callable(close):
             close()
+    summary = dataclasses.replace(summary, peak_rss_bytes=peak_rss())  # the store's flush too
     if args.format == "json":
+        store = None if warm is None else {
+            "path": os.fspath(args.store), "cpu_capacity_bytes": warm.capacity,
+            "sized_from": warm.source, "blocks": warm.blocks, "block_bytes": warm.block_nbytes,
+            "prefix_blocks": warm.prefix_blocks, "capped": warm.capped}
         emit_json("batch", {"output": os.fspath(args.output), "summary": summary,
-                            "tokens_per_s": summary.tokens_per_s})
+                            "tokens_per_s": summary.tokens_per_s, "store": store})
     else:
-        _print_summary(summary, args.output)
+        _print_summary(summary, args.output, warm)
     return EXIT_ERROR if job.errors else EXIT_OK
 
 
@@ -230,5 +298,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="suffix tokens per packed forward (default 8192)")
     r.add_argument("--max-batch-rows", type=integer(minimum=1), default=256, metavar="N",
                    help="sequences decoding together (default 256)")
+    r.add_argument("--max-prefix-tokens", type=integer(minimum=1), metavar="N",
+                   help="shared-prefix tokens whose K/V one batch holds (default 32 x "
+                   "--max-batch-tokens; transformers engine): with --max-batch-tokens, what "
+                   "bounds the engine's own memory")
+    r.add_argument("--cpu-capacity", type=size(minimum=1, hint=(
+                       ": it is the store's warm tier, which holds whole blocks; leave it out "
+                       "to size the tier from the job")), metavar="SIZE",
+                   help="the --store's warm tier (host memory), e.g. 256MiB (default: sized "
+                   "from the job, its shared-prefix blocks x 1.25, at most 4GiB)")
     add_format(r)
     r.set_defaults(func=guard("batch", run))

@@ -6,7 +6,8 @@
   :class:`~.engines.vllm.VLLMEngine`);
 - :mod:`.stepwise`: :class:`BatchRunner`, one prompt at a time through the transformers bridge
   with the store's pins (the plan's simulation checked against a real store);
-- :mod:`.requests`, :mod:`.jobs`, :mod:`.runner`: JSONL batch jobs (``kvstore batch run``).
+- :mod:`.requests`, :mod:`.jobs`, :mod:`.runner`: JSONL batch jobs (``kvstore batch run``);
+  :mod:`.memory`, a job's store warm tier sized from its shared prefixes, and its peak RSS.
 
 Importing this package imports neither torch-heavy framework: the engines load on first use
 (``from kvstore.integrations.batch import TransformersEngine`` imports transformers).

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from kvstore.integrations.batch.engines import Engine, EngineReport
 from kvstore.integrations.batch.jobs import JobInput, PartialResults, write_output
+from kvstore.integrations.batch.memory import peak_rss
 from kvstore.integrations.batch.requests import BatchRequest, Completion, LineError
 from kvstore.integrations.batch.tree import unique_tokens
 
@@ -37,6 +38,7 @@ class JobSummary:
     forwards: int
     seconds: float  # the engine's wall time
     token_source: str
+    peak_rss_bytes: int = 0  # this process's peak resident set size at the end of the job
 
     @property
     def tokens_per_s(self) -> float:
@@ -107,5 +109,6 @@ def _summary(engine: Engine, job: JobInput, resumed: int, completed: int,
         forwards=report.forwards if report else 0,
         seconds=report.seconds if report else 0.0,
         token_source=report.token_source if report else "",
+        peak_rss_bytes=peak_rss(),
     )
 

@@ -143,6 +143,9 @@ class TransformersEngine:
         if loaded is not None:
             base, base_len = loaded, stored
         n = node.prefix_len - base_len
+        if n == 0:  # the store held the whole prefix (a whole number of blocks): no forward
+            prefixes[node.node] = base
+            return _Counts(stored=stored)
         lay = self.layout
         kv = SuffixKV(lay.num_layers, 1, lay.num_kv_heads, n, lay.head_dim, dtype=self.dtype,
                       device=self.device)

@@ -69,11 +69,15 @@ class VLLMEngine:
         self.llm, self.block_size, self.salt = llm, block_size, salt
         self.detokenize, self.eos = detokenize, tuple(eos)
 
+    #: vLLM's KV block size :meth:`open` asks for by default
+    BLOCK_SIZE = 32
+
     @classmethod
     def open(cls, model_dir: str, *, store_path: str | None = None, salt: str | None = None,
-             dtype: str = "auto", max_batch_tokens: int = 8192, block_size: int = 32,
-             **llm_kwargs: Any) -> VLLMEngine:
-        """An offline ``vllm.LLM`` on ``model_dir`` (the kvstore connector on ``store_path``)."""
+             dtype: str = "auto", max_batch_tokens: int = 8192, block_size: int = BLOCK_SIZE,
+             cpu_capacity: int | str | None = None, **llm_kwargs: Any) -> VLLMEngine:
+        """An offline ``vllm.LLM`` on ``model_dir`` (the kvstore connector on ``store_path``,
+        its warm tier ``cpu_capacity``: default the connector's)."""
         try:
             from vllm import LLM
             from vllm.config import KVTransferConfig
@@ -90,7 +94,10 @@ class VLLMEngine:
         if store_path:
             from kvstore.integrations.vllm import kvstore_transfer
 
-            kw["kv_transfer_config"] = KVTransferConfig(**kvstore_transfer({"store_path": store_path}))
+            extra: dict[str, Any] = {"store_path": store_path}
+            if cpu_capacity is not None:
+                extra["cpu_capacity"] = cpu_capacity
+            kw["kv_transfer_config"] = KVTransferConfig(**kvstore_transfer(extra))
         kw.update(llm_kwargs)
         eos = () if has_tok else _eos_from_config(model_dir)
         return cls(LLM(**kw), block_size=block_size, salt=salt, detokenize=has_tok, eos=eos)
