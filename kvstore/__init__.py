@@ -32,6 +32,7 @@ from kvstore.errors import (
     TokenError,
     TransferError,
 )
+from kvstore.hints import PutHint
 from kvstore.sizes import format_size, parse_size
 
 if TYPE_CHECKING:
@@ -89,6 +90,7 @@ __all__ = [
     "LayoutError",
     "Namespace",
     "NamespaceMismatchError",
+    "PutHint",
     "PutsLostError",
     "PinReceipt",
     "SizeError",

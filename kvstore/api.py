@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from kvstore.hints import PutHint
 from kvstore.keys import BlockKey, KeyChain
 
 if TYPE_CHECKING:
@@ -74,6 +75,7 @@ class PutGrant:
     positions: list[int]  # their positions in the keys the put was asked for
     slots: list[int]  # warm slots to fill, one per key
     duplicates: int
+    start: int = 0  # where the blocks start in the warm tier's order (the put's hint)
 
 
 class BorrowedBlocks:
@@ -126,7 +128,8 @@ class KVCache(Protocol):
     def fetch(self, keys: Sequence[bytes], *,
               out: torch.Tensor | None = None) -> Transfer[torch.Tensor]: ...
 
-    def put(self, keys: Sequence[bytes], kv: torch.Tensor) -> Transfer[int]: ...
+    def put(self, keys: Sequence[bytes], kv: torch.Tensor,
+            hint: PutHint | None = None) -> Transfer[int]: ...
 
     def prefetch(self, keys: Sequence[bytes]) -> Transfer[int]: ...
 
@@ -134,7 +137,7 @@ class KVCache(Protocol):
                   page_size: int | None = None) -> Transfer[int]: ...
 
     def save_from(self, pages: Sequence[object], block_ids: object, keys: Sequence[bytes], *,
-                  page_size: int | None = None) -> Transfer[int]: ...
+                  page_size: int | None = None, hint: PutHint | None = None) -> Transfer[int]: ...
 
     def pin(self, keys: Sequence[bytes]) -> PinReceipt: ...
 
@@ -160,7 +163,7 @@ class ZeroCopy(Protocol):
 
     def release_lease(self, keys: Sequence[bytes]) -> None: ...
 
-    def grant_put(self, keys: Sequence[bytes]) -> PutGrant: ...
+    def grant_put(self, keys: Sequence[bytes], hint: PutHint | None = None) -> PutGrant: ...
 
     def commit_put(self, grant: PutGrant) -> int: ...
 

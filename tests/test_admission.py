@@ -14,6 +14,7 @@ from kvstore.store.config import resolve_admission
 from kvstore.tiers.admission import (
     ADMISSIONS,
     DOORKEEPER_PER_SLOT,
+    PROBATION,
     AlwaysAdmit,
     SecondHitAdmit,
     make_admission,
@@ -130,11 +131,17 @@ def test_probation_keeps_the_tuners_sampling():
     assert run(True) == run(False) == ["a", "b", "b", "a"]
 
 
-def test_always_costs_the_tier_nothing():
+def test_always_consults_no_doorkeeper_and_unhinted_puts_never_go_on_probation():
     t = MemoryTier("warm", LAY, 4 * BN, torch.device("cpu"), eviction="lru")
-    assert t.admission is None and type(t.policy) is LRUPolicy
+    # the policy takes probation (a put's hint may ask for it), the tier has no doorkeeper
+    assert t.admission is None and isinstance(t.policy, ProbationLRU)
+    for i in range(3):
+        t.insert(bytes([i]) * 32, t.allocate(1)[0])
+    assert not t.policy._prob and t.lru_order() == [bytes([i]) * 32 for i in range(3)]
+    t.insert(b"h" * 32, t.allocate(1)[0], start=PROBATION)  # a hinted put: the victim end
+    assert t.lru_order()[0] == b"h" * 32
     with pytest.raises(TypeError, match="probation=True"):
-        t.policy.insert(b"k", probation=True)  # not silently ignored
+        LRUPolicy().insert(b"k", probation=True)  # a policy without probation: not ignored
     t2 = MemoryTier("warm", LAY, 4 * BN, torch.device("cpu"), admission="second-hit")
     assert isinstance(t2.admission, SecondHitAdmit) and isinstance(t2.policy, ProbationLRU)
 

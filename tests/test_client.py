@@ -268,3 +268,36 @@ def test_importing_the_client_does_not_import_torch():
     from kvstore.namespace import Namespace
 
     assert r.stdout.split() == [Namespace.create("m", LAYOUT).id.hex(), str(LAYOUT.block_nbytes)]
+
+
+def test_a_put_hint_reaches_the_daemons_eviction_order(serve, tmp_path):
+    from kvstore import ConfigError, PutHint
+
+    lay = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype=torch.bfloat16,
+                   block_tokens=4)  # 2 KiB blocks: 8 fill the daemon's smallest warm tier
+
+    def _kv(n, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        return torch.randn(lay.batch_shape(n), generator=g).to(lay.dtype)
+
+    serve("--cpu-capacity", str(8 * lay.block_nbytes), "--disk-capacity", "0",
+          "--eviction", "lru")
+    c = connect(tmp_path / "run" / "kvstore.sock", layout=lay, model_id="hints",
+                device="cpu", timeout=5)
+    try:
+        chat = c.block_keys(list(range(16)))
+        assert c.put(chat, _kv(4), PutHint(session="chat")).wait() == 4
+        job1 = c.block_keys([100 + i for i in range(8)])
+        job2 = c.block_keys([200 + i for i in range(8)])
+        assert c.put(job1, _kv(2, 1), PutHint(session="job")).wait() == 2
+        assert c.put(job2, _kv(2, 2), PutHint(session="job")).wait() == 2  # branches
+        more = c.block_keys(list(range(24)))
+        kv = torch.cat([_kv(4), _kv(2, 3)])
+        assert c.put(more, kv, PutHint(session="chat")).wait() == 2
+        # the daemon made room from the branching job's blocks, not the conversation's
+        assert c.lookup(job2) == 0 and c.lookup(job1) == 2
+        assert torch.equal(c.fetch(more).wait(), kv)
+        with pytest.raises(ConfigError, match="kvstore.PutHint"):
+            c.put(job1, _kv(2), "job")  # type: ignore[arg-type]
+    finally:
+        c.close()

@@ -25,6 +25,7 @@ from kvstore.errors import (
     PutsLostError,
     StoreClosedError,
 )
+from kvstore.hints import PutHint, check_hint
 from kvstore.keys import KEY_BYTES, BlockKey, KeyChain, check_key, join_keys
 from kvstore.keys import block_keys as _block_keys
 from kvstore.layout import KVLayout
@@ -286,20 +287,25 @@ class Client:
         return Transfer.completed(0 if r is None else r.n)  # type: ignore[attr-defined]
 
     # -- put -------------------------------------------------------------------------------------
-    def put(self, keys: Sequence[bytes], kv: torch.Tensor) -> Transfer[int]:
+    def put(self, keys: Sequence[bytes], kv: torch.Tensor,
+            hint: PutHint | None = None) -> Transfer[int]:
         """Store ``kv`` (``[len(keys), L, P, T, H, D]``); validation raises synchronously.
 
         The blocks are copied into the daemon's shared memory and committed before this
         returns (the transfer is already done); its result is the number of blocks stored
-        (0 while the daemon is down: the put is dropped).
+        (0 while the daemon is down: the put is dropped). ``hint``: as the store's
+        (:class:`~kvstore.hints.PutHint`; a daemon older than hints refuses a hinted put).
         """
         blob, n, parent = self._keys(keys)
         self._check_kv(kv, n)
+        check_hint(hint)
         self._check_open()
         s = self._get() if n else None
         if s is None:
             return Transfer.completed(0)
-        grant: m.Grant | None = self._request(s, m.Put(blob, parent))  # type: ignore[assignment]
+        put = (m.Put(blob, parent) if hint is None
+               else m.Put(blob, parent, hint.session, hint.priority))
+        grant: m.Grant | None = self._request(s, put)  # type: ignore[assignment]
         if grant is None or not grant.slots:
             return Transfer.completed(0)
         try:
@@ -358,8 +364,9 @@ class Client:
         return Transfer.completed(got, lay.num_layers)
 
     def save_from(self, pages: Sequence[object], block_ids: object, keys: Sequence[bytes], *,
-                  page_size: int | None = None) -> Transfer[int]:
-        """Gather the blocks for ``keys`` out of an engine's paged cache and ``put`` them."""
+                  page_size: int | None = None, hint: PutHint | None = None) -> Transfer[int]:
+        """Gather the blocks for ``keys`` out of an engine's paged cache and ``put`` them
+        (``hint`` as :meth:`put`'s)."""
         import torch
 
         from kvstore.kernels import gather_pages
@@ -372,7 +379,7 @@ class Client:
         kv = torch.empty(lay.batch_shape(n), dtype=lay.dtype, device=geo.device)
         for layer in range(lay.num_layers):
             gather_pages(lay, geo, pages[layer], ids, kv[:, layer])
-        return self.put(keys, kv)
+        return self.put(keys, kv, hint)
 
     # -- pins / evict ------------------------------------------------------------------------
     def pin(self, keys: Sequence[bytes]) -> PinReceipt:

@@ -59,6 +59,7 @@ def _plan(args: argparse.Namespace):
         baselines=tuple(b for b in (args.baselines or "arc,s3fifo").split(",")
                         if b and b != "none"),
         admissions=tuple((args.admission or "always").split(",")),
+        hints=(False, True) if args.hints else (False,),
         block_tokens=args.block_tokens,
         hot=parse_capacity(args.hot) if args.hot else None,
         disk=parse_capacity(args.disk) if args.disk else None,
@@ -70,6 +71,16 @@ def _run(args: argparse.Namespace) -> int:
     from kvstore.replay.report import run_report
 
     trace = _trace(args)
+    if args.hints and all(r.session is None for r in trace.requests):
+        from kvstore.errors import ConfigError
+
+        raise ConfigError("--hints: this trace's requests carry no 'session' field, so there "
+                          "is no hint to give; use a --generate family, or "
+                          "a trace with sessions")
+    if args.hints and args.engines is not None:
+        from kvstore.errors import ConfigError
+
+        raise ConfigError("--hints is not supported with --engines yet; drop one of them")
     if args.engines is not None:
         from kvstore.commands import replay_fleet
 
@@ -172,6 +183,10 @@ def _args(p: argparse.ArgumentParser) -> None:
                    help="warm-tier admissions to replay and simulate with each policy: always "
                    "(the default), second-hit (a block the tier has not seen lately starts at "
                    "the victim end); e.g. always,second-hit")
+    p.add_argument("--hints", action="store_true",
+                   help="also run each policy with each request's session as its put's hint "
+                   "(kvstore.PutHint; traces with a 'session' field, like the --generate "
+                   "families; shown as POLICY+hints)")
     p.add_argument("--hot", metavar="CAP", help="also a hot tier (on the CPU) of this capacity")
     p.add_argument("--disk", metavar="CAP",
                    help="also a disk tier of this capacity (real disk writes, under --workdir)")

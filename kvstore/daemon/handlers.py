@@ -66,7 +66,7 @@ async def release(conn: Connection, req: m.Release) -> m.Empty:
 async def put(conn: Connection, req: m.Put) -> m.Grant:
     keys = _chain(conn, req.keys, req.parent)
     conn.holdings.check_room()
-    grant = await _call(conn, False, conn.store.grant_put, keys)
+    grant = await _call(conn, False, conn.store.grant_put, keys, req.hint)
     if not grant.keys:
         return m.Grant(0, [], [], grant.duplicates)
     gid = conn.holdings.add_grant(grant)

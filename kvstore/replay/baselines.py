@@ -47,7 +47,7 @@ class ARCPolicy:
     def __len__(self) -> int:
         return len(self._t1) + len(self._t2)
 
-    def insert(self, key: Hashable, *, probation: bool = False) -> None:
+    def insert(self, key: Hashable, *, probation: bool = False, uses: int = 0) -> None:
         if key in self._t1 or key in self._t2:
             return
         self._last[key] = self._call
@@ -128,7 +128,7 @@ class S3FIFOPolicy:
     def __len__(self) -> int:
         return len(self._s) + len(self._m)
 
-    def insert(self, key: Hashable, *, probation: bool = False) -> None:
+    def insert(self, key: Hashable, *, probation: bool = False, uses: int = 0) -> None:
         if key in self._freq:
             return
         self._freq[key] = 0

@@ -16,11 +16,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvstore.events.sink import EventSink
+from kvstore.hints import PutHint
 from kvstore.keys import BlockKey, KeyChain
 from kvstore.layout import KVLayout
 from kvstore.namespace import Namespace
 from kvstore.replay.simulate import variant
-from kvstore.replay.trace import Trace, store_keys
+from kvstore.replay.trace import Request, Trace, store_keys
 
 if TYPE_CHECKING:
     import torch
@@ -56,6 +57,7 @@ class StoreSpec:
     path: str | None = None  # a directory for the disk tier's fresh temporary store
     disk_codec: str = "none"
     admission: str = "always"  # the warm tier's (kvstore.tiers.admission)
+    hints: bool = False  # each put carries its request's session (kvstore.hints.PutHint)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +86,7 @@ class ReplayResult:
     seconds: float
     tiers: tuple[TierFigures, ...]
     admission: str = "always"  # the warm tier's
+    hints: bool = False  # puts carried their request's session
 
     @property
     def hit_ratio(self) -> float:
@@ -93,8 +96,8 @@ class ReplayResult:
     @property
     def label(self) -> str:
         """The report's name of this run: the eviction policy, and the admission unless
-        ``"always"`` (``"reuse+second-hit"``)."""
-        return variant(self.eviction, self.admission)
+        ``"always"`` (``"reuse+second-hit"``), ``+hints`` when puts carried sessions."""
+        return variant(self.eviction, self.admission, self.hints)
 
 
 def _marks(keys: list[BlockKey]) -> torch.Tensor:
@@ -151,8 +154,14 @@ class Served:
     wrong_blocks: int  # of them, blocks without the bytes put under their key (must be 0)
 
 
-def serve(store: Store, chain: list[BlockKey]) -> Served:
-    """One request: ``fetch`` its whole chain, check what came back, ``put`` the rest."""
+def session_hint(req: Request) -> PutHint | None:
+    """What an engine that knows the request's session tells the store (None without one)."""
+    return None if req.session is None else PutHint(session=str(req.session))
+
+
+def serve(store: Store, chain: list[BlockKey], hint: PutHint | None = None) -> Served:
+    """One request: ``fetch`` its whole chain, check what came back, ``put`` the rest (with
+    ``hint``)."""
     if not chain:
         return Served(0, 0)
     keys = KeyChain(chain, store.namespace_id)
@@ -162,7 +171,7 @@ def serve(store: Store, chain: list[BlockKey]) -> Served:
     if n < len(keys):
         # waited for: a put still copying keeps its blocks pinned, and how many are in
         # flight would depend on the machine's load; the replay must be deterministic
-        store.put(keys[n:], _contents(chain[n:], store.layout)).wait()
+        store.put(keys[n:], _contents(chain[n:], store.layout), hint).wait()
     return Served(n, wrong)
 
 
@@ -191,7 +200,7 @@ def _run(store: Store, trace: Trace, chains: Sequence[list[BlockKey]], spec: Sto
     first_ms = trace.requests[0].timestamp_ms if trace.requests else 0
     for req, chain in zip(trace.requests, chains, strict=True):
         pace(t0, first_ms, req.timestamp_ms, speed)
-        got = serve(store, chain)
+        got = serve(store, chain, session_hint(req) if spec.hints else None)
         refs += len(chain)
         hits += got.hit_blocks
         wrong += got.wrong_blocks
@@ -201,4 +210,4 @@ def _run(store: Store, trace: Trace, chains: Sequence[list[BlockKey]], spec: Sto
     seconds = time.perf_counter() - t0
     return ReplayResult(spec.eviction, len(trace.requests), refs, hits, wrong,
                         store.stats().put_dropped, seconds, tier_figures(store, refs),
-                        spec.admission)
+                        spec.admission, spec.hints)

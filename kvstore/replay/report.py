@@ -8,9 +8,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvstore.errors import ConfigError, SizeError
+from kvstore.hints import PutHint
 from kvstore.keys import BlockKey
 from kvstore.replay.baselines import SIM_ONLY
-from kvstore.replay.driver import ReplayResult, StoreSpec, replay, replay_layout, replay_namespace
+from kvstore.replay.driver import (
+    ReplayResult,
+    StoreSpec,
+    replay,
+    replay_layout,
+    replay_namespace,
+    session_hint,
+)
 from kvstore.replay.simulate import (
     SimResult,
     simulate_belady,
@@ -106,11 +114,13 @@ class ReplayPlan:
     speed: float | None = None
     path: str | None = None
     baselines: tuple[str, ...] = SIM_ONLY  # simulated beside them (kvstore.replay.baselines)
+    hints: tuple[bool, ...] = (False,)  # without, and/or with each request's session hint
 
     @property
-    def variants(self) -> tuple[tuple[str, str], ...]:
-        """(eviction, admission) of every run, policy-major."""
-        return tuple((p, a) for p in self.policies for a in self.admissions)
+    def variants(self) -> tuple[tuple[str, str, bool], ...]:
+        """(eviction, admission, hints) of every run, policy-major."""
+        return tuple((p, a, h) for p in self.policies for a in self.admissions
+                     for h in self.hints)
 
 
 def prepare(trace: Trace, policies: Sequence[str], block_tokens: int,
@@ -139,20 +149,21 @@ def run_report(trace: Trace, plan: ReplayPlan, *,
     for b in plan.baselines:
         if b not in SIM_ONLY:
             raise ConfigError(f"unknown baseline {b!r}; choose from {', '.join(SIM_ONLY)}")
-    variants = plan.variants + tuple((b, DEFAULT_ADMISSION) for b in plan.baselines
-                                     if (b, DEFAULT_ADMISSION) not in plan.variants)
+    variants = plan.variants + tuple((b, DEFAULT_ADMISSION, False) for b in plan.baselines
+                                     if (b, DEFAULT_ADMISSION, False) not in plan.variants)
+    hints = [session_hint(r) for r in trace.requests] if any(plan.hints) else None
     top = unbounded(blocks)
     rows = []
     for cap in plan.capacities:
         n = cap.blocks(fx, bn)
-        sims = _simulate(blocks, n, variants, progress, cap.text)
+        sims = _simulate(blocks, n, variants, hints, progress, cap.text)
         sims.append(top)
         runs = (_replays(trace, blocks, plan, fx, n * bn, bn, progress, cap.text)
                 if plan.store else ())
         rows.append(CapacityRow(cap.text, n / fx.unique_blocks, n, n * bn, tuple(sims),
                                 tuple(runs)))
     return ReplayReport(trace.source, fx.requests, fx.references, fx.unique_blocks,
-                        plan.block_tokens, bn, tuple(variant(p, a) for p, a in plan.variants),
+                        plan.block_tokens, bn, tuple(variant(*v) for v in plan.variants),
                         tuple(rows))
 
 
@@ -170,11 +181,14 @@ def ticker(progress: Callable[[str, int, int], None] | None, what: str, total: i
     return tick
 
 
-def _simulate(blocks: Sequence[Sequence[BlockKey]], n: int, variants: Sequence[tuple[str, str]],
+def _simulate(blocks: Sequence[Sequence[BlockKey]], n: int,
+              variants: Sequence[tuple[str, str, bool]], hints: Sequence[PutHint | None] | None,
               progress: Callable[[str, int, int], None] | None, label: str) -> list[SimResult]:
     total = len(blocks)
-    out = [simulate_policy(blocks, n, p, admission=a, progress=ticker(
-        progress, f"{label} simulate {variant(p, a)}", total)) for p, a in variants]
+    out = [simulate_policy(blocks, n, p, admission=a, hints=hints if h else None,
+                           progress=ticker(progress, f"{label} simulate {variant(p, a, h)}",
+                                           total))
+           for p, a, h in variants]
     out.append(simulate_belady(blocks, n, progress=ticker(progress, f"{label} simulate belady",
                                                            total)))
     return out
@@ -187,9 +201,9 @@ def _replays(trace: Trace, blocks: Sequence[list[BlockKey]], plan: ReplayPlan, f
     hot = plan.hot.blocks(fx, bn) * bn if plan.hot is not None else 0
     disk = plan.disk.blocks(fx, bn) * bn if plan.disk is not None else 0
     out = []
-    for p, a in plan.variants:
+    for p, a, h in plan.variants:
         spec = StoreSpec(p, warm_bytes, hot_bytes=hot, disk_bytes=disk,
-                         block_tokens=plan.block_tokens, path=plan.path, admission=a)
+                         block_tokens=plan.block_tokens, path=plan.path, admission=a, hints=h)
         out.append(replay(trace, spec, speed=plan.speed, keys=blocks, progress=ticker(
-            progress, f"{label} store {variant(p, a)}", len(trace.requests))))
+            progress, f"{label} store {variant(p, a, h)}", len(trace.requests))))
     return out

@@ -22,18 +22,20 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 from kvstore.errors import ConfigError
+from kvstore.hints import PutHint
 from kvstore.replay.baselines import SIM_ONLY, make_baseline
-from kvstore.tiers.admission import DEFAULT_ADMISSION, tier_admission
+from kvstore.tiers.admission import DEFAULT_ADMISSION, HintAdmission, tier_admission
 from kvstore.tiers.policy import EvictionPolicy, make_policy
 
 #: simulators a report can show beside the store's policies
 BOUNDS = ("belady", "unbounded")
 
 
-def variant(policy: str, admission: str = DEFAULT_ADMISSION) -> str:
+def variant(policy: str, admission: str = DEFAULT_ADMISSION, hints: bool = False) -> str:
     """A report's name for an eviction policy under an admission: ``"reuse"`` under
-    ``"always"``, ``"reuse+second-hit"`` otherwise."""
-    return policy if admission == DEFAULT_ADMISSION else f"{policy}+{admission}"
+    ``"always"``, ``"reuse+second-hit"`` otherwise; ``+hints`` when puts carry sessions."""
+    name = policy if admission == DEFAULT_ADMISSION else f"{policy}+{admission}"
+    return f"{name}+hints" if hints else name
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +49,7 @@ class SimResult:
     evictions: int
     dropped: int  # blocks a put could not keep (no victim left)
     admission: str = DEFAULT_ADMISSION  # the memory tier's (kvstore.tiers.admission)
+    hints: bool = False  # puts carried their request's session (kvstore.hints.PutHint)
 
     @property
     def hit_ratio(self) -> float:
@@ -54,7 +57,7 @@ class SimResult:
 
     @property
     def label(self) -> str:
-        return variant(self.policy, self.admission)
+        return variant(self.policy, self.admission, self.hints)
 
 
 Progress = Callable[[int], None]
@@ -71,17 +74,22 @@ def _leading(held: dict[Hashable, Hashable | None] | set[Hashable], blocks: Sequ
 
 def simulate_policy(requests: Sequence[Sequence[Hashable]], capacity_blocks: int, policy: str, *,
                     admission: str = DEFAULT_ADMISSION,
+                    hints: Sequence[PutHint | None] | None = None,
                     progress: Progress | None = None) -> SimResult:
     """Hit ratio of the store's eviction policy ``policy`` with ``capacity_blocks`` slots,
-    new blocks admitted by ``admission`` (the tier's, as ``MemoryTier`` applies it)."""
+    new blocks admitted by ``admission`` (the tier's, as ``MemoryTier`` applies it) and
+    placed by each request's put hint (``hints``, one per request, as the store's
+    :class:`~kvstore.tiers.admission.HintAdmission` applies them)."""
     door = tier_admission(admission, capacity_blocks)
+    placer = HintAdmission() if hints is not None else None
     pol: EvictionPolicy
     if policy in SIM_ONLY:
-        if door is not None:
-            raise ConfigError(f"{policy!r} is simulated under admission 'always' only")
+        if door is not None or placer is not None:
+            raise ConfigError(f"{policy!r} is simulated under admission 'always' and "
+                              "without hints only")
         pol = make_baseline(policy, capacity_blocks)
     else:
-        pol = make_policy(policy, capacity_blocks, probation=door is not None)
+        pol = make_policy(policy, capacity_blocks, probation=True)
     parent: dict[Hashable, Hashable | None] = {}
     children: dict[Hashable, int] = {}
     hits = refs = evictions = dropped = 0
@@ -117,6 +125,9 @@ def simulate_policy(requests: Sequence[Sequence[Hashable]], capacity_blocks: int
             pol.touch(blocks[n - 1::-1])  # the fetch touches its run, leaf first
         new = list(blocks[n:])
         if new:
+            # the store places a put before it touches or links anything
+            start = (placer.start(hints[i], new, blocks[n - 1] if n else None,  # type: ignore[index]
+                                  parent.__contains__) if placer is not None else 0)
             rev = new[::-1]
             pol.touch(rev)  # the put touches its chain before and after inserting
             prev = blocks[n - 1] if n else None
@@ -133,7 +144,12 @@ def simulate_policy(requests: Sequence[Sequence[Hashable]], capacity_blocks: int
             for k in reversed(new[keep:]):
                 unlink(k)
             dropped += len(new) - keep
-            if door is None:
+            if start:
+                for k in new[:keep]:
+                    if door is not None:
+                        door.admit(k)  # noted, as the tier does; the hint places it
+                    pol.insert(k, probation=start < 0, uses=max(start, 0))
+            elif door is None:
                 for k in new[:keep]:
                     pol.insert(k)
             else:
@@ -144,7 +160,8 @@ def simulate_policy(requests: Sequence[Sequence[Hashable]], capacity_blocks: int
             progress(256)
     if progress is not None:
         progress(len(requests) % 256)
-    return SimResult(policy, capacity_blocks, hits, refs, evictions, dropped, admission)
+    return SimResult(policy, capacity_blocks, hits, refs, evictions, dropped, admission,
+                     placer is not None)
 
 
 def _next_uses(requests: Sequence[Sequence[Hashable]]) -> list[list[int]]:

@@ -5,7 +5,8 @@ Conversations arrive as a Poisson process. Each starts from one of a few system 
 (Zipf popularity), may attach one of a pool of documents (Zipf: a few are hot, most are
 read once), and runs a geometric number of turns; each turn appends the user's message and
 the model's answer and comes back after a log-normal think time. Block ids follow the
-prefix tree (equal ids = equal prefixes), in the Mooncake format's ``hash_ids``.
+prefix tree (equal ids = equal prefixes), in the Mooncake format's ``hash_ids``; each request
+carries its conversation as its ``session``.
 """
 
 from __future__ import annotations
@@ -66,16 +67,17 @@ def chat_trace(w: ChatWorkload | None = None) -> Trace:
     doc_len = rng.integers(w.document_blocks[0], w.document_blocks[1] + 1, w.documents)
     sys_w = 1.0 / np.arange(1, w.system_prompts + 1) ** w.zipf
     doc_w = 1.0 / np.arange(1, w.documents + 1) ** w.zipf
-    events: list[tuple[float, int, list[int], int]] = []  # (time s, seq, chain, turns left)
+    # (time s, seq, chain, turns left, conversation)
+    events: list[tuple[float, int, list[int], int, int]] = []
     t = 0.0
-    seq = 0
+    seq = conv = 0
     out: list[Request] = []
     import heapq
 
     while len(out) < w.requests:
         t_new = t + rng.exponential(1.0 / w.rate_per_s)
         if events and events[0][0] <= t_new:
-            t, _, chain, left = heapq.heappop(events)
+            t, _, chain, left, sid = heapq.heappop(events)
         else:
             t = t_new
             s = int(rng.choice(w.system_prompts, p=sys_w / sys_w.sum()))
@@ -84,12 +86,14 @@ def chat_trace(w: ChatWorkload | None = None) -> Trace:
                 d = int(rng.choice(w.documents, p=doc_w / doc_w.sum()))
                 chain = tree.extend(chain, [("doc", d, i) for i in range(int(doc_len[d]))])
             left = int(rng.geometric(1.0 / w.mean_turns))
+            conv += 1
+            sid = conv
         seq += 1
         add = int(rng.integers(w.turn_blocks[0], w.turn_blocks[1] + 1))
         chain = tree.extend(chain, [("turn", seq, i) for i in range(add)])
         n_tok = len(chain) * MOONCAKE_BLOCK_TOKENS
-        out.append(Request(int(t * 1000), n_tok, 0, tuple(chain)))
+        out.append(Request(int(t * 1000), n_tok, 0, tuple(chain), sid))
         if left > 1:
             think = float(rng.lognormal(np.log(w.think_median_s), 1.0))
-            heapq.heappush(events, (t + think, seq, chain, left - 1))
+            heapq.heappush(events, (t + think, seq, chain, left - 1, sid))
     return Trace(tuple(out), f"synthetic chat (seed {w.seed})", MOONCAKE_BLOCK_TOKENS)

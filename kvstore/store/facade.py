@@ -14,6 +14,7 @@ import torch
 
 from kvstore.api import BorrowedBlocks, PinReceipt, PutGrant
 from kvstore.errors import KVStoreError
+from kvstore.hints import PutHint
 from kvstore.keys import BlockKey, KeyChain
 from kvstore.keys import block_keys as _block_keys
 from kvstore.layout import KVLayout
@@ -142,14 +143,17 @@ class Store:
         need; yields the number of leading blocks now held in memory."""
         return self.fetcher.prefetch(keys)
 
-    def put(self, keys: Sequence[bytes], kv: torch.Tensor) -> Transfer[int]:
+    def put(self, keys: Sequence[bytes], kv: torch.Tensor,
+            hint: PutHint | None = None) -> Transfer[int]:
         """Store ``kv`` (``[len(keys), L, P, T, H, D]``) under ``keys``; held keys are skipped.
 
         Validation is synchronous (raises before anything is queued); the copy completes
         through the returned :class:`Transfer`, whose result is the number of blocks stored.
-        ``kv`` must not be modified until the transfer is done.
+        ``kv`` must not be modified until the transfer is done. ``hint``
+        (:class:`~kvstore.hints.PutHint`): the request's session and priority, for where the
+        new blocks start in the memory tiers' eviction order (never what is stored).
         """
-        return self.putter.put(keys, kv)
+        return self.putter.put(keys, kv, hint)
 
     def load_into(self, keys: Sequence[bytes], pages: Sequence[object], block_ids: object, *,
                   page_size: int | None = None) -> Transfer[int]:
@@ -158,9 +162,10 @@ class Store:
         return self.paged.load_into(keys, pages, block_ids, page_size=page_size)
 
     def save_from(self, pages: Sequence[object], block_ids: object, keys: Sequence[bytes], *,
-                  page_size: int | None = None) -> Transfer[int]:
-        """Gather the blocks for ``keys`` out of an engine's paged KV cache and ``put`` them."""
-        return self.paged.save_from(pages, block_ids, keys, page_size=page_size)
+                  page_size: int | None = None, hint: PutHint | None = None) -> Transfer[int]:
+        """Gather the blocks for ``keys`` out of an engine's paged KV cache and ``put`` them
+        (``hint`` as :meth:`put`'s)."""
+        return self.paged.save_from(pages, block_ids, keys, page_size=page_size, hint=hint)
 
     def evict(self, keys: Sequence[bytes] | None = None, *, tier: str | None = None) -> int:
         """Evict ``keys`` (default: every unpinned block) and return how many left
@@ -206,9 +211,10 @@ class Store:
     def release_lease(self, keys: Sequence[bytes]) -> None:
         self.zero_copy.release_lease(keys)
 
-    def grant_put(self, keys: Sequence[bytes]) -> PutGrant:
-        """Reserve warm slots for the blocks of ``keys`` not held yet (nothing visible yet)."""
-        return self.zero_copy.grant_put(keys)
+    def grant_put(self, keys: Sequence[bytes], hint: PutHint | None = None) -> PutGrant:
+        """Reserve warm slots for the blocks of ``keys`` not held yet (nothing visible yet);
+        ``hint`` as :meth:`put`'s."""
+        return self.zero_copy.grant_put(keys, hint)
 
     def commit_put(self, grant: PutGrant) -> int:
         return self.zero_copy.commit_put(grant)

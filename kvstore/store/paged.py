@@ -9,6 +9,7 @@ import torch
 
 from kvstore import streams as _streams
 from kvstore.errors import TransferError
+from kvstore.hints import PutHint, check_hint
 from kvstore.kernels import gather_pages, scatter_pages
 from kvstore.keys import KeyChain
 from kvstore.paged import _layer_tensors, page_index, paged_geometry
@@ -103,14 +104,16 @@ class PagedIO:
 
     def save_from(
         self, pages: Sequence[object], block_ids: object, keys: Sequence[bytes],
-        *, page_size: int | None = None,
+        *, page_size: int | None = None, hint: PutHint | None = None,
     ) -> Transfer[int]:
         """Gather the blocks for ``keys`` out of an engine's KV cache and ``put`` them.
 
         Same ``pages``/``block_ids`` conventions as :meth:`load_into`. The gather is a copy
         taken before this returns, so the engine may overwrite its pages right away.
+        ``hint``: as :meth:`~kvstore.store.put.Putter.put`'s.
         """
         ks = self.st.keys(keys)
+        check_hint(hint)
         lay = self.st.layout
         geo = paged_geometry(lay, pages, page_size)
         ids = page_index(block_ids, len(ks) * geo.pages_per_block, geo)
@@ -122,4 +125,4 @@ class PagedIO:
                                writes=[kv[:, layer]], what="save_from gather")
             gather_pages(lay, geo, pages[layer], ids, kv[:, layer])
         # put's copy waits for this gather on the caller's stream (kvstore.streams, rule 1)
-        return self.putter.put(keys if isinstance(keys, KeyChain) else ks, kv)
+        return self.putter.put(keys if isinstance(keys, KeyChain) else ks, kv, hint)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvstore.hints import PutHint, check_hint
 from kvstore.keys import BlockKey
 from kvstore.store.copy_engine import Job, copy_done
 from kvstore.store.residency import Residency
@@ -55,25 +56,29 @@ class Putter:
         self.res = res
 
     # -- put ------------------------------------------------------------------------------
-    def put(self, keys: Sequence[bytes], kv: torch.Tensor) -> Transfer[int]:
+    def put(self, keys: Sequence[bytes], kv: torch.Tensor,
+            hint: PutHint | None = None) -> Transfer[int]:
         """Store ``kv`` (``[len(keys), L, P, T, H, D]``) under ``keys``; held keys are skipped.
 
         Validation is synchronous (raises before anything is queued); the copy completes
         through the returned :class:`Transfer`, whose result is the number of blocks stored.
-        ``kv`` must not be modified until the transfer is done.
+        ``kv`` must not be modified until the transfer is done. ``hint``: where the new blocks
+        start in the memory tiers' eviction order (:class:`~kvstore.hints.PutHint`).
         """
         ks = self.st.keys(keys)
         self.check_kv(kv, len(ks))
+        check_hint(hint)
         parent = self.st.chain_parent(keys)
         with self.st.lock:
             self.st.check_open()
-            return self.put_locked(ks, parent, kv)
+            start = self.st.hints.start(hint, ks, parent, self.res.held)
+            return self.put_locked(ks, parent, kv, start)
 
     def check_kv(self, kv: torch.Tensor, n: int) -> None:
         check_kv(self.st.layout, self.st.device, kv, n)
 
     def put_locked(
-        self, ks: list[BlockKey], parent: BlockKey | None, kv: torch.Tensor
+        self, ks: list[BlockKey], parent: BlockKey | None, kv: torch.Tensor, start: int = 0
     ) -> Transfer[int]:
         c = self.st.counters
         new = self.res.new_blocks(ks, parent)
@@ -104,7 +109,7 @@ class Putter:
         for tier, pos, slots in writes:
             for p, s in zip(pos, slots, strict=True):
                 k = ks[p]
-                tier.insert(k, s)
+                tier.insert(k, s, start=start)
                 written.append(k)
             self.st.announce_stored(tier.name, [ks[p] for p in pos])
         self.res.pin(written)  # pending until the copy lands: not evicted, not read by the writer

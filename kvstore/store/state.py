@@ -20,6 +20,7 @@ from kvstore.stats import Counters
 from kvstore.store.admission import DiskAdmission
 from kvstore.store.catalog import Catalog
 from kvstore.store.durability import Durability
+from kvstore.tiers.admission import HintAdmission
 
 if TYPE_CHECKING:
     import torch
@@ -64,6 +65,7 @@ class StoreState:
     durability: Durability = field(default_factory=Durability)  # what flush cannot vouch for
     events: EventSink | None = None  # told what each tier now holds or let go (KV events)
     disk_admission: DiskAdmission = field(init=False)  # from config.admission
+    hints: HintAdmission = field(default_factory=HintAdmission)  # where hinted puts start
 
     def __post_init__(self) -> None:
         self.disk_admission = DiskAdmission(self.config.admission)

@@ -10,6 +10,7 @@ import torch
 
 from kvstore.api import BorrowedBlocks, PutGrant
 from kvstore.errors import ConfigError, StoreClosedError
+from kvstore.hints import PutHint, check_hint
 from kvstore.keys import BlockKey
 from kvstore.store.copy_engine import Job
 from kvstore.store.fetch import Fetcher, FetchPlan
@@ -174,13 +175,15 @@ class ZeroCopyPlane:
         with self.st.lock:
             self.res.unpin(BlockKey(bytes(k)) for k in keys)
 
-    def grant_put(self, keys: Sequence[bytes]) -> PutGrant:
+    def grant_put(self, keys: Sequence[bytes], hint: PutHint | None = None) -> PutGrant:
         """Reserve warm slots for the blocks of ``keys`` not held yet (nothing visible yet).
 
         Fill ``grant.slots`` with the blocks at ``grant.positions``, then call
         :meth:`commit_put` (or :meth:`abort_put`). Blocks that find no room are left out.
+        ``hint``: as :meth:`~kvstore.store.put.Putter.put`'s.
         """
         ks = self.st.keys(keys)
+        check_hint(hint)
         parent = self.st.chain_parent(keys)
         if self.st.warm is None:
             raise ConfigError("granted puts need a warm tier (cpu_capacity > 0)")
@@ -190,7 +193,7 @@ class ZeroCopyPlane:
             # granted keys count as held: their blocks are being written by another process
             new = self.res.new_blocks(ks, parent, self.st.granted)
             grant = PutGrant([ks[p] for p in new.positions], new.parents, new.positions, [],
-                             new.duplicates)
+                             new.duplicates, self.st.hints.start(hint, ks, parent, self.res.held))
             c.put_called(grant.duplicates, new.dropped)
             self.res.link(grant.keys, grant.parents)  # protects the parents while we make room
             slots = self.res.reserve(self.st.warm, len(grant.keys)) if grant.keys else []
@@ -211,7 +214,7 @@ class ZeroCopyPlane:
             assert warm is not None
             for k, s in zip(grant.keys, grant.slots, strict=True):
                 self.st.granted.discard(k)
-                warm.insert(k, s)
+                warm.insert(k, s, start=grant.start)
             self.res.unpin(grant.keys)
             self.res.stored(grant.keys)
             self.st.counters.put_blocks += len(grant.keys)

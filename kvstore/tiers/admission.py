@@ -24,16 +24,22 @@ Not thread-safe: the store serialises access under its lock.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
 from typing import Protocol
 
 from kvstore.errors import ConfigError
+from kvstore.hints import PutHint
 
 #: admission names accepted by ``open_store(admission=...)`` (per tier)
 ADMISSIONS = ("always", "second-hit")
 DEFAULT_ADMISSION = "always"
 #: keys the second-hit doorkeeper remembers per slot of the tier (two generations of half)
 DOORKEEPER_PER_SLOT = 4
+#: where a hinted put's new blocks start (:meth:`HintAdmission.start`): on probation
+PROBATION = -1
+#: sessions whose last put :class:`HintAdmission` remembers (least recently seen dropped)
+HINT_SESSIONS = 65_536
 
 
 class Admission(Protocol):
@@ -92,6 +98,55 @@ class SecondHitAdmit:
 
     def evicted(self, key: Hashable) -> None:
         self._note(key)
+
+
+class HintAdmission:
+    """Where a put's new blocks start in the memory tiers' order, from its
+    :class:`~kvstore.hints.PutHint`: :data:`PROBATION`, or a number of uses (0: as any new
+    block). One per store, for every tier: a session's puts may land in either.
+
+    A session remembers the last block of its last put. A put of the same session that
+    neither contains that block nor hangs directly off it *branches* (a batch job's next
+    prompt, the next question on a document): its new blocks start on probation. One that
+    extends it (a conversation's next turn) and a session's first put start as usual; when
+    the session's last block has left memory there is nothing to judge by, and the session's
+    previous verdict stands. Bounded: the :data:`HINT_SESSIONS` sessions seen last. Not
+    thread-safe (the store's lock).
+    """
+
+    __slots__ = ("_last", "_cap")
+
+    def __init__(self, sessions: int = HINT_SESSIONS) -> None:
+        # session -> (the last block of its last put, whether that put branched)
+        self._last: OrderedDict[str, tuple[Hashable, bool]] = OrderedDict()
+        self._cap = max(1, sessions)
+
+    def __len__(self) -> int:
+        return len(self._last)
+
+    def start(self, hint: PutHint | None, keys: Sequence[Hashable], parent: Hashable | None,
+              held: Callable[[Hashable], bool]) -> int:
+        """Where the new blocks of a put of ``keys`` (the chain's blocks from ``keys[0]``,
+        whose parent is ``parent``) start; ``held``: whether a block is in memory."""
+        if hint is None:
+            return 0
+        start = PROBATION if hint.priority < 0 else hint.priority
+        s = hint.session
+        if s is None or not keys:
+            return start
+        last = self._last
+        seen = last.get(s)
+        branched = False
+        if seen is None:
+            if len(last) >= self._cap:
+                last.popitem(last=False)
+        else:
+            last.move_to_end(s)
+            prev, branched = seen
+            if held(prev):
+                branched = prev != parent and prev not in keys
+        last[s] = (keys[-1], branched)
+        return PROBATION if branched else start
 
 
 def check_admission(name: object, what: str = "admission") -> str:

@@ -52,8 +52,8 @@ class MemoryTier:
         # the store touches a chain leaf-to-root, so in LRU order roots stay newest
         # None under "always": insert and remove skip it
         self.admission: Admission | None = tier_admission(admission, self.slab.slots)
-        self.policy: EvictionPolicy = make_policy(eviction, self.slab.slots,
-                                                  probation=self.admission is not None)
+        # probation is always available: a put's hint may start its blocks there
+        self.policy: EvictionPolicy = make_policy(eviction, self.slab.slots, probation=True)
         # the per-block hot paths go straight to the policy: no call of ours in between
         self.iter_victims = self.policy.victims  # type: ignore[method-assign]
         self.touch = self.policy.touch  # type: ignore[method-assign]
@@ -103,15 +103,20 @@ class MemoryTier:
     def release(self, slot: int) -> None:
         self.slab.allocator.release(slot)
 
-    def insert(self, key: BlockKey, slot: int) -> None:
-        """Publish a filled slot under ``key``."""
+    def insert(self, key: BlockKey, slot: int, *, start: int = 0) -> None:
+        """Publish a filled slot under ``key``; ``start``: where a new block starts in the
+        order (:meth:`~kvstore.tiers.admission.HintAdmission.start`: ``PROBATION`` or uses)."""
         d = self.slab.directory
         if d is not None and key in self._slots:
             d.remove(key)  # republished under another slot: one entry per key
         adm = self.admission
+        probation = start < 0
         if adm is not None and key not in self._slots:
-            # a key the tier has not seen lately starts at the victim end (second-hit)
-            self.policy.insert(key, probation=not adm.admit(key))
+            # a key the tier has not seen lately starts at the victim end (second-hit); a
+            # hint decides where it starts, but the doorkeeper still notes the key
+            probation |= not adm.admit(key) and not start
+        if probation or start:
+            self.policy.insert(key, probation=probation, uses=max(start, 0))
         else:
             self.policy.insert(key)
         self._slots[key] = slot

@@ -73,10 +73,12 @@ class EvictionPolicy(Protocol):
 
     name: str
 
-    def insert(self, key: Hashable, *, probation: bool = False) -> None:
-        """``key`` joined the tier (or was republished under another slot: ``probation``
-        ignored). ``probation``: at the victim end, and still there after the next touch call
-        (the insert's own touch); lifted by the touch after that (see the module docstring)."""
+    def insert(self, key: Hashable, *, probation: bool = False, uses: int = 0) -> None:
+        """``key`` joined the tier (or was republished under another slot: ``probation`` and
+        ``uses`` ignored). ``probation``: at the victim end, and still there after the next
+        touch call (the insert's own touch); lifted by the touch after that (see the module
+        docstring). ``uses``: it starts as if used that many times (a put's priority hint;
+        policies that do not count uses ignore it)."""
 
     def remove(self, key: Hashable, *, for_room: bool) -> None:
         """``key`` left the tier: evicted or demoted to make room (``for_room``), or removed
@@ -109,7 +111,7 @@ class LRUPolicy:
     def __len__(self) -> int:
         return len(self._lru)
 
-    def insert(self, key: Hashable, *, probation: bool = False) -> None:
+    def insert(self, key: Hashable, *, probation: bool = False, uses: int = 0) -> None:
         if probation:
             raise TypeError("this LRUPolicy has no probation: make_policy(..., probation=True)")
         self._lru[key] = None
@@ -152,7 +154,7 @@ class ProbationLRU(LRUPolicy):
     def __len__(self) -> int:
         return len(self._lru) + len(self._prob)
 
-    def insert(self, key: Hashable, *, probation: bool = False) -> None:
+    def insert(self, key: Hashable, *, probation: bool = False, uses: int = 0) -> None:
         if key in self._prob:
             return  # republished while on probation: stays there
         if probation and key not in self._lru:
@@ -292,7 +294,7 @@ class ReusePolicy:
         self._prob_bucket = b
         return b
 
-    def insert(self, key: Hashable, *, probation: bool = False) -> None:
+    def insert(self, key: Hashable, *, probation: bool = False, uses: int = 0) -> None:
         self._clock = clock = self._clock + 1
         info = self._info
         e = info.get(key)
@@ -303,13 +305,14 @@ class ReusePolicy:
         back = self._ghost.pop(key, None)
         if back is None and self._ghost_old:
             back = self._ghost_old.pop(key, None)
-        if back is None:
-            uses, b = 0, clock // self._width
+        if back is None and not uses:
+            b = clock // self._width
             if probation:
                 b = self._probation_bucket()
                 self._fresh[key] = None
-        else:  # its uses came back from the ghost list: seen before, no probation
-            uses = back + 1 if back < MAX_CLASS else MAX_CLASS
+        else:  # seen before (its uses came back from the ghost list) or hinted: no probation
+            c = max(uses, back + 1 if back is not None else 0)
+            uses = c if c < MAX_CLASS else MAX_CLASS
             b = int(clock + uses * self._step) // self._width
         # seen by this call: the touch right after an insert is not a use
         info[key] = [b, uses, self._call]
@@ -501,7 +504,7 @@ class AdaptivePolicy:
             self._scale = s = tuner.scale
             self._off = [int(c * s * self._slots) for c in range(USE_CLASSES)]
 
-    def insert(self, key: Hashable, *, probation: bool = False) -> None:
+    def insert(self, key: Hashable, *, probation: bool = False, uses: int = 0) -> None:
         self._clock = clock = self._clock + 1
         info = self._info
         e = info.get(key)
@@ -516,8 +519,8 @@ class AdaptivePolicy:
         if back is None and self._ghost_old:
             back = self._ghost_old.pop(key, None)
         if back is None:
-            c = 0
-            if probation:
+            c = uses if uses < MAX_CLASS else MAX_CLASS
+            if probation and not c:
                 if self._prob is None:
                     raise TypeError("this AdaptivePolicy has no probation: "
                                     "make_policy(..., probation=True)")
@@ -527,7 +530,7 @@ class AdaptivePolicy:
                 self._after_insert(key)
                 return
         else:  # its uses came back from the ghost list: seen before, no probation
-            c = back + 1 if back < MAX_CLASS else MAX_CLASS
+            c = max(uses, back + 1 if back < MAX_CLASS else MAX_CLASS)
         info[key] = [c, self._call, clock]  # seen by this call: its next touch is no use
         self._lists[c][key] = None
         self._after_insert(key)

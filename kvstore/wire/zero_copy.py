@@ -7,8 +7,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from kvstore.hints import MAX_PRIORITY, MAX_SESSION_CHARS, MIN_PRIORITY, PutHint
 from kvstore.wire.errors import BadRequest
-from kvstore.wire.fields import IdRequest, KeysRequest, check_args, check_int, check_int_list
+from kvstore.wire.fields import (
+    IdRequest,
+    KeysRequest,
+    check_args,
+    check_int,
+    check_int_list,
+    check_keys,
+    check_opt_key,
+    check_str,
+)
 
 __all__ = ["Abort", "Commit", "Fetch", "Grant", "Lease", "Put", "Release"]
 
@@ -22,9 +32,37 @@ class Fetch(KeysRequest):
 
 @dataclass(frozen=True, slots=True)
 class Put(KeysRequest):
-    """Reserve warm slots for the new blocks -> :class:`Grant`."""
+    """Reserve warm slots for the new blocks -> :class:`Grant`. ``[keys, parent]``, or with
+    the put's hint ``[keys, parent, session, priority]`` (:class:`~kvstore.hints.PutHint`;
+    session nil or a str)."""
 
     OP: ClassVar[str] = "put"
+    session: str | None = None
+    priority: int = 0
+
+    @property
+    def hint(self) -> PutHint | None:
+        if self.session is None and not self.priority:
+            return None
+        return PutHint(self.session, self.priority)
+
+    def to_wire(self) -> list:
+        if self.session is None and not self.priority:
+            return [self.keys, self.parent]  # what daemons before hints read
+        return [self.keys, self.parent, self.session, self.priority]
+
+    @classmethod
+    def from_wire(cls, args: object) -> Put:
+        if not isinstance(args, list) or len(args) not in (2, 4):
+            raise BadRequest("put takes an array of 2 arguments (keys, parent) or 4 (keys, "
+                             "parent, session, priority)")
+        keys, parent = check_keys(args[0]), check_opt_key(args[1])
+        if len(args) == 2:
+            return cls(keys, parent)
+        s = args[2]
+        if s is not None and (not check_str(s, "session", MAX_SESSION_CHARS)):
+            raise BadRequest("session must be nil or a non-empty str")
+        return cls(keys, parent, s, check_int(args[3], "priority", MIN_PRIORITY, MAX_PRIORITY))
 
 
 @dataclass(frozen=True, slots=True)
