@@ -85,7 +85,7 @@ def test_report_rows(chat):
     trace, _ = chat
     rep = run_fleet_report(trace, FleetPlan(2, (parse_capacity("5%"), parse_capacity("10%")),
                                             routers=("round-robin", "prefix")))
-    assert [(r.capacity, r.eviction) for r in rep.rows] == [("5%", "reuse"), ("10%", "reuse")]
+    assert [(r.capacity, r.eviction) for r in rep.rows] == [("5%", "adaptive"), ("10%", "adaptive")]
     assert rep.rows[1].of("prefix").hits >= rep.rows[0].of("prefix").hits
     assert rep.rows[0].of("hash") is None
 

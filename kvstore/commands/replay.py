@@ -178,7 +178,7 @@ def _args(p: argparse.ArgumentParser) -> None:
                    "blocks (5%%) or sizes (64MiB) (default 2%%,5%%,10%%)")
     p.add_argument("--eviction", metavar="LIST",
                    help="eviction policies to replay and simulate: lru, reuse, adaptive "
-                   "(default lru,adaptive; with --engines: reuse)")
+                   "(default lru,adaptive; with --engines: adaptive, the store's default)")
     p.add_argument("--admission", metavar="LIST",
                    help="warm-tier admissions to replay and simulate with each policy: always "
                    "(the default), second-hit (a block the tier has not seen lately starts at "

@@ -9,12 +9,13 @@ import sys
 def plan(args: argparse.Namespace):
     from kvstore.replay.fleet_report import FleetPlan
     from kvstore.replay.report import parse_capacity
+    from kvstore.tiers.policy import DEFAULT_EVICTION
 
     caps = tuple(parse_capacity(c) for c in args.capacity.split(",") if c.strip())
     return FleetPlan(
         engines=args.engines, capacities=caps,
         routers=tuple(r.strip() for r in args.router.split(",") if r.strip()),
-        policies=tuple((args.eviction or "reuse").split(",")),
+        policies=tuple((args.eviction or DEFAULT_EVICTION).split(",")),
         block_tokens=args.block_tokens,
         hot=parse_capacity(args.hot) if args.hot else None,
         disk=parse_capacity(args.disk) if args.disk else None,

@@ -11,6 +11,7 @@ from kvstore.replay.fleet import ROUTERS, FleetResult, FleetSpec, replay_fleet
 from kvstore.replay.report import Capacity, prepare, ticker
 from kvstore.replay.trace import Trace
 from kvstore.routing.policies import DEFAULT_IMBALANCE
+from kvstore.tiers.policy import DEFAULT_EVICTION
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,7 +21,7 @@ class FleetPlan:
     engines: int
     capacities: tuple[Capacity, ...]
     routers: tuple[str, ...] = ROUTERS
-    policies: tuple[str, ...] = ("reuse",)
+    policies: tuple[str, ...] = (DEFAULT_EVICTION,)
     block_tokens: int = 512
     hot: Capacity | None = None
     disk: Capacity | None = None
