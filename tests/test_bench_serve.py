@@ -136,6 +136,49 @@ def test_convert_trace_scales_lengths_and_time(tmp_path):
     assert sv.trace_reuse([(64, [0, 1]), (64, [0, 2])], 32) == 0.25  # 1 of 4 blocks
 
 
+def test_trace_chat_turns_pairs_an_answer_with_the_next_message(tmp_path):
+    src = tmp_path / "trace.jsonl"
+    rows = [
+        {"timestamp": 0, "input_length": 1100, "output_length": 300, "hash_ids": [0, 1, 2]},
+        # continues the first: its 2 whole blocks, then 300 answered + 60 typed (1100 + 360)
+        {"timestamp": 1, "input_length": 1460, "output_length": 50, "hash_ids": [0, 1, 3]},
+        # shares only block 0 (a common system prompt): a new chat
+        {"timestamp": 2, "input_length": 2000, "output_length": 10, "hash_ids": [0, 9, 10, 11]},
+        # continues the second but is shorter than its prompt + answer: an edit, left out
+        {"timestamp": 3, "input_length": 1480, "output_length": 5, "hash_ids": [0, 1, 4]},
+        # continues the third (the latest with those 3 whole blocks): 10 answered, 500 typed
+        {"timestamp": 4, "input_length": 2510, "output_length": 5,
+         "hash_ids": [0, 9, 10, 12, 13]},
+    ]
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert sv.trace_chat_turns(src) == [(300, 60), (10, 500)]
+
+
+def test_chat_workload_draws_turns_and_predicts_hits():
+    fixed = sv.chat_workload(2, 3, 256, answer=128, message=64)
+    assert fixed.answers == ((128,) * 3,) * 2 and fixed.messages == ((64,) * 3,) * 2
+    assert fixed.prompt_lengths(0) == [256, 448, 640]
+    assert fixed.max_len == 640 + 128
+    # prompt only: turn t + 1 gets turn t's whole prompt blocks (8, then 14)
+    assert sv.chat_expected_hits(fixed, False) == [[0, 256, 448]] * 2
+    # decode blocks: turn t's prompt and answer less its last token: (256 + 127) // 32 = 11
+    # blocks, then (448 + 127) // 32 = 17
+    assert sv.chat_expected_hits(fixed, True) == [[0, 352, 544]] * 2
+    # never the whole prompt: a prompt that ends on a block boundary keeps its last block
+    w = sv.ChatWorkload(64, ((33, 1),), ((31, 1),), "t")
+    assert w.prompt_lengths(0) == [64, 128]
+    assert sv.chat_expected_hits(w, True) == [[0, 96]]  # 3 stored, (128 - 1) // 32 = 3
+    assert sv.chat_expected_hits(w, False) == [[0, 64]]
+
+    pool = [(300, 20), (100, 900), (2000, 5)]
+    a = sv.chat_workload(3, 4, 100, pool=pool, seed=1, message_cap=512, answer_cap=1024)
+    assert a == sv.chat_workload(3, 4, 100, pool=pool, seed=1, message_cap=512, answer_cap=1024)
+    assert {x for row in a.answers for x in row} <= {300, 1024}  # 900-token message left out
+    assert {x for row in a.messages for x in row} <= {20, 5}
+    with pytest.raises(ValueError):
+        sv.chat_workload(1, 1, 100, pool=[(10, 900)], message_cap=512)
+
+
 def test_parse_result_and_metrics(tmp_path):
     p = tmp_path / "r.json"
     p.write_text(json.dumps(SAVED))

@@ -23,10 +23,16 @@ Two more sections (issue 29), each its own command line:
 ``async``: requests arrive while others decode, half of them hits saved on disk by an
 earlier engine, half new; the inter-token latency (TPOT) of every running decode, p50/p99,
 for vLLM alone, kvstore with background loads (``load_async``) and kvstore with loads
-before the step's forward. ``chat``: a multi-turn chat (each turn's prompt = the history +
-a new message), vLLM's prefix cache reset before every turn, so hits come from kvstore:
-the prefix hit ratio with and without ``save_decode_blocks``. Both drive ``LLMEngine.step``
-themselves in an engine process (``--driver``), one request arriving every few steps.
+before the step's forward. Each kvstore engine runs on its own copy of the saved store (an
+engine saves the "new" requests it computes: sharing one store, the engine measured second
+hit them too). ``chat``: multi-turn chats (each turn's prompt = the history + the answer + a
+new message), vLLM's prefix cache reset before every turn, so hits come from kvstore: the
+prefix hit ratio with and without ``save_decode_blocks``, interleaved (``--repeats``), on
+the 124M bf16 Llama of ``kvstore bench --section serve``; each turn's answer and next message
+drawn from the Mooncake conversation trace's consecutive turns (``--lengths trace``, the
+default) or fixed (``--lengths fixed``). Both check vLLM's external hit counter against the
+connector's own (``stats_path``) and the hits expected, after each engine's warm-up. Both
+drive ``LLMEngine.step`` themselves in an engine process (``--driver``).
 """
 
 from __future__ import annotations
@@ -323,6 +329,11 @@ def _driver(spec_path: str, out_path: str) -> int:
 
     llm.generate([TokensPrompt(prompt_token_ids=spec["warmup"])], sp(4), use_tqdm=False)
     out: dict = {"requests": {}}
+    # the counters after the warm-up: the figures are the deltas from here (the warm-up prompt
+    # may hit what an earlier engine saved)
+    out["metrics_warmup"] = _driver_counters(llm)
+    if spec.get("stats_path"):
+        out["connector_warmup"] = read_stats(spec["stats_path"])
 
     def run(reqs: list[dict]) -> dict[str, list[int]]:
         pending = sorted(reqs, key=lambda r: r["arrive"])
@@ -350,24 +361,29 @@ def _driver(spec_path: str, out_path: str) -> int:
                                     "itl": [b - a for a, b in zip(ts, ts[1:], strict=False)]}
         return tokens
 
-    if spec.get("turns"):
+    if spec.get("answers"):
+        # chats: turn t's prompt = turn t-1's prompt + its answer + the next message
         hist = {c: list(p) for c, p in enumerate(spec["first"])}
-        for turn in range(spec["turns"]):
+        for turn in range(len(spec["answers"][0])):
             llm.reset_prefix_cache()  # hits come from kvstore, not vLLM's own cache
             reqs = [{"id": f"c{c}t{turn}", "prompt": hist[c], "arrive": 0,
-                     "max_tokens": spec["answer"]} for c in hist]
+                     "max_tokens": spec["answers"][c][turn]} for c in hist]
             answers = run(reqs)
             for c in hist:
+                out["requests"][f"c{c}t{turn}"]["prompt_len"] = len(hist[c])
+                assert len(answers[f"c{c}t{turn}"]) == spec["answers"][c][turn]
                 hist[c] = hist[c] + answers[f"c{c}t{turn}"] + prompt(
-                    spec["message"], 5000 + 97 * c + turn, spec["vocab"])
+                    spec["messages"][c][turn], 5000 + 97 * c + turn, spec["vocab"])
     else:
         run(spec["requests"])
     out["metrics"] = _driver_counters(llm)
-    Path(out_path).write_text(json.dumps(out))
     del llm
     from kvstore.integrations.vllm.store_registry import close_all
 
     close_all()
+    if spec.get("stats_path"):
+        out["connector"] = read_stats(spec["stats_path"])
+    Path(out_path).write_text(json.dumps(out))
     return 0
 
 
@@ -400,6 +416,36 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else float("nan")
 
 
+def _counts(res: dict) -> dict[str, float]:
+    """A measured engine's counters after its warm-up: vLLM's own (its ``/metrics``) and the
+    connector's (``stats_path``, the scheduler role), side by side."""
+    m, w = res["metrics"], res.get("metrics_warmup", {})
+
+    def d(k: str) -> float:
+        return m.get(k, 0) - w.get(k, 0)
+
+    out = {"queries": d("vllm:prefix_cache_queries"), "local_hits": d("vllm:prefix_cache_hits"),
+           "external_queries": d("vllm:external_prefix_cache_queries"),
+           "external_hits": d("vllm:external_prefix_cache_hits")}
+    if "connector" in res:
+        c = res["connector"].get("scheduler", {})
+        cw = res.get("connector_warmup", {}).get("scheduler", {})
+        for k in ("hit_tokens", "hit_requests", "async_loads"):
+            out[f"connector_{k}"] = c.get(k, 0) - cw.get(k, 0)
+    return out
+
+
+def _kvstore_run_store(saved: Path, work: Path, name: str) -> Path:
+    """A copy of what the saving engine stored, for one measured engine: each engine saves the
+    requests it computes, so a later engine sharing its store would hit them (the kvstore
+    engine measured second found the first one's "new" prompts: external hits twice the
+    first's, and no prefill for half its requests)."""
+    dst = work / f"store-{name}"
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(saved, dst)
+    return dst
+
+
 def main_async(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description="decodes beside background loads (issue 29)")
     ap.add_argument("--json", metavar="OUT")
@@ -407,6 +453,8 @@ def main_async(argv: list[str]) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=2048)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--every", type=int, default=6, help="steps between arrivals")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="rounds of the three engines, the order rotated each round")
     ap.add_argument("--drop-page-cache", action="store_true",
                     help="drop the store's page cache before the measured engines")
     ap.add_argument("--workdir")
@@ -435,89 +483,223 @@ def main_async(argv: list[str]) -> int:
     # the hits' prompts saved by an earlier engine (the store's disk tier holds them)
     saving = [dict(r, arrive=0, max_tokens=1) for r in reqs if r["id"].startswith("hit")]
     _drive(dict(base, requests=saving, transfer=kvstore_transfer(kv)), work, "save")
-    runs = {}
-    for name, transfer in (("vllm_alone", None),
-                           ("kvstore_async", kvstore_transfer(kv)),
-                           ("kvstore_sync", kvstore_transfer(dict(kv, load_async=False)))):
-        if args.drop_page_cache:
-            drop_page_cache([store])
-        runs[name] = _drive(dict(base, requests=reqs, transfer=transfer), work, name)
+    names = ["vllm_alone", "kvstore_async", "kvstore_sync"]
+    runs: dict[str, list[dict]] = {k: [] for k in names}
+    for rep in range(args.repeats):
+        for name in names[rep % 3:] + names[:rep % 3]:
+            spec = dict(base, requests=reqs, transfer=None)
+            own = None
+            if name != "vllm_alone":
+                own = _kvstore_run_store(store, work, f"{name}-{rep}")
+                stats = work / f"stats-{name}-{rep}"
+                shutil.rmtree(stats, ignore_errors=True)
+                spec |= {"stats_path": str(stats), "transfer": kvstore_transfer(
+                    dict(kv, store_path=str(own), stats_path=str(stats),
+                         load_async=name == "kvstore_async"))}
+            if args.drop_page_cache:
+                drop_page_cache([own or store])
+            runs[name].append(_drive(spec, work, f"{name}-{rep}"))
+            if own is not None and not args.workdir:
+                shutil.rmtree(own, ignore_errors=True)
+    hits = sum(r["id"].startswith("hit") for r in reqs)
+    expected = hits * ((n - 1) // BS * BS)
     table = {}
-    for name, res in runs.items():
-        itl = [x for r in res["requests"].values() for x in r["itl"]]
-        hit_ttft = [r["ttft"] for k, r in res["requests"].items() if k.startswith("hit")]
+    for name, results in runs.items():
+        itl = [x for res in results for r in res["requests"].values() for x in r["itl"]]
+        hit_ttft = [r["ttft"] for res in results for k, r in res["requests"].items()
+                    if k.startswith("hit")]
+        counts = [_counts(res) for res in results]
         table[name] = {"tpot_p50_ms": _pct(itl, 0.5) * 1e3, "tpot_p99_ms": _pct(itl, 0.99) * 1e3,
                        "tpot_max_ms": max(itl) * 1e3,
+                       "tpot_p99_ms_per_round": [
+                           _pct([x for r in res["requests"].values() for x in r["itl"]], 0.99)
+                           * 1e3 for res in results],
                        "hit_ttft_mean_ms": statistics.mean(hit_ttft) * 1e3,
-                       "external_hit_tokens": res["metrics"].get(
-                           "vllm:external_prefix_cache_hits", 0), "samples": len(itl)}
+                       "external_hit_tokens": counts[0]["external_hits"],
+                       "counters_per_round": counts, "samples": len(itl)}
     ref = table["vllm_alone"]["tpot_p99_ms"]
     print(f"\n{args.requests} requests of {n} tokens (half hits on disk), one every "
-          f"{args.every} steps, {args.max_tokens} tokens each; model {shape} {dtype}")
+          f"{args.every} steps, {args.max_tokens} tokens each, {args.repeats} round(s); "
+          f"model {shape} {dtype}")
     print(f"{'engine':<16} {'TPOT p50':>9} {'p99':>8} {'max':>8} {'p99 x alone':>12} "
-          f"{'hit TTFT':>9} {'ext hit tok':>12}")
+          f"{'hit TTFT':>9} {'ext hit tok':>12} {'connector':>10}")
     for name, row in table.items():
+        conn = row["counters_per_round"][0].get("connector_hit_tokens", 0)
         print(f"{name:<16} {row['tpot_p50_ms']:>9.1f} {row['tpot_p99_ms']:>8.1f} "
               f"{row['tpot_max_ms']:>8.1f} {row['tpot_p99_ms'] / ref:>12.2f} "
-              f"{row['hit_ttft_mean_ms']:>9.1f} {row['external_hit_tokens']:>12.0f}")
+              f"{row['hit_ttft_mean_ms']:>9.1f} {row['external_hit_tokens']:>12.0f} {conn:>10.0f}")
+    per_round = [b / a for a, b in zip(table["vllm_alone"]["tpot_p99_ms_per_round"],
+                                       table["kvstore_async"]["tpot_p99_ms_per_round"], strict=True)]
+    print("p99 TPOT kvstore_async / vllm_alone per round: "
+          + ", ".join(f"{x:.2f}" for x in per_round))
+    # every kvstore engine must report the same hits, vLLM's and the connector's alike
+    odd = [f"{name} round {i}: vLLM {c['external_hits']:.0f}, connector "
+           f"{c.get('connector_hit_tokens', 0):.0f}"
+           for name in ("kvstore_async", "kvstore_sync")
+           for i, c in enumerate(table[name]["counters_per_round"])
+           if not c["external_hits"] == c.get("connector_hit_tokens") == expected]
+    print(f"external hit tokens: expected {expected} per engine ({hits} hits of "
+          f"{(n - 1) // BS * BS}); " + ("every kvstore engine, vLLM's and the connector's "
+                                        "counters agree" if not odd else "DIFFER: " + "; ".join(odd)))
     if args.json:
         Path(args.json).write_text(json.dumps({"table": table, "args": vars(args),
+                                               "expected_external_hits": expected,
+                                               "counters_differ": odd,
                                                "model": shape, "dtype": dtype}, indent=2))
     if not args.workdir:
         shutil.rmtree(work, ignore_errors=True)
-    return 0
+    return 1 if odd else 0
+
+
+def _chat_pool(path: str | None) -> tuple[list[tuple[int, int]], str]:
+    from kvstore.bench.serve import trace_chat_turns, trace_source
+
+    src = Path(path) if path else trace_source()
+    if src is None or not src.exists():
+        raise SystemExit("the Mooncake conversation trace is not there (--trace, $KVSTORE_TRACE, "
+                         "../shared/traces); --lengths fixed runs without it")
+    return trace_chat_turns(src), str(src)
 
 
 def main_chat(argv: list[str]) -> int:
+    from kvstore.bench.serve import (
+        CHAT_ANSWER_CAP,
+        CHAT_MESSAGE_CAP,
+        MODEL_FULL,
+        chat_expected_hits,
+        chat_workload,
+    )
+
     ap = argparse.ArgumentParser(description="multi-turn prefix hit ratio (issue 29)")
     ap.add_argument("--json", metavar="OUT")
     ap.add_argument("--conversations", type=int, default=4)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--first", type=int, default=256, help="first prompt's tokens")
-    ap.add_argument("--message", type=int, default=64, help="each later user message")
-    ap.add_argument("--answer", type=int, default=128, help="generated tokens per turn")
+    ap.add_argument("--lengths", choices=("trace", "fixed"), default="trace",
+                    help="trace: each turn's answer and next message drawn from the Mooncake "
+                         "conversation trace's consecutive turns (messages <= --message-cap, "
+                         "answers cut to --answer-cap); fixed: --answer and --message")
+    ap.add_argument("--trace", help="the trace (default: $KVSTORE_TRACE or ../shared/traces)")
+    ap.add_argument("--seed", type=int, default=0, help="the draw of the trace's turns")
+    ap.add_argument("--message-cap", type=int, default=CHAT_MESSAGE_CAP)
+    ap.add_argument("--answer-cap", type=int, default=CHAT_ANSWER_CAP)
+    ap.add_argument("--message", type=int, default=64, help="--lengths fixed: each user message")
+    ap.add_argument("--answer", type=int, default=128, help="--lengths fixed: each answer")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="rounds of the two engines, interleaved: prompt-only first in even "
+                         "rounds, decode blocks first in odd ones")
+    ap.add_argument("--fp32-small", action="store_true",
+                    help="the float32 model of the other sections (hidden 256, 8 layers) instead "
+                         "of the 124M bf16 Llama, for CPUs without bf16 matrix units")
     ap.add_argument("--workdir")
     args = ap.parse_args(argv)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="kvstore-vllm-chat-"))
     work.mkdir(parents=True, exist_ok=True)
-    shape, dtype = MODEL_FP32_SMALL, "float32"
-    model = work / f"llama-{shape['hidden']}x{shape['layers']}"
+    if args.fp32_small:
+        shape, dtype = MODEL_FP32_SMALL, "float32"
+    else:
+        shape = {k: v for k, v in MODEL_FULL.items() if k != "dtype"}
+        dtype = str(MODEL_FULL["dtype"])
+    model = work / f"llama-{shape['hidden']}x{shape['layers']}-{dtype}"
     if not (model / "config.json").exists():
         make_llama(model, **shape, dtype=dtype)
     vocab = shape["vocab"]
-    total = args.first + args.turns * (args.message + args.answer) + BS
+    if args.lengths == "trace":
+        pool, src = _chat_pool(args.trace)
+        w = chat_workload(args.conversations, args.turns, args.first, pool=pool, seed=args.seed,
+                          message_cap=args.message_cap, answer_cap=args.answer_cap,
+                          source=f"{src}, seed {args.seed}")
+    else:
+        pool = None
+        w = chat_workload(args.conversations, args.turns, args.first, answer=args.answer,
+                          message=args.message)
+    total = w.max_len + BS
+    if total > shape["max_positions"]:
+        ap.error(f"the longest chat is {w.max_len} tokens, the model's limit "
+                 f"{shape['max_positions']}: fewer --turns or lower caps")
     base = {"model": str(model), "dtype": dtype, "warmup": prompt(64, 999, vocab),
             "max_model_len": total, "max_num_batched_tokens": max(2048, total),
-            "turns": args.turns, "answer": args.answer, "message": args.message,
+            "answers": [list(a) for a in w.answers], "messages": [list(m) for m in w.messages],
             "vocab": vocab,
             "first": [prompt(args.first, 700 + c, vocab) for c in range(args.conversations)]}
+    print(f"model {shape} {dtype}; {args.conversations} chats x {args.turns} turns, first prompt "
+          f"{args.first}; answers {[list(a) for a in w.answers]}, messages "
+          f"{[list(m) for m in w.messages]} ({w.source}); load {os.getloadavg()}",
+          file=sys.stderr)
+    configs = [("prompt_only", False), ("decode_blocks", True)]
+    rounds: dict[str, list[dict]] = {k: [] for k, _ in configs}
+    for rep in range(args.repeats):
+        for name, decode in (configs if rep % 2 == 0 else configs[::-1]):
+            store, stats = work / f"store-{name}-{rep}", work / f"stats-{name}-{rep}"
+            for d in (store, stats):
+                shutil.rmtree(d, ignore_errors=True)
+            kv = kvstore_transfer({"store_path": str(store), "cpu_capacity": "1GiB",
+                                   "disk_capacity": "8GiB", "save_decode_blocks": decode,
+                                   "stats_path": str(stats)})
+            rounds[name].append(_drive(dict(base, transfer=kv, stats_path=str(stats)), work,
+                                       f"{name}-{rep}"))
+            if not args.workdir:
+                shutil.rmtree(store, ignore_errors=True)
     table = {}
-    for name, decode in (("prompt_only", False), ("decode_blocks", True)):
-        store = work / f"store-{name}"
-        shutil.rmtree(store, ignore_errors=True)
-        kv = kvstore_transfer({"store_path": str(store), "cpu_capacity": "1GiB",
-                               "disk_capacity": "8GiB", "save_decode_blocks": decode})
-        res = _drive(dict(base, transfer=kv), work, name)
-        m = res["metrics"]
-        queries = m.get("vllm:prefix_cache_queries", 0)
-        hits = m.get("vllm:prefix_cache_hits", 0) + m.get("vllm:external_prefix_cache_hits", 0)
-        table[name] = {"prompt_tokens": queries, "hit_tokens": hits,
-                       "external_hit_tokens": m.get("vllm:external_prefix_cache_hits", 0),
-                       "hit_ratio": hits / queries if queries else 0.0}
-    gain = table["decode_blocks"]["hit_ratio"] / max(1e-9, table["prompt_only"]["hit_ratio"])
-    print(f"\n{args.conversations} chats x {args.turns} turns (first prompt {args.first}, "
-          f"messages {args.message}, answers {args.answer} tokens); vLLM's cache reset per turn")
+    for name, decode in configs:
+        exp = chat_expected_hits(w, decode)
+        per = []
+        for res in rounds[name]:
+            c = _counts(res)
+            later = [r for k, r in res["requests"].items() if not k.endswith("t0")]
+            later_q = sum(r["prompt_len"] for r in later)
+            # turn 0 never hits (its prompts are new, the store is fresh): every hit is a later turn's
+            per.append(dict(c, hit_ratio=(c["external_hits"] + c["local_hits"]) / c["queries"],
+                            later_hit_ratio=(c["external_hits"] + c["local_hits"]) / later_q,
+                            recomputed_per_later_turn=(later_q - c["external_hits"]) / len(later),
+                            later_ttft_mean_ms=statistics.mean(r["ttft"] for r in later) * 1e3))
+        table[name] = {"rounds": per, "expected_hits": sum(map(sum, exp)),
+                       "expected_later_hits": [row[1:] for row in exp]}
+    po, db = table["prompt_only"]["rounds"], table["decode_blocks"]["rounds"]
+    gain = db[0]["hit_ratio"] / max(1e-9, po[0]["hit_ratio"])
+    later_gain = db[0]["later_hit_ratio"] / max(1e-9, po[0]["later_hit_ratio"])
+    ttft = [b["later_ttft_mean_ms"] / a["later_ttft_mean_ms"] for a, b in zip(po, db, strict=True)]
+    print(f"\n{args.conversations} chats x {args.turns} turns, first prompt {args.first}, "
+          f"{w.source}; vLLM's cache reset before every turn; model {shape} {dtype}")
+    print(f"{'engine':<14} {'round':>5} {'prompt tok':>10} {'hit tok':>8} {'expected':>8} "
+          f"{'connector':>9} {'hit ratio':>9} {'later':>6} {'recomputed/later':>16} "
+          f"{'TTFT later':>10}")
+    bad = []
     for name, row in table.items():
-        print(f"{name:<14} prompt tokens {row['prompt_tokens']:>7.0f}  hit tokens "
-              f"{row['hit_tokens']:>7.0f}  hit ratio {row['hit_ratio']:.3f}")
-    print(f"decode blocks / prompt only: {gain:.2f}x (goal >= 1.3x: "
-          f"{'meets' if gain >= 1.3 else 'misses'})")
+        for i, r in enumerate(row["rounds"]):
+            print(f"{name:<14} {i:>5} {r['queries']:>10.0f} {r['external_hits']:>8.0f} "
+                  f"{row['expected_hits']:>8} {r.get('connector_hit_tokens', 0):>9.0f} "
+                  f"{r['hit_ratio']:>9.3f} {r['later_hit_ratio']:>6.3f} "
+                  f"{r['recomputed_per_later_turn']:>16.0f} {r['later_ttft_mean_ms']:>7.0f} ms")
+            if not r["external_hits"] == r.get("connector_hit_tokens") == row["expected_hits"]:
+                bad.append(f"{name} round {i}")
+    print(f"decode blocks / prompt only, hit ratio: {gain:.2f}x all turns, {later_gain:.2f}x "
+          f"later turns (goal >= 1.3x: {'meets' if gain >= 1.3 else 'misses'}); mean TTFT of "
+          f"later turns, decode blocks / prompt only per round: "
+          + ", ".join(f"{x:.2f}" for x in ttft))
+    spread = None
+    if pool is not None:  # what other draws of the same size would give (no engine: expected)
+        gains = []
+        for seed in range(1000):
+            d = chat_workload(args.conversations, args.turns, args.first, pool=pool, seed=seed,
+                              message_cap=args.message_cap, answer_cap=args.answer_cap)
+            gains.append(sum(map(sum, chat_expected_hits(d, True)))
+                         / max(1, sum(map(sum, chat_expected_hits(d, False)))))
+        gains.sort()
+        spread = {"p10": gains[100], "p50": gains[500], "p90": gains[900]}
+        print(f"expected gain over 1,000 draws of this size: p10 {spread['p10']:.2f}x, p50 "
+              f"{spread['p50']:.2f}x, p90 {spread['p90']:.2f}x")
+    print("hit tokens: vLLM's = the connector's = expected in every engine" if not bad
+          else "hit tokens DIFFER from the expected (or the connector's): " + ", ".join(bad))
     if args.json:
-        Path(args.json).write_text(json.dumps({"table": table, "gain": gain,
-                                               "args": vars(args)}, indent=2))
+        Path(args.json).write_text(json.dumps({
+            "table": table, "gain": gain, "later_gain": later_gain, "ttft_ratio": ttft,
+            "draw_spread": spread, "workload": {"first": w.first, "answers": w.answers,
+                                                "messages": w.messages, "source": w.source},
+            "model": shape, "dtype": dtype, "args": vars(args), "differ": bad}, indent=2))
     if not args.workdir:
         shutil.rmtree(work, ignore_errors=True)
-    return 0
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":
