@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from kvstore.integrations.vllm.worker import openmp_spin_hint
 
 _GOMP = "7f00-7f10 r-xp 00000000 00:00 1 /venv/lib/python3.11/site-packages/torch/lib/libgomp.so.1\n"
@@ -71,3 +73,233 @@ def test_tp_rank_keys_are_rank_0s_or_distinct_per_rank_and_keep_the_chain():
     # the chain keeps its links: a run's parent maps to the previous run's last key
     assert rank_keys(keys[2:], keys[1], b"\x01" * 32, 1)[1] == k1[1]
     assert p1 != p2 and rank_keys(keys, None, b"\x01" * 32, 1)[1] is None
+
+
+# -- the scheduler's plan carried out as given (issue 32): no second locate ---------------------
+# The scheduler's lookup says where it found the blocks below memory (the disk's index records);
+# the load plan carries that to the worker, which reads with it: the store re-checks one block
+# per stretch (its last) instead of locating every block again. A block gone meanwhile is a miss
+# the worker reports (vLLM recomputes it), never another's bytes.
+BS, H, D2, NPAGES = 4, 2, 8, 24
+LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+IDS = [3, 7, 1, 9, 12, 5]  # the pages the blocks are saved from
+DST = [0, 2, 4, 6, 8, 10]  # the pages vLLM allocated for the load
+MORE = [14, 15, 16]  # the pages of the chain's 3 blocks past the prompt
+
+
+def _layout():
+    from kvstore import KVLayout
+
+    return KVLayout(num_layers=2, num_kv_heads=H, head_dim=D2, dtype="bfloat16", block_tokens=BS,
+                    kv_planes=1)
+
+
+def _pages(seed=None):
+    import torch
+
+    if seed is None:
+        return [torch.zeros(NPAGES, H, BS, D2, dtype=torch.bfloat16) for _ in LAYERS]
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(NPAGES, H, BS, D2, generator=g).to(torch.bfloat16) for _ in LAYERS]
+
+
+def _open(path, **kw):
+    from kvstore import open_store
+
+    kw.setdefault("cpu_capacity", 64 * _layout().block_nbytes)
+    return open_store(path, layout=_layout(), model_id="issue32", device="cpu",
+                      disk_capacity="64MiB", **kw)
+
+
+def _worker(store, pages):
+    from kvstore.integrations.vllm.stats import ConnectorStats
+    from kvstore.integrations.vllm.worker import WorkerSide
+
+    w = WorkerSide(store, layout=_layout(), namespace_id=bytes(store.namespace_id),
+                   page_kind="cpu", layerwise=False, max_model_len=1024,
+                   stats=ConnectorStats("worker", "embedded", None))
+    w.register_kv_caches(dict(zip(LAYERS, pages, strict=True)))
+    return w
+
+
+def _tokens(seed, blocks):
+    return [(seed * 7 + 3 * i) % 97 + 1 for i in range(blocks * BS + 1)]
+
+
+def _saved(store, src, tokens):
+    """The prompt's full blocks saved from ``src`` (pages IDS) with 3 blocks more of the same
+    chain (pages MORE, one write: one segment), on disk only."""
+    from kvstore.integrations.vllm.metadata import BlockRun, KVStoreConnectorMetadata
+
+    chain = list(store.block_keys(tokens[:-1] + _tokens(9, len(MORE))))
+    w = _worker(store, src)
+    w.wait_for_save(KVStoreConnectorMetadata(namespace_id=bytes(store.namespace_id),
+                                             saves=[BlockRun("save", chain, None, IDS + MORE)]))
+    w.finish_puts(wait=True)
+    store.flush()
+    store.evict(tier="warm")  # on disk only: a hit the worker reads from there
+    assert chain[:len(IDS)] == list(store.block_keys(tokens))
+    return chain
+
+
+def _planned(store, tokens, *, load_async=False):
+    """The scheduler's plan of loading the request's blocks into DST, as it crosses the process
+    boundary (pickled)."""
+    import pickle
+    from types import SimpleNamespace
+
+    from kvstore.integrations.vllm.scheduler import SchedulerSide
+    from kvstore.integrations.vllm.stats import ConnectorStats
+
+    side = SchedulerSide(store, block_size=BS, namespace_id=bytes(store.namespace_id),
+                         stats=ConnectorStats("scheduler", "embedded", None),
+                         load_async=load_async)
+    req = SimpleNamespace(request_id="r", prompt_token_ids=tokens, all_token_ids=list(tokens),
+                          cache_salt=None, lora_request=None, mm_features=None, prompt_embeds=None)
+    n = len(DST)
+    assert side.get_num_new_matched_tokens(req, 0) == (n * BS, load_async)
+    side.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (DST + [20],)),
+                                  n * BS)
+    new = SimpleNamespace(req_id="r", block_ids=(DST + [20],), num_computed_tokens=0)
+    cached = SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[],
+                             num_computed_tokens=[])
+    step = SimpleNamespace(scheduled_new_reqs=[new], scheduled_cached_reqs=cached,
+                           num_scheduled_tokens={"r": 1}, new_block_ids_to_zero=None,
+                           total_num_scheduled_tokens=1)
+    return pickle.loads(pickle.dumps(side.build_connector_meta(step)))
+
+
+def _count_locates(monkeypatch, store):
+    """The keys each call of the disk tier's ``locate`` was asked for."""
+    disk = store.state.lower[0]
+    calls = []
+    real = disk.locate
+
+    def locate(keys):
+        calls.append(len(keys))
+        return real(keys)
+
+    monkeypatch.setattr(disk, "locate", locate)
+    return calls
+
+
+def _loaded(w, meta):
+    """Run the step's loads; the pages reported as not loaded."""
+    import time
+
+    w.start_load_kv(meta)
+    if meta.async_loads:
+        deadline = time.monotonic() + 30
+        while not w.get_finished(meta):
+            assert time.monotonic() < deadline, "the background load never finished"
+    w.wait_for_save(meta)
+    return w.get_block_ids_with_load_errors()
+
+
+def _same(dst, src, n):
+    import torch
+
+    return all(torch.equal(dst[layer][DST[:n]], src[layer][IDS[:n]]) for layer in range(len(LAYERS)))
+
+
+def test_the_worker_loads_what_the_scheduler_located_without_locating_it_again(tmp_path,
+                                                                               monkeypatch):
+    import dataclasses
+
+    src = _pages(1)
+    tokens = _tokens(1, len(IDS))
+    with _open(tmp_path) as s:
+        keys = _saved(s, src, tokens)[:len(IDS)]
+        for load_async in (False, True):
+            meta = _planned(s, tokens, load_async=load_async)
+            (run,) = meta.async_loads if load_async else meta.loads
+            assert run.keys == keys
+            # the plan says where: the disk's index record of every block, as plain data
+            assert [(a, b, len(c)) for a, b, c in run.located] == [(0, "disk", len(keys))]
+            assert all(type(h) is bytes for _, _, hs in run.located for h in hs)
+            calls = _count_locates(monkeypatch, s)
+            dst = _pages()
+            assert _loaded(_worker(s, dst), meta) == set()
+            assert _same(dst, src, len(keys))
+            assert calls == [1]  # the stretch's last block re-checked, nothing located again
+            # without the scheduler's records the worker locates the run itself
+            calls.clear()
+            bare = dataclasses.replace(run, located=[])
+            if load_async:
+                meta.async_loads = [bare]
+            else:
+                meta.loads = [bare]
+            dst = _pages()
+            assert _loaded(_worker(s, dst), meta) == set()
+            assert _same(dst, src, len(keys)) and calls == [len(keys)]
+            monkeypatch.undo()
+
+
+def _shifted(store, keys, meta):
+    """The plan gives each block the next block's record (a plan gone wrong)."""
+    (run,) = meta.loads
+    (start, tier, hs) = run.located[0]
+    run.located = [(start, tier, hs[1:] + hs[:1])]
+
+
+def _evict_tail(store, chain, meta):
+    store.evict(chain[3:])  # the prompt's blocks 3-5 and the chain past them
+
+
+def _evict_middle(store, chain, meta):
+    store.evict(chain[3:len(IDS)])  # the prompt's blocks 3-5; the chain past them stays
+
+
+def _evict_inside(store, chain, meta):
+    store.evict(chain[2:3])  # one block inside the stretch; the ones after it stay
+
+
+def _evict_all(store, chain, meta):
+    store.evict(chain)  # the whole segment goes
+
+
+def _compact(store, chain, meta):
+    """The chain past the prompt goes, and compaction moves the prompt's blocks to a new
+    segment: every record the scheduler saw is stale."""
+    disk = store.state.lower[0].disk
+    store.evict(chain[len(IDS):])
+    assert disk.compact(0.99).segments_rewritten == 1
+    (run,) = meta.loads
+    assert not set(disk.locate(run.keys, bytes(store.namespace_id))) & set(run.located[0][2])
+
+
+def _to_memory(store, chain, meta):
+    assert store.prefetch(chain[:len(IDS)]).wait() == len(IDS)
+
+
+@pytest.mark.parametrize(("change", "loaded"), [
+    (_evict_tail, 3),  # evicted since the lookup: a miss from there
+    (_evict_middle, 3),  # evicted, descendants left on disk: a miss from there too
+    # the one case the re-check of a stretch's last block lets through: a block removed
+    # alone, its descendants kept (only Store.evict(keys) of such keys does that: the disk
+    # evicts leaf first, kvstore rm takes descendants): read with its record, its own bytes
+    # verified against the checksum bound to its key
+    (_evict_inside, 6),
+    (_evict_all, 0),  # the whole segment gone
+    (_compact, 6),  # moved by compaction: found where it went
+    (_to_memory, 6),  # read into memory meanwhile: copied from there
+    (_shifted, 0),  # a plan naming other blocks' records: damage, never their bytes
+])
+def test_a_block_moved_or_gone_since_the_lookup_is_a_miss_never_wrong_kv(tmp_path, change,
+                                                                         loaded):
+    src = _pages(2)
+    tokens = _tokens(2, len(IDS))
+    with _open(tmp_path) as s:
+        chain = _saved(s, src, tokens)
+        keys = chain[:len(IDS)]
+        meta = _planned(s, tokens)
+        change(s, chain, meta)
+        dst = _pages()
+        errors = _loaded(_worker(s, dst), meta)
+        assert errors == set(DST[loaded:])  # reported: vLLM recomputes them
+        assert _same(dst, src, loaded)  # what loaded is the blocks' own bytes
+        if change is _shifted:  # the index is untouched: the blocks load with a plan of its own
+            assert s.lookup(keys) == len(keys)
+            meta = _planned(s, tokens)
+            dst = _pages()
+            assert _loaded(_worker(s, dst), meta) == set() and _same(dst, src, len(keys))

@@ -19,7 +19,7 @@ from kvstore.store.copy_engine import (
     layerwise_supported,
     mark_layer_done,
 )
-from kvstore.store.residency import Residency
+from kvstore.store.residency import Residency, Stretch
 from kvstore.store.state import StoreState
 from kvstore.streams import NO_HANDOFF, Handoff, Stream, begin_copy, handoff, host_wait
 from kvstore.tiers.base import Located, LowerTier, ReadStatus
@@ -122,14 +122,16 @@ class Fetcher:
 
     def plan(
         self, ks: list[BlockKey], parent: BlockKey | None, *, want_result: bool,
-        warm_copies: bool = True,
+        warm_copies: bool = True, located: Sequence[Stretch] | None = None,
     ) -> FetchPlan:
         """Pin the leading held run of ``ks`` and lay out where each block comes from.
         ``warm_copies``: reserve warm slots for the blocks read from below (their warm
-        copies); without, none is reserved, so nothing in warm is evicted for them."""
+        copies); without, none is reserved, so nothing in warm is evicted for them.
+        ``located``: what an earlier look found below memory (``Residency.placement``),
+        taken instead of locating it again (``Residency.leading_run``)."""
         hot, warm = self.st.hot, self.st.warm
         found: list[tuple[int, int, Located]] = []
-        n = self.res.leading_run(ks, found)
+        n = self.res.leading_run(ks, found, located)
         plan = FetchPlan(ks[:n], parent, [], [], [], [], [], [])
         for start, t, loc in found:
             for q in range(len(loc)):

@@ -19,6 +19,13 @@ from kvstore.store.state import DISK, HOT, WARM, StoreState
 from kvstore.tiers.base import Located, LowerTier
 from kvstore.tiers.memory import MemoryTier
 
+#: what a lower tier located, as plain data: (first position, tier name, its handles)
+Stretch = tuple[int, str, tuple[bytes, ...]]
+
+
+def _all_bytes(items: Sequence[object]) -> bool:
+    return set(map(type, items)) <= {bytes}
+
 
 def _run_in(held: dict, ks: list[BlockKey], start: int) -> int:
     """How many of ``ks[start:]`` in a row are keys of ``held``."""
@@ -51,17 +58,23 @@ class Residency:
         )
 
     def leading_run(self, ks: list[BlockKey],
-                    found: list[tuple[int, int, Located]] | None = None) -> int:
+                    found: list[tuple[int, int, Located]] | None = None,
+                    located: Sequence[Stretch] | None = None) -> int:
         """Leading ``ks`` held by memory or a lower tier, consulted in that order one stretch
         at a time (each lower tier answers a whole stretch in one call).
 
         Each stretch a lower tier holds goes into ``found`` as ``(start, tier index, what
         it located)``: a fetch reads those blocks with it, no second transaction.
+
+        ``located``: what an earlier look (:meth:`placement`, maybe in another process) found
+        below memory for these ``ks``; a stretch of it is taken without locating it again
+        once the tier still holds its last block (:meth:`_recheck`).
         """
         i, n = 0, len(ks)
         hot = self.st.hot.slots if self.st.hot is not None else {}
         warm = self.st.warm.slots if self.st.warm is not None else {}
         lower = self.st.lower
+        hints = self._hints(located, n) if located else None
         while i < n:
             # the hot loop of every lookup: stretches of dict probes run by C-level iterators
             m = 0
@@ -75,9 +88,11 @@ class Residency:
                 i += m
                 continue
             for t, tier in enumerate(lower):
-                # a volatile tier (a round trip away) is asked only for what memory lacks
-                j = self.memory_gap(ks, i) if tier.volatile else n
-                got = tier.locate(ks[i:j])
+                got = self._recheck(tier, hints.get(t), ks, i) if hints else None
+                if got is None:
+                    # a volatile tier (a round trip away) is asked only for what memory lacks
+                    j = self.memory_gap(ks, i) if tier.volatile else n
+                    got = tier.locate(ks[i:j])
                 m = len(got)
                 if m:
                     if found is not None:
@@ -87,6 +102,47 @@ class Residency:
                 break
             i += m
         return i
+
+    def _hints(self, located: Sequence[Stretch], n: int) -> dict[int, list[Stretch]]:
+        """``located`` by lower tier index; what does not fit (an unknown or volatile tier,
+        a stretch past ``n``, handles that are not plain bytes) is left out: located again."""
+        index = {t.name: i for i, t in enumerate(self.st.lower) if not t.volatile}
+        hints: dict[int, list[Stretch]] = {}
+        for item in located:
+            try:
+                start, name, handles = item
+                t = index.get(name)
+                ok = (t is not None and type(start) is int and start >= 0
+                      and 0 < len(handles) <= n - start and _all_bytes(handles))
+            except (TypeError, ValueError):
+                continue
+            if ok:
+                hints.setdefault(t, []).append((start, name, tuple(handles)))  # type: ignore[arg-type]
+        return hints
+
+    @staticmethod
+    def _recheck(tier: LowerTier, stretches: list[Stretch] | None, ks: list[BlockKey],
+                 i: int) -> Located | None:
+        """The hinted stretch of ``tier`` from ``i`` to its end, with the handles found
+        earlier, if the tier still holds its last block: one lookup of one key instead of
+        the stretch's. None: no hint covers ``i``, or the last block is gone (the stretch is
+        then located again).
+
+        Enough because blocks leave a lower tier after their descendants: eviction is leaf
+        first, ``kvstore rm`` takes descendants, and damage a read found is found again by
+        the next. A handle gone stale meanwhile (compaction moved the block) is the tier's to
+        follow, and every read is verified against a checksum bound to its key: a stale
+        handle is a miss or the block's own bytes, never another's. The one removal the
+        check misses is ``Store.evict(keys)`` of a block whose descendants it keeps: such a
+        block is read from its handle if its bytes are still there (its own, verified)."""
+        for start, _name, handles in stretches or ():
+            end = start + len(handles)
+            if start <= i < end:
+                last = tier.locate(ks[end - 1:end])
+                if not len(last) or last.handles is None:
+                    return None
+                return Located(tuple(ks[i:end]), handles[i - start:-1] + last.handles)
+        return None
 
     def memory_gap(self, ks: list[BlockKey], i: int) -> int:
         """The end of the stretch of ``ks`` from ``i`` that no memory tier holds."""
@@ -102,6 +158,23 @@ class Residency:
             n = self.leading_run(ks)
             self.st.counters.looked_up(len(ks), n)
             return n
+
+    def placement(self, ks: list[BlockKey]) -> tuple[int, list[Stretch]]:
+        """:meth:`lookup` that also returns what the lower tiers located, as plain data (a
+        ``located`` for :meth:`leading_run`, maybe in another process): ``(start, tier name,
+        handles)`` per stretch, for tiers whose handles are bytes (the disk's index records)."""
+        found: list[tuple[int, int, Located]] = []
+        with self.st.lock:
+            self.st.check_open()
+            n = self.leading_run(ks, found)
+            self.st.counters.looked_up(len(ks), n)
+            lower = self.st.lower
+        stretches: list[Stretch] = []
+        for start, t, loc in found:
+            hs = loc.handles
+            if hs is not None and not lower[t].volatile and _all_bytes(hs):
+                stretches.append((start, lower[t].name, tuple(hs)))  # type: ignore[arg-type]
+        return n, stretches
 
     # -- the catalog: every change of it is one of these ------------------------------------
     def link(self, keys: Iterable[BlockKey], parents: Iterable[BlockKey | None]) -> None:

@@ -14,7 +14,7 @@ from kvstore.hints import PutHint, check_hint
 from kvstore.keys import BlockKey
 from kvstore.store.copy_engine import Job
 from kvstore.store.fetch import Fetcher, FetchPlan
-from kvstore.store.residency import Residency
+from kvstore.store.residency import Residency, Stretch
 from kvstore.store.state import StoreState
 from kvstore.tiers.slab import paired_runs
 from kvstore.transfer import Transfer
@@ -90,7 +90,7 @@ class ZeroCopyPlane:
 
     def lease_into(self, keys: Sequence[bytes],
                    into: Callable[[int], Sequence[torch.Tensor | memoryview]],
-                   *, fill: bool = True) -> LeaseInto:
+                   *, fill: bool = True, located: Sequence[Stretch] | None = None) -> LeaseInto:
         """:meth:`lease_warm` that reads blocks only on disk straight into the caller's memory.
 
         ``into(i)`` gives the writable host buffers (CPU uint8 tensors or byte memoryviews)
@@ -103,6 +103,13 @@ class ZeroCopyPlane:
         be shorter than a lookup said (damage, a put still copying); a destination past it
         may have been written. With a volatile tier (Redis) in the plan this is
         :meth:`lease_warm` (its blocks come back as slots).
+
+        ``located``: what :meth:`placement` found below memory for these ``keys`` (maybe in
+        another process, a while ago). A stretch of it is read with the handles found then
+        once the tier still holds the stretch's last block (one key looked up, not the
+        stretch: a tier evicts leaf first), else located again; every block read is verified
+        against the checksum bound to its key, so a stale handle gives a miss or the block's
+        own bytes, never another's (:meth:`Residency.leading_run`).
         """
         ks = self.st.keys(keys)
         if self.st.warm is None:
@@ -112,7 +119,8 @@ class ZeroCopyPlane:
             self.st.check_open()
             # without fill, no warm slot is reserved: nothing in warm is evicted for copies
             # that will not be made
-            plan = self.fetcher.plan(ks, parent, want_result=True, warm_copies=fill)
+            plan = self.fetcher.plan(ks, parent, want_result=True, warm_copies=fill,
+                                     located=located)
             if any(self.st.lower[plan.tier_of(p)].volatile for p, _ in plan.lower):
                 self.fetcher.release_plan(plan, ok=False)
                 plan = None
@@ -155,6 +163,14 @@ class ZeroCopyPlane:
             self.res.pin(pinned)
             self._count_lease(plan, len(ks), n)
             return LeaseInto(n, tuple(pinned), tuple(copies))
+
+    def placement(self, keys: Sequence[bytes]) -> tuple[int, list[Stretch]]:
+        """:meth:`~kvstore.store.Store.lookup` that also returns what the lower tiers located
+        for the run, as plain data to hand to :meth:`lease_into` later (the vLLM connector's
+        scheduler finds the blocks, its worker loads them): ``(n, [(first position, tier
+        name, handles), ...])``, the stretches of tiers whose handles are bytes (the disk's
+        index records)."""
+        return self.res.placement(self.st.keys(keys))
 
     def memory_run(self, keys: Sequence[bytes]) -> int:
         """How many leading ``keys`` a memory tier (hot or warm) holds now: what a load can

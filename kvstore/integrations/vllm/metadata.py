@@ -3,20 +3,35 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+if TYPE_CHECKING:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+else:
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+    except ImportError:  # no vLLM (the main test interpreter): the plan is plain data still
+        KVConnectorMetadata = object
 
-__all__ = ["BlockRun", "KVStoreConnectorMetadata"]
+__all__ = ["BlockRun", "KVStoreConnectorMetadata", "Located"]
+
+
+#: where the scheduler found a load's blocks below memory, relative to ``BlockRun.keys``:
+#: (first position, tier name, the tier's handles: the disk's index records), plain data
+Located = list[tuple[int, str, list[bytes]]]
 
 
 @dataclass(slots=True)
 class BlockRun:
-    """Consecutive blocks of one request: their keys and the vLLM pages that hold them."""
+    """Consecutive blocks of one request: their keys and the vLLM pages that hold them; for
+    a load, what the scheduler's lookup located below memory (the worker reads with it
+    instead of locating the blocks again; empty: the worker locates them)."""
 
     req_id: str
     keys: list[bytes]
     parent: bytes | None  # key of the block before keys[0] (None: the chain's root)
     block_ids: list[int]
+    located: Located = field(default_factory=list)
 
 
 @dataclass

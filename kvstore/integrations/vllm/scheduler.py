@@ -21,7 +21,7 @@ from kvstore.api import KVCache
 from kvstore.keys import KeyChain
 from kvstore.store import Store
 
-from .metadata import BlockRun, KVStoreConnectorMetadata
+from .metadata import BlockRun, KVStoreConnectorMetadata, Located
 from .stats import ConnectorStats
 
 if TYPE_CHECKING:
@@ -50,6 +50,7 @@ class _ReqState:
     block_ids: list[int] = field(default_factory=list)  # vLLM pages, group 0
     load: BlockRun | None = None  # planned by update_state_after_alloc, sent once
     load_async: bool = False  # the last match asked vLLM to load in the background
+    located: Located = field(default_factory=list)  # what the last lookup found below memory
     failed_at: int | None = None  # first block a load of this request failed on
 
 
@@ -130,8 +131,9 @@ class SchedulerSide:
         bs = self.block_size
         # never the whole prompt: vLLM must compute at least its last token
         claimable = max(0, (st.prompt_len - 1) // bs)
+        st.located = []
         try:
-            n = self.store.lookup(st.keys[:claimable]) if claimable else 0
+            n = self._lookup(st, st.keys[:claimable]) if claimable else 0
         except Exception:  # the store failing is a miss, not an engine error
             log.exception("kvstore: lookup failed")
             n = 0
@@ -151,6 +153,16 @@ class SchedulerSide:
             return 0, False
         st.load_async = self.load_async and not self._in_memory(st.keys[st.local_blocks:n])
         return ext, st.load_async
+
+    def _lookup(self, st: _ReqState, keys: list[bytes]) -> int:
+        """The store's lookup; an embedded store also says where it found the blocks below
+        memory (``st.located``), which the load plan carries to the worker: it reads them
+        with it instead of locating them again."""
+        if not isinstance(self.store, Store):
+            return self.store.lookup(keys)
+        n, stretches = self.store.zero_copy.placement(keys)
+        st.located = [(start, tier, list(handles)) for start, tier, handles in stretches]
+        return n
 
     def _in_memory(self, keys: list[bytes]) -> bool:
         """Whether the worker can copy all of ``keys`` from memory: an embedded store shared
@@ -184,6 +196,7 @@ class SchedulerSide:
         run = BlockRun(
             request.request_id, list(st.keys[first:first + count]),
             st.keys[first - 1] if first else None, block_ids[first:first + count],
+            located_window(st.located, first, count),
         )
         if st.load_async:
             # vLLM parks the request (WAITING_FOR_REMOTE_KVS) and schedules it once the worker
@@ -266,6 +279,18 @@ class SchedulerSide:
         # worker reports the load finished (its finish_requests), nothing to hold here
         self._reqs.pop(request.request_id, None)
         return False, None
+
+
+def located_window(located: Located, first: int, count: int) -> Located:
+    """The stretches of ``located`` (positions in the request's keys) that fall in
+    ``[first, first + count)``, cut to it and counted from ``first``."""
+    out: Located = []
+    end = first + count
+    for start, tier, handles in located:
+        lo, hi = max(start, first), min(start + len(handles), end)
+        if lo < hi:
+            out.append((lo - first, tier, handles[lo - start:hi - start]))
+    return out
 
 
 def _lora_tag(request: Request) -> bytes | None:

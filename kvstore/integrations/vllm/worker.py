@@ -532,8 +532,11 @@ class WorkerSide:
         ids = run.block_ids
         store = self._embedded
         assert store is not None
-        lease = store.lease_into(self._chain(run), lambda p: self._page_pieces(ids[p]),
-                                 fill=False)
+        # the blocks the scheduler located below memory are read with what it found (no
+        # second locate; the store re-checks one block per stretch); its keys are rank 0's
+        located = run.located if self.namespace_id == self.plan_namespace_id else None
+        lease = store.zero_copy.lease_into(self._chain(run), lambda p: self._page_pieces(ids[p]),
+                                           fill=False, located=located or None)
         return lease.n, lease.pinned, lease.copies
 
     def _lease_warm(self, run: BlockRun) -> _Leased:
