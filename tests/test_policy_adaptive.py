@@ -89,8 +89,8 @@ def test_probation_blocks_go_first_until_touched_again():
 
 def test_small_tiers_sample_every_key_big_ones_thin():
     assert adaptive_mask(200) == 0
-    assert adaptive_mask(2_000) == 3
-    assert adaptive_mask(50_000) == 127
+    assert adaptive_mask(2_000) == 7
+    assert adaptive_mask(50_000) == 255
     assert adaptive_mask(10**8) == 255
 
 
