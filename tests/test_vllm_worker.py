@@ -303,3 +303,91 @@ def test_a_block_moved_or_gone_since_the_lookup_is_a_miss_never_wrong_kv(tmp_pat
             meta = _planned(s, tokens)
             dst = _pages()
             assert _loaded(_worker(s, dst), meta) == set() and _same(dst, src, len(keys))
+
+
+# -- put hints from kv_transfer_params (issue 30) ---------------------------------------------------
+@pytest.mark.parametrize("params,want", [
+    (None, None),
+    ({}, None),
+    ({"do_remote_prefill": True}, None),  # another connector's params
+    ({"kvstore_session": "conv-1"}, ("conv-1", 0)),
+    ({"kvstore_priority": -1}, (None, -1)),
+    ({"kvstore_session": "job", "kvstore_priority": -1}, ("job", -1)),
+])
+def test_a_requests_kv_transfer_params_give_its_saves_hint(params, want):
+    from types import SimpleNamespace
+
+    from kvstore.integrations.vllm.scheduler import request_hint
+
+    got = request_hint(SimpleNamespace(request_id="r", kv_transfer_params=params))
+    assert (got.session, got.priority) == want if want else got is None
+
+
+@pytest.mark.parametrize("params", [{"kvstore_session": 5}, {"kvstore_priority": 9},
+                                    {"kvstore_session": ""}, {"kvstore_priority": "high"}])
+def test_a_bad_hint_is_logged_and_ignored_never_a_failed_request(params, caplog):
+    from types import SimpleNamespace
+
+    from kvstore.integrations.vllm.scheduler import request_hint
+
+    assert request_hint(SimpleNamespace(request_id="r7", kv_transfer_params=params)) is None
+    assert "r7" in caplog.text and "ignoring" in caplog.text
+
+
+def test_the_worker_saves_with_the_requests_hint(tmp_path):
+    """A save run carries its request's hint across the process boundary, and the worker's
+    zero-copy save hands it to the store: a batch job's branching prompt starts on probation,
+    the first to go."""
+    import pickle
+
+    from kvstore.integrations.vllm.metadata import BlockRun, KVStoreConnectorMetadata
+
+    store = _open(None, cpu_capacity=8 * _layout().block_nbytes, eviction="lru")
+    try:
+        src = _pages(1)
+        w = _worker(store, src)
+        a = list(store.block_keys(_tokens(1, 3)[:-1]))
+        b = list(store.block_keys(_tokens(2, 3)[:-1]))
+        conv = list(store.block_keys(_tokens(3, 2)[:-1]))
+        ns = bytes(store.namespace_id)
+        for keys, ids, sess in ((a, IDS[:3], "job"), (b, IDS[3:6], "job"), (conv, MORE[:2], "c")):
+            meta = KVStoreConnectorMetadata(namespace_id=ns, saves=[
+                BlockRun("r", keys, None, ids, session=sess, priority=0)])
+            w.wait_for_save(pickle.loads(pickle.dumps(meta)))
+        w.finish_puts(wait=True)
+        order = store.state.warm.lru_order()
+        assert order[:3] == b[::-1]  # the job's second prompt branched: on probation, first
+        assert BlockRun("r", [], None, []).hint is None
+    finally:
+        store.close()
+
+
+def test_the_scheduler_plans_saves_with_the_requests_hint():
+    from types import SimpleNamespace
+
+    from kvstore.integrations.vllm.scheduler import SchedulerSide
+    from kvstore.integrations.vllm.stats import ConnectorStats
+
+    store = _open(None)
+    try:
+        side = SchedulerSide(store, block_size=BS, namespace_id=bytes(store.namespace_id),
+                             stats=ConnectorStats("scheduler", "embedded", None))
+        tokens = _tokens(4, 3)
+        req = SimpleNamespace(request_id="r", prompt_token_ids=tokens, all_token_ids=list(tokens),
+                              cache_salt=None, lora_request=None, mm_features=None,
+                              prompt_embeds=None,
+                              kv_transfer_params={"kvstore_session": "conv-9",
+                                                  "kvstore_priority": 2})
+        assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+        side.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4],)),
+                                      0)
+        new = SimpleNamespace(req_id="r", block_ids=([1, 2, 3, 4],), num_computed_tokens=0)
+        cached = SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[],
+                                 num_computed_tokens=[])
+        step = SimpleNamespace(scheduled_new_reqs=[new], scheduled_cached_reqs=cached,
+                               num_scheduled_tokens={"r": len(tokens)}, new_block_ids_to_zero=None,
+                               total_num_scheduled_tokens=len(tokens))
+        meta = side.build_connector_meta(step)
+        assert [(r.session, r.priority, len(r.keys)) for r in meta.saves] == [("conv-9", 2, 3)]
+    finally:
+        store.close()

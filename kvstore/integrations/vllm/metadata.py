@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvstore.hints import PutHint
+
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 else:
@@ -32,6 +34,16 @@ class BlockRun:
     parent: bytes | None  # key of the block before keys[0] (None: the chain's root)
     block_ids: list[int]
     located: Located = field(default_factory=list)
+    # a save's put hint (kvstore.hints.PutHint), from the request's kv_transfer_params
+    session: str | None = None
+    priority: int = 0
+
+    @property
+    def hint(self) -> PutHint | None:
+        """The put hint of a save (None: none)."""
+        if self.session is None and not self.priority:
+            return None
+        return PutHint(self.session, self.priority)
 
 
 @dataclass

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvstore.api import KVCache
+from kvstore.errors import ConfigError
+from kvstore.hints import PutHint
 from kvstore.keys import KeyChain
 from kvstore.store import Store
 
@@ -33,6 +35,29 @@ if TYPE_CHECKING:
 __all__ = ["SchedulerSide"]
 
 log = logging.getLogger("vllm.kvstore")
+
+#: a request's ``kv_transfer_params`` keys this connector reads (the put hint of its saves)
+SESSION_PARAM = "kvstore_session"
+PRIORITY_PARAM = "kvstore_priority"
+
+
+def request_hint(request: Any) -> PutHint | None:
+    """The put hint of a request's saves, from its ``kv_transfer_params``
+    (``{"kvstore_session": "conversation-42", "kvstore_priority": -1}``, both optional; the
+    OpenAI server passes the request body's ``kv_transfer_params``). A bad value is logged and
+    ignored: a hint only orders eviction, so it never fails a request."""
+    params = getattr(request, "kv_transfer_params", None)
+    if not isinstance(params, dict):
+        return None
+    session, priority = params.get(SESSION_PARAM), params.get(PRIORITY_PARAM, 0)
+    if session is None and priority == 0:
+        return None
+    try:
+        return PutHint(session, priority)
+    except ConfigError as e:
+        log.warning("kvstore: request %s: ignoring its kv_transfer_params hint: %s",
+                    getattr(request, "request_id", "?"), e)
+        return None
 
 
 @dataclass(slots=True)
@@ -51,6 +76,7 @@ class _ReqState:
     load: BlockRun | None = None  # planned by update_state_after_alloc, sent once
     load_async: bool = False  # the last match asked vLLM to load in the background
     located: Located = field(default_factory=list)  # what the last lookup found below memory
+    hint: PutHint | None = None  # the saves' put hint (request_hint)
     failed_at: int | None = None  # first block a load of this request failed on
 
 
@@ -123,7 +149,7 @@ class SchedulerSide:
             prompt = getattr(request, "prompt_token_ids", None) or []
             st = self._reqs[request.request_id] = _ReqState(
                 keys, len(prompt), request, getattr(request, "cache_salt", None) or None,
-                _lora_tag(request))
+                _lora_tag(request), hint=request_hint(request))
         st.load = None
         st.load_async = False
         if st.keys is None:
@@ -253,9 +279,11 @@ class SchedulerSide:
         start = st.saved_upto
         if done <= start:
             return
+        h = st.hint
         meta.saves.append(BlockRun(req_id, list(st.keys[start:done]),
                                    st.keys[start - 1] if start else None,
-                                   st.block_ids[start:done]))
+                                   st.block_ids[start:done], session=h and h.session,
+                                   priority=h.priority if h else 0))
         st.saved_upto = done
 
     # -- what the worker reported, requests leaving ----------------------------------------------

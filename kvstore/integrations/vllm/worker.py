@@ -29,6 +29,7 @@ import torch
 
 from kvstore.api import KVCache, ZeroCopy
 from kvstore.errors import ConfigError
+from kvstore.hints import PutHint
 from kvstore.kernels import scatter_pages
 from kvstore.keys import KeyChain
 from kvstore.layout import KVLayout
@@ -356,7 +357,8 @@ class WorkerSide:
         zc = self._zc
         assert zc is not None
         chain = self._chain(run)
-        grant = zc.grant_put(chain)
+        hint = run.hint
+        grant = zc.grant_put(chain, hint)
         if grant.keys:
             try:
                 self._copy_blocks(grant.slots, [run.block_ids[p] for p in grant.positions],
@@ -368,13 +370,13 @@ class WorkerSide:
         elif grant.duplicates < len(run.keys):
             # nothing granted: no room, or the chain's parent is only on disk (grant_put
             # accepts a parent held in memory only); the regular put handles both
-            self._puts.append(self._save_from(run.block_ids, chain))
+            self._puts.append(self._save_from(run.block_ids, chain, hint))
         self.stats.count(saves=1, save_blocks=len(grant.keys))
 
-    def _save_from(self, block_ids: list[int], chain: KeyChain) -> Any:
+    def _save_from(self, block_ids: list[int], chain: KeyChain, hint: PutHint | None) -> Any:
         # Store.save_from and the daemon client's save_from (gather the pages, then an
         # asynchronous put); not part of the KVCache protocol
-        return self.store.save_from(self._pages, block_ids, chain)
+        return self.store.save_from(self._pages, block_ids, chain, hint=hint)
 
     def _fail(self, run: BlockRun, loaded: int, *, sync: bool = True) -> None:
         bad = run.block_ids[loaded:]
@@ -467,7 +469,7 @@ class WorkerSide:
                     if self._direct:
                         self._save_direct(run)
                         continue
-                    self._puts.append(self._save_from(run.block_ids, self._chain(run)))
+                    self._puts.append(self._save_from(run.block_ids, self._chain(run), run.hint))
                     self.stats.count(saves=1, save_blocks=len(run.keys))
                 except Exception:  # a lost save is a later miss, not an error
                     log.exception("kvstore: saving %d blocks of request %s failed",
