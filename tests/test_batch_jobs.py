@@ -403,7 +403,7 @@ def test_cpu_capacity_and_max_prefix_tokens_override(model_dir, tmp_path, capsys
     ("-1MiB", "negative"),
     ("lots", "is not a size"),
     ("12XB", "is not a size"),
-    ("0", "less than 1 B: it is the store's warm tier"),
+    ("0", "leaves the store no warm tier"),
 ])
 def test_bad_cpu_capacity_is_a_usage_error(model_dir, tmp_path, capsys, value, words):
     src = tmp_path / "in.jsonl"
@@ -414,6 +414,8 @@ def test_bad_cpu_capacity_is_a_usage_error(model_dir, tmp_path, capsys, value, w
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "--cpu-capacity" in err and words in err, err
+    assert "leave --cpu-capacity out to size the tier from the job" in err
+    assert "0 disables" not in err  # the shared parser's hint does not hold here
 
 
 def test_cpu_capacity_below_one_block_or_without_a_store(model_dir, tmp_path, capsys):
@@ -423,7 +425,7 @@ def test_cpu_capacity_below_one_block_or_without_a_store(model_dir, tmp_path, ca
     assert run_cli(src, out, "--model", model_dir, "--store", tmp_path / "s",
                    "--cpu-capacity", "4KiB") == 2
     err = capsys.readouterr().err
-    assert "--cpu-capacity 4.0 KiB is smaller than one block of this model (8.0 KiB" in err
+    assert "--cpu-capacity 4.0 KiB is smaller than one block of this model (8.0 KiB: 2 layers" in err
     assert "give at least 8.0 KiB" in err and "leave --cpu-capacity out" in err
     assert not out.exists() and not (tmp_path / "s").exists()
     assert run_cli(src, out, "--model", model_dir, "--cpu-capacity", "1MiB") == 2

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvstore.commands.args import Formatter, add_format, examples, integer, size
+from kvstore.commands.args import Formatter, add_format, examples, integer
 from kvstore.commands.output import (
     EXIT_ERROR,
     EXIT_OK,
@@ -257,6 +257,30 @@ def _run_job(args: argparse.Namespace, job: Any, tok: Any) -> int:
     return EXIT_ERROR if job.errors else EXIT_OK
 
 
+def _warm_size(text: str) -> int:
+    """``--cpu-capacity``: a byte size (units as every size flag) of at least one byte."""
+    from kvstore.errors import SizeError
+    from kvstore.sizes import parse_size
+
+    out = "leave --cpu-capacity out to size the tier from the job"
+    fix = f"give a size like 256MiB, or {out}"
+    try:
+        n = parse_size(text, what="the size")
+    except SizeError as e:
+        why = str(e).replace("the size=", "").replace(" (0 disables the tier)", "")
+        # "... is not a size; write an int or a string like ..." says what to write already
+        raise argparse.ArgumentTypeError(
+            f"{why}, or {out}" if "write an int" in why else f"{why}; {fix}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text} leaves the store no warm tier, which holds the blocks it loads and saves; "
+            f"{fix}")
+    return n
+
+
+_warm_size.__name__ = "size"  # argparse names the type in "invalid size value" messages
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     b = sub.add_parser("batch", help="batch jobs with shared prefixes computed once",
                        formatter_class=Formatter,
@@ -276,6 +300,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "interrupted half way resumes from OUT.partial.",
         epilog=examples("kvstore batch run questions.jsonl answers.jsonl --model ./my-model",
                         "kvstore batch run in.jsonl out.jsonl --model DIR --store ~/.cache/kvstore",
+                        "kvstore batch run in.jsonl out.jsonl --model DIR --store DIR2 "
+                        "--cpu-capacity 1GiB",
                         "kvstore batch run in.jsonl --model DIR --plan-only",
                         "kvstore batch run in.jsonl out.jsonl --model DIR --engine vllm"))
     r.add_argument("input", metavar="IN", help="requests, one JSON object per line")
@@ -302,9 +328,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="shared-prefix tokens whose K/V one batch holds (default 32 x "
                    "--max-batch-tokens; transformers engine): with --max-batch-tokens, what "
                    "bounds the engine's own memory")
-    r.add_argument("--cpu-capacity", type=size(minimum=1, hint=(
-                       ": it is the store's warm tier, which holds whole blocks; leave it out "
-                       "to size the tier from the job")), metavar="SIZE",
+    r.add_argument("--cpu-capacity", type=_warm_size, metavar="SIZE",
                    help="the --store's warm tier (host memory), e.g. 256MiB (default: sized "
                    "from the job, its shared-prefix blocks x 1.25, at most 4GiB)")
     add_format(r)

@@ -78,7 +78,7 @@ def check_capacity(nbytes: int, block_nbytes: int, *, what: str = "--cpu-capacit
                    layout: object = None) -> None:
     """Refuse a warm tier of ``nbytes`` that cannot hold one block, saying what to give."""
     if nbytes < block_nbytes:
-        shape = f" ({layout})" if layout is not None else ""
+        shape = f": {layout}" if layout is not None else ""
         raise ConfigError(
             f"{what} {format_size(nbytes)} is smaller than one block of this model "
             f"({format_size(block_nbytes)}{shape}); give at least {format_size(block_nbytes)} "
