@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.integrations.vllm.worker import openmp_spin_hint
+from kvstore.integrations.vllm.openmp import openmp_spin_hint
 
 _GOMP = "7f00-7f10 r-xp 00000000 00:00 1 /venv/lib/python3.11/site-packages/torch/lib/libgomp.so.1\n"
 

@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
@@ -38,6 +37,7 @@ from kvstore.store import Store
 from kvstore.tiers.slab import paired_runs
 
 from .config import layer_order, rank_keys
+from .openmp import log_openmp_spin_hint
 from .stats import ConnectorStats
 
 if TYPE_CHECKING:
@@ -83,30 +83,6 @@ class _AsyncLoad:
         if self.future is not None:
             return self.future.done()
         return self.transfer is None or self.transfer.done()
-
-
-def openmp_spin_hint(environ: Mapping[str, str], maps: str) -> str | None:
-    """The advice to log when vLLM's pages are in host memory and torch's OpenMP runtime is
-    libgomp left at its default spin (``maps``: the process's ``/proc/self/maps``), else
-    None. Its workers keep spinning 6-8 ms of CPU after every parallel region, through the
-    disk loads that start right after one (docs/vllm.md, "On few cores")."""
-    if "GOMP_SPINCOUNT" in environ or "OMP_WAIT_POLICY" in environ or "libgomp" not in maps:
-        return None
-    return ("kvstore: torch's OpenMP workers (libgomp) spin for ms after every parallel region "
-            "and take the cores a load from disk needs; with few cores, GOMP_SPINCOUNT=10000 "
-            "(or OMP_WAIT_POLICY=passive) in the engine's environment took a 32 MiB page-cache "
-            "load from 9.9-12.5 to 6.6-8.6 ms on 2 cores (docs/vllm.md, 'On few cores')")
-
-
-def _log_openmp_spin_hint() -> None:
-    try:
-        with open("/proc/self/maps") as f:
-            maps = f.read()
-    except OSError:  # not Linux: nothing to tell
-        return
-    hint = openmp_spin_hint(os.environ, maps)
-    if hint is not None:
-        log.info(hint)
 
 
 class WorkerSide:
@@ -165,7 +141,7 @@ class WorkerSide:
         slab = zc.warm_slab if zc is not None else None
         self._direct = self._page_kind == "cpu" and slab is not None and slab.numel() > 0
         if self._page_kind == "cpu":
-            _log_openmp_spin_hint()
+            log_openmp_spin_hint()
         if self._direct:
             assert slab is not None
             self._zc = zc
