@@ -15,7 +15,33 @@ import pytest
 
 from kvstore.bench import BenchOptions
 from kvstore.bench import serve as sv
+from kvstore.bench.chat_turns import (
+    ChatWorkload,
+    chat_expected_hits,
+    chat_workload,
+    trace_chat_turns,
+)
 from kvstore.bench.runner import SECTIONS, run_sections
+from kvstore.bench.serve_commands import (
+    check_vllm,
+    client_command,
+    client_env,
+    daemon_socket,
+    server_command,
+    transfer_config,
+    vllm_python,
+)
+from kvstore.bench.serve_processes import Group, Procs, wait_ready
+from kvstore.bench.serve_results import (
+    RunResult,
+    counter_delta,
+    hit_rates,
+    parse_metrics,
+    parse_result,
+    unservable_tail,
+)
+from kvstore.bench.serve_scale import BLOCK, FULL, MODEL_QUICK, QUICK, Scale
+from kvstore.bench.serve_workloads import convert_trace, trace_reuse
 
 # what vLLM 0.32's client writes with --save-result (lists shortened)
 SAVED = {
@@ -56,24 +82,24 @@ def test_plan_covers_every_case_cold_and_restart():
 
 
 def test_server_commands_name_the_connectors(tmp_path):
-    scale = sv.FULL
-    assert sv.transfer_config("alone", tmp_path) is None
-    cmd = sv.server_command("/py", "/m", 8001, None, scale)
+    scale = FULL
+    assert transfer_config("alone", tmp_path) is None
+    cmd = server_command("/py", "/m", 8001, None, scale)
     assert cmd[:3] == ["/py", "-m", "vllm.entrypoints.openai.api_server"]
     assert "--kv-transfer-config" not in cmd and "--enable-prefix-caching" in cmd
-    assert cmd[cmd.index("--block-size") + 1] == str(sv.BLOCK)
+    assert cmd[cmd.index("--block-size") + 1] == str(BLOCK)
 
     def cfg(case: str, engine: int = 0) -> dict:
-        c = sv.server_command("/py", "/m", 8001, sv.transfer_config(case, tmp_path, engine),
-                              scale)
+        c = server_command("/py", "/m", 8001, transfer_config(case, tmp_path, engine),
+                           scale)
         return json.loads(c[c.index("--kv-transfer-config") + 1])
 
     ex = cfg("example")
     assert ex["kv_connector"] == "ExampleConnector"
     # ExampleConnector saves only a request's first scheduled chunk: its engines prefill whole
-    c = sv.server_command("/py", "/m", 1, sv.transfer_config("example", tmp_path), scale)
+    c = server_command("/py", "/m", 1, transfer_config("example", tmp_path), scale)
     assert "--no-enable-chunked-prefill" in c
-    emb = sv.server_command("/py", "/m", 1, sv.transfer_config("embedded", tmp_path), scale)
+    emb = server_command("/py", "/m", 1, transfer_config("embedded", tmp_path), scale)
     assert "--no-enable-chunked-prefill" not in emb
     emb = cfg("embedded")
     assert emb["kv_connector"] == "KVStoreConnector"
@@ -85,27 +111,27 @@ def test_server_commands_name_the_connectors(tmp_path):
     assert "store_path" not in a["kv_connector_extra_config"]
     assert a["kv_connector_extra_config"]["stats_path"] != b["kv_connector_extra_config"]["stats_path"]
     with pytest.raises(ValueError):
-        sv.transfer_config("nope", tmp_path)
+        transfer_config("nope", tmp_path)
 
 
 def test_client_commands(tmp_path):
-    s = sv.FULL
-    pr = sv.client_command("/py", "/m", 8001, "prefix_repetition", s, tmp_path, "r.json")
+    s = FULL
+    pr = client_command("/py", "/m", 8001, "prefix_repetition", s, tmp_path, "r.json")
     assert pr[:5] == ["/py", "-m", "kvstore.bench.serve_runner", "client", "--"]
     assert pr[pr.index("--dataset-name") + 1] == "prefix_repetition"
     assert pr[pr.index("--prefix-repetition-prefix-len") + 1] == str(s.prefix_len)
     assert pr[pr.index("--base-url") + 1] == "http://127.0.0.1:8001"
     assert {"--save-result", "--ignore-eos"} <= set(pr)
     assert pr[pr.index("--result-filename") + 1] == "r.json"
-    mc = sv.client_command("/py", "/m", 8001, "mooncake", s, tmp_path, "m.json",
-                           tmp_path / "t.jsonl")
+    mc = client_command("/py", "/m", 8001, "mooncake", s, tmp_path, "m.json",
+                        tmp_path / "t.jsonl")
     assert mc[mc.index("--dataset-name") + 1] == "timed_trace"
     assert mc[mc.index("--dataset-path") + 1] == str(tmp_path / "t.jsonl")
     assert mc[mc.index("--timed-trace-chunk-hash-size") + 1] == str(s.trace_chunk)
     with pytest.raises(ValueError):
-        sv.client_command("/py", "/m", 1, "mooncake", s, tmp_path, "m.json")
+        client_command("/py", "/m", 1, "mooncake", s, tmp_path, "m.json")
     # the timed trace's tokens come from hash(str): the client runs with a fixed hash seed
-    assert sv.client_env({})["PYTHONHASHSEED"] == "0"
+    assert client_env({})["PYTHONHASHSEED"] == "0"
 
 
 def test_convert_trace_scales_lengths_and_time(tmp_path):
@@ -118,10 +144,10 @@ def test_convert_trace_scales_lengths_and_time(tmp_path):
         {"timestamp": 9000, "input_length": 10, "output_length": 1, "hash_ids": [7]},
     ]
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    scale = sv.Scale(sv.MODEL_QUICK, 256, 32, 2, 4, 4, 1.0, trace_requests=3, trace_chunk=32,
-                     trace_max_chunks=48, trace_max_output=16, trace_time_scale=2.0)
+    scale = Scale(MODEL_QUICK, 256, 32, 2, 4, 4, 1.0, trace_requests=3, trace_chunk=32,
+                  trace_max_chunks=48, trace_max_output=16, trace_time_scale=2.0)
     out = tmp_path / "out.jsonl"
-    lengths = sv.convert_trace(src, out, scale)
+    lengths = convert_trace(src, out, scale)
     got = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(got) == 3 and lengths == [g["input_length"] for g in got]
     assert [g["timestamp"] for g in got] == [0.0, 4.0, 5.0]  # (ms - first) / 1000 * 2
@@ -131,9 +157,9 @@ def test_convert_trace_scales_lengths_and_time(tmp_path):
     assert got[2]["hash_ids"] == list(range(100, 148))  # at most 48 blocks
     assert got[2]["input_length"] == 48 * 32
     # from a later line
-    sv.convert_trace(src, out, scale, start=3)
+    convert_trace(src, out, scale, start=3)
     assert json.loads(out.read_text().splitlines()[0])["hash_ids"] == [7]
-    assert sv.trace_reuse([(64, [0, 1]), (64, [0, 2])], 32) == 0.25  # 1 of 4 blocks
+    assert trace_reuse([(64, [0, 1]), (64, [0, 2])], 32) == 0.25  # 1 of 4 blocks
 
 
 def test_trace_chat_turns_pairs_an_answer_with_the_next_message(tmp_path):
@@ -151,69 +177,69 @@ def test_trace_chat_turns_pairs_an_answer_with_the_next_message(tmp_path):
          "hash_ids": [0, 9, 10, 12, 13]},
     ]
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert sv.trace_chat_turns(src) == [(300, 60), (10, 500)]
+    assert trace_chat_turns(src) == [(300, 60), (10, 500)]
 
 
 def test_chat_workload_draws_turns_and_predicts_hits():
-    fixed = sv.chat_workload(2, 3, 256, answer=128, message=64)
+    fixed = chat_workload(2, 3, 256, answer=128, message=64)
     assert fixed.answers == ((128,) * 3,) * 2 and fixed.messages == ((64,) * 3,) * 2
     assert fixed.prompt_lengths(0) == [256, 448, 640]
     assert fixed.max_len == 640 + 128
     # prompt only: turn t + 1 gets turn t's whole prompt blocks (8, then 14)
-    assert sv.chat_expected_hits(fixed, False) == [[0, 256, 448]] * 2
+    assert chat_expected_hits(fixed, False) == [[0, 256, 448]] * 2
     # decode blocks: turn t's prompt and answer less its last token: (256 + 127) // 32 = 11
     # blocks, then (448 + 127) // 32 = 17
-    assert sv.chat_expected_hits(fixed, True) == [[0, 352, 544]] * 2
+    assert chat_expected_hits(fixed, True) == [[0, 352, 544]] * 2
     # never the whole prompt: a prompt that ends on a block boundary keeps its last block
-    w = sv.ChatWorkload(64, ((33, 1),), ((31, 1),), "t")
+    w = ChatWorkload(64, ((33, 1),), ((31, 1),), "t")
     assert w.prompt_lengths(0) == [64, 128]
-    assert sv.chat_expected_hits(w, True) == [[0, 96]]  # 3 stored, (128 - 1) // 32 = 3
-    assert sv.chat_expected_hits(w, False) == [[0, 64]]
+    assert chat_expected_hits(w, True) == [[0, 96]]  # 3 stored, (128 - 1) // 32 = 3
+    assert chat_expected_hits(w, False) == [[0, 64]]
 
     pool = [(300, 20), (100, 900), (2000, 5)]
-    a = sv.chat_workload(3, 4, 100, pool=pool, seed=1, message_cap=512, answer_cap=1024)
-    assert a == sv.chat_workload(3, 4, 100, pool=pool, seed=1, message_cap=512, answer_cap=1024)
+    a = chat_workload(3, 4, 100, pool=pool, seed=1, message_cap=512, answer_cap=1024)
+    assert a == chat_workload(3, 4, 100, pool=pool, seed=1, message_cap=512, answer_cap=1024)
     assert {x for row in a.answers for x in row} <= {300, 1024}  # 900-token message left out
     assert {x for row in a.messages for x in row} <= {20, 5}
     with pytest.raises(ValueError):
-        sv.chat_workload(1, 1, 100, pool=[(10, 900)], message_cap=512)
+        chat_workload(1, 1, 100, pool=[(10, 900)], message_cap=512)
 
 
 def test_parse_result_and_metrics(tmp_path):
     p = tmp_path / "r.json"
     p.write_text(json.dumps(SAVED))
-    f = sv.parse_result(p)
+    f = parse_result(p)
     assert f["mean_ttft_ms"] == 4721.6 and f["p50_ttft_ms"] == 5560.4
     assert f["p99_ttft_ms"] == 6515.8 and f["p99_tpot_ms"] == 517.2
     assert f["total_token_throughput"] == 886.3 and f["failed"] == 0 and f["completed"] == 8
-    m = sv.parse_metrics(METRICS)
+    m = parse_metrics(METRICS)
     assert m["vllm:external_prefix_cache_hits_total"] == 4096
     assert m["vllm:prompt_tokens_by_source_total{local_compute}"] == 512
     assert "vllm:num_requests_running" not in m and not any("created" in k for k in m)
     # two engines' lines sum
     two = METRICS + 'vllm:external_prefix_cache_hits_total{engine="1",model_name="/m"} 4.0\n'
-    assert sv.parse_metrics(two)["vllm:external_prefix_cache_hits_total"] == 4100
+    assert parse_metrics(two)["vllm:external_prefix_cache_hits_total"] == 4100
 
 
 def test_hit_rates():
-    assert sv.unservable_tail([1088]) == 32  # 34 whole blocks: the last one is computed
-    assert sv.unservable_tail([1090, 33]) == 2 + 1
-    before = sv.parse_metrics(METRICS)
+    assert unservable_tail([1088]) == 32  # 34 whole blocks: the last one is computed
+    assert unservable_tail([1090, 33]) == 2 + 1
+    before = parse_metrics(METRICS)
     after = dict(before)
     # 4 requests of 1088 tokens, nothing local: 4 x 33 blocks hit
     after["vllm:external_prefix_cache_queries_total"] += 4 * 1088
     after["vllm:external_prefix_cache_hits_total"] += 4 * 1056
-    r = sv.hit_rates(sv.counter_delta(before, after), [1088] * 4)
+    r = hit_rates(counter_delta(before, after), [1088] * 4)
     assert r["external_hit_rate"] == pytest.approx(1056 / 1088)
     assert r["servable_hit_rate"] == pytest.approx(1.0)
-    none = sv.hit_rates({}, [1088])
+    none = hit_rates({}, [1088])
     assert none["external_hit_rate"] != none["external_hit_rate"]  # nan: no connector
 
 
 def _res(case, phase, mean, engine=0, workload="prefix_repetition", **kw):
     f = {"mean_ttft_ms": mean, "p50_ttft_ms": mean, "p99_ttft_ms": 2 * mean, "p99_tpot_ms": 50.0,
          "total_token_throughput": 900.0, "failed": 0.0, **kw}
-    return sv.RunResult(case, phase, engine, workload, f)
+    return RunResult(case, phase, engine, workload, f)
 
 
 def test_rows_and_goals():
@@ -246,7 +272,7 @@ def test_rows_and_goals():
 
 
 def test_process_groups_are_killed(tmp_path):
-    procs = sv.Procs()
+    procs = Procs()
     # a shell with a child in the same group, and one that ignores SIGTERM
     g1 = procs.start(["sh", "-c", "sleep 300 & wait"], tmp_path / "a.log")
     g2 = procs.start([sys.executable, "-c", "import signal, time; "
@@ -268,34 +294,34 @@ def test_process_groups_are_killed(tmp_path):
 
 
 def test_wait_ready_reports_an_engine_that_exits(tmp_path):
-    g = sv.Group([sys.executable, "-c", "print('boom: bad flag'); raise SystemExit(3)"],
-                 tmp_path / "x.log")
+    g = Group([sys.executable, "-c", "print('boom: bad flag'); raise SystemExit(3)"],
+              tmp_path / "x.log")
     try:
         with pytest.raises(RuntimeError, match="boom: bad flag"):
-            sv.wait_ready(g, 1, timeout=30)
+            wait_ready(g, 1, timeout=30)
     finally:
         g.stop(grace=1)
 
 
 def test_skipped_without_vllm(tmp_path, monkeypatch):
     monkeypatch.setenv("KVSTORE_VLLM_PYTHON", str(tmp_path / "no-such-python"))
-    assert sv.vllm_python() is None
+    assert vllm_python() is None
     with pytest.raises(ImportError, match="no vLLM environment"):
-        sv.check_vllm(None)
+        check_vllm(None)
     bad = tmp_path / "python"
     bad.write_text("#!/bin/sh\necho 'ModuleNotFoundError: No module named vllm' >&2\nexit 1\n")
     bad.chmod(0o755)
     with pytest.raises(ImportError, match="No module named vllm"):
-        sv.check_vllm(str(bad))
+        check_vllm(str(bad))
     res = run_sections(["serve"], BenchOptions(quick=True, workdir=str(tmp_path)), log=io.StringIO())
     assert res.ok and not res.rows
     assert len(res.skipped) == 1 and "serve: not available (no vLLM environment" in res.skipped[0]
 
 
 def test_a_failed_run_is_recorded_and_the_rest_still_runs(tmp_path, monkeypatch):
-    b = sv.Bench("/py", tmp_path, sv.QUICK, io.StringIO())
+    b = sv.Bench("/py", tmp_path, QUICK, io.StringIO())
     b.lengths = {"prefix_repetition": [288] * 4, "mooncake": [64] * 6}
-    started: list[sv.Group] = []
+    started: list[Group] = []
 
     def start_engines(case, phase, n):
         out = []
@@ -312,7 +338,7 @@ def test_a_failed_run_is_recorded_and_the_rest_still_runs(tmp_path, monkeypatch)
         driven.append((case, phase, engine, workload))
         if (phase, workload) == ("cold", "prefix_repetition"):
             raise RuntimeError("client exited with 1")
-        return sv.RunResult(case, phase, engine, workload, {})
+        return RunResult(case, phase, engine, workload, {})
 
     monkeypatch.setattr(b, "start_engines", start_engines)
     monkeypatch.setattr(b, "drive", drive)
@@ -330,9 +356,9 @@ def test_a_failed_run_is_recorded_and_the_rest_still_runs(tmp_path, monkeypatch)
 
 
 def test_daemon_socket_fits_af_unix(tmp_path):
-    assert sv.daemon_socket(tmp_path) == tmp_path / "kv.sock"
+    assert daemon_socket(tmp_path) == tmp_path / "kv.sock"
     deep = tmp_path / ("d" * 120)
-    assert len(str(sv.daemon_socket(deep))) < 108
+    assert len(str(daemon_socket(deep))) < 108
 
 
 def test_sigterm_stops_every_group_even_when_sent_twice(tmp_path):
@@ -342,7 +368,8 @@ def test_sigterm_stops_every_group_even_when_sent_twice(tmp_path):
 import time
 from pathlib import Path
 from kvstore.bench import serve as sv
-procs = sv.Procs()
+from kvstore.bench.serve_processes import Procs
+procs = Procs()
 with sv._sigterm_unwinds():
     try:
         g = procs.start(["sh", "-c", "sleep 300 & wait"], Path({str(tmp_path / 'g.log')!r}))

@@ -552,7 +552,8 @@ def main_async(argv: list[str]) -> int:
 
 
 def _chat_pool(path: str | None) -> tuple[list[tuple[int, int]], str]:
-    from kvstore.bench.serve import trace_chat_turns, trace_source
+    from kvstore.bench.chat_turns import trace_chat_turns
+    from kvstore.bench.serve_workloads import trace_source
 
     src = Path(path) if path else trace_source()
     if src is None or not src.exists():
@@ -562,13 +563,13 @@ def _chat_pool(path: str | None) -> tuple[list[tuple[int, int]], str]:
 
 
 def main_chat(argv: list[str]) -> int:
-    from kvstore.bench.serve import (
+    from kvstore.bench.chat_turns import (
         CHAT_ANSWER_CAP,
         CHAT_MESSAGE_CAP,
-        MODEL_FULL,
         chat_expected_hits,
         chat_workload,
     )
+    from kvstore.bench.serve_scale import MODEL_FULL
 
     ap = argparse.ArgumentParser(description="multi-turn prefix hit ratio (issue 29)")
     ap.add_argument("--json", metavar="OUT")

