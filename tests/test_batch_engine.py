@@ -270,3 +270,17 @@ def test_packed_linears_match_and_follow_weight_changes():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         with torch.no_grad():
             m[0].weight.mul_(-2.0)  # packed again on the next use
+
+
+def test_linears_are_packed_when_the_engine_is_built(model):
+    """Packing happens at construction (as vLLM packs at load), not in a run's time."""
+    from kvstore.integrations.batch.engines import linear
+
+    if not linear.packing_available():
+        pytest.skip("no oneDNN in this torch")
+    engine = TransformersEngine(model, eos_token_id=())
+    n = sum(1 for m in model.modules() if linear._packable(m))
+    packed = {m: t for m, (_, t) in engine._linears._packed.items()}
+    assert n and len(packed) == n
+    run(engine, [[5, 6, 7]], SamplingParams(max_tokens=2))
+    assert all(engine._linears._packed[m][1] is t for m, t in packed.items())  # none again

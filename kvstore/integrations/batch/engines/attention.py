@@ -307,9 +307,11 @@ def shared_prefix_attention(module: torch.nn.Module, query: torch.Tensor, key: t
     o_s, lse_s = _suffix_part(plan, layer, q, scale, softcap, window)
     if any(g.prefix for g in plan.groups):
         o_p, lse_p = _prefix_part(plan, layer, q, scale, softcap, window)
-        lse = torch.logaddexp(lse_p, lse_s)  # every query sees its own token: finite
-        out = o_p * torch.exp(lse_p - lse).unsqueeze(-1)
-        out += o_s * torch.exp(lse_s - lse).unsqueeze(-1)
+        # weights exp(lse_p - lse) and exp(lse_s - lse), lse = logaddexp(lse_p, lse_s): the
+        # prefix part's is sigmoid(lse_p - lse_s) (lse_s is finite: every query sees its own
+        # token; lse_p = -inf gives 0), and the two merge in one pass
+        w = torch.sigmoid(lse_p - lse_s).unsqueeze(-1)
+        out = torch.lerp(o_s, o_p, w)
     else:
         out = o_s
     # [Hkv, G, N, D] -> [1, N, Hq, D], the layout attention functions return

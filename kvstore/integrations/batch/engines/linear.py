@@ -62,6 +62,20 @@ class PackedLinears:
         self._packed[m] = (w._version, packed)
         return packed
 
+    def pack_all(self) -> int:
+        """Pack every packable layer now (as vLLM packs at load), not in the first run; how
+        many. A torch without packing is left to :meth:`active` to report."""
+        n = 0
+        if not self.failed:
+            try:
+                for m in self.model.modules():
+                    if _packable(m):
+                        self._pack(m)
+                        n += 1
+            except (RuntimeError, NotImplementedError):
+                return 0
+        return n
+
     @contextlib.contextmanager
     def active(self) -> Iterator[int]:
         """Within the block the model's linear layers run on packed weights; yields how many."""

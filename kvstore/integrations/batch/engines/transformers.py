@@ -63,7 +63,8 @@ class TransformersEngine:
     torch's intra-op threads during :meth:`run` (default: the cores this process may use,
     :func:`~.threads.usable_cores`; restored after). ``prepack``: run the model's float32
     CPU linear layers on oneDNN-prepacked weights during :meth:`run` (:mod:`.linear`;
-    default: where this torch has it).
+    default: where this torch has it), packed here (a weight changed in place is packed
+    again at the next run).
     """
 
     name = "transformers"
@@ -93,6 +94,8 @@ class TransformersEngine:
         if prepack is None:
             prepack = self.device.type == "cpu" and self.dtype == torch.float32
         self._linears = PackedLinears(model) if prepack and packing_available() else None
+        if self._linears is not None:
+            self._linears.pack_all()  # at load, not in the first run's time
         params = inspect.signature(model.forward).parameters
         self._cache_kw = cache_kwarg(model)
         self._keep_rows = "logits_to_keep" in params  # takes a tensor of positions
