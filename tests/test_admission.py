@@ -20,7 +20,8 @@ from kvstore.tiers.admission import (
     make_admission,
 )
 from kvstore.tiers.memory import MemoryTier
-from kvstore.tiers.policy import EVICTIONS, LRUPolicy, ProbationLRU, ReusePolicy, make_policy
+from kvstore.tiers.policy import EVICTIONS, LRUPolicy, ProbationLRU, make_policy
+from kvstore.tiers.reuse_policy import ReusePolicy
 
 
 # -- the doorkeeper ----------------------------------------------------------------------------

@@ -7,14 +7,9 @@ import torch
 from kvstore import KVLayout, open_store
 from kvstore.errors import ConfigError
 from kvstore.tiers import tuning
-from kvstore.tiers.policy import (
-    DEFAULT_EVICTION,
-    EVICTIONS,
-    USE_CLASSES,
-    LRUPolicy,
-    ReusePolicy,
-    make_policy,
-)
+from kvstore.tiers.policy import DEFAULT_EVICTION, EVICTIONS, LRUPolicy, make_policy
+from kvstore.tiers.reuse_policy import ReusePolicy
+from kvstore.tiers.use_classes import USE_CLASSES
 
 LAY = KVLayout(num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float16, block_tokens=2)
 
@@ -221,7 +216,7 @@ def test_tuned_policy_is_the_same_in_every_process():
 
     code = (
         "import hashlib\n"
-        "from kvstore.tiers.policy import ReusePolicy\n"
+        "from kvstore.tiers.reuse_policy import ReusePolicy\n"
         "p = ReusePolicy(600, scale=1.0)\n"
         "keys = [hashlib.sha256(str(i).encode()).digest() for i in range(6000)]\n"
         "for i, k in enumerate(keys):\n"

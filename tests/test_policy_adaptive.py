@@ -9,7 +9,8 @@ from kvstore.replay.baselines import ARCPolicy, S3FIFOPolicy
 from kvstore.replay.families import FAMILIES, generate, write_trace
 from kvstore.replay.simulate import simulate_belady, simulate_policy
 from kvstore.replay.trace import load_trace
-from kvstore.tiers.policy import DEFAULT_EVICTION, AdaptivePolicy, LRUPolicy, make_policy
+from kvstore.tiers.adaptive_policy import AdaptivePolicy
+from kvstore.tiers.policy import DEFAULT_EVICTION, LRUPolicy, make_policy
 from kvstore.tiers.tuning import adaptive_mask
 
 

@@ -13,8 +13,10 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from support.policy import BN, LAY, drive, kv_for, ops_st
 
 from kvstore import open_store
+from kvstore.tiers.adaptive_policy import AdaptivePolicy
 from kvstore.tiers.admission import ADMISSIONS
-from kvstore.tiers.policy import EVICTIONS, AdaptivePolicy, LRUPolicy, ReusePolicy
+from kvstore.tiers.policy import EVICTIONS, LRUPolicy
+from kvstore.tiers.reuse_policy import ReusePolicy
 
 prompt_st = st.lists(st.sampled_from([1, 2, 3]), min_size=2, max_size=14)
 

@@ -5,7 +5,7 @@ tier's policy).
 Each runs under the simulator's rules (the store's): a block with cached children is skipped
 (leaf-first, prefix-closed), and a use is a touch in a later touch call than the block's last
 one (a fetch and then the same request's put count once; the touch right after an insert is
-not a use), as :class:`~kvstore.tiers.policy.ReusePolicy` counts uses.
+not a use), as :class:`~kvstore.tiers.reuse_policy.ReusePolicy` counts uses.
 
 * ``"arc"``: Adaptive Replacement Cache (Megiddo and Modha, FAST'03): ``T1`` (used once
   lately) and ``T2`` (used twice or more), both LRU, with ghost lists ``B1``/``B2`` of the

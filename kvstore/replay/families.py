@@ -6,7 +6,7 @@ tree (equal ids = equal prefixes), 512 tokens a block as Mooncake's ``hash_ids``
 are a Poisson process of *sessions*; a session's later requests come back after its own
 think time (an event queue), so sessions interleave as on a busy service. Each request
 carries its session id (``session`` in the JSONL, an extra field Mooncake's loaders ignore),
-what a per-put hint can use (:class:`~kvstore.tiers.policy.PutHint`).
+what a per-put hint can use (:class:`~kvstore.hints.PutHint`).
 
 * ``chat``: multi-turn chat with shared system prompts and documents
   (:mod:`kvstore.replay.workloads`).

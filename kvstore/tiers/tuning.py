@@ -1,5 +1,5 @@
 """How much a use is worth: :class:`ScaleTuner` picks the reuse scale of
-:class:`~kvstore.tiers.policy.ReusePolicy` from miniature simulations.
+:class:`~kvstore.tiers.reuse_policy.ReusePolicy` from miniature simulations.
 
 A fixed worth is a guess about the workload: where blocks that were used before come back
 (shared system prompts, documents many questions hang off) protecting them wins; where the
@@ -90,7 +90,7 @@ class LRUShadow:
 
 
 class ReuseShadow:
-    """A cache of ``slots`` keys ranked as :class:`~kvstore.tiers.policy.ReusePolicy` ranks
+    """A cache of ``slots`` keys ranked as :class:`~kvstore.tiers.reuse_policy.ReusePolicy` ranks
     them at one ``scale``: a list per use class, oldest use first."""
 
     __slots__ = ("_lists", "_uses", "_ghost", "_ghost_old", "_ghost_cap", "_slots", "_off",
