@@ -1,9 +1,14 @@
 import itertools
+from pathlib import Path
 
 import pytest
 import torch
 
 from kvstore import KVLayout, open_store
+
+#: tests/ (``support`` is imported from here) and the repository root, for tests in any folder
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
 
 #: ``make_store`` runs every store test against these implementations
 STORE_KINDS = ("embedded", "daemon")

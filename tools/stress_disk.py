@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 
-# the crash round is shared with tests/test_disk_crash.py: tests/support/disk.py
+# the crash round is shared with tests/tiers/disk/test_disk_crash.py: tests/support/disk.py
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
 from support.disk import crash_round, small_layout

@@ -3,7 +3,7 @@ section exists for: two ``vllm serve`` processes sharing one ``kvstore serve`` d
 The second engine's first requests must hit what the first one computed, and every process
 the section started must be gone afterwards. (5.4 minutes on the shared 2-core machine at load
 average 8-15, the two engines starting side by side: ~100 s, each client run ~40 s.) Run with ``bash tools/ci_vllm.sh -k serve``; the machinery without vLLM is
-tests/test_bench_serve.py.
+tests/bench/test_bench_serve.py.
 """
 
 from __future__ import annotations

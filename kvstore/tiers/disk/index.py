@@ -214,7 +214,7 @@ def decode_namespace(b: bytes) -> tuple:
 
 
 #: ``kvstore.namespace``'s hashing tag and order, without importing it (it imports torch,
-#: which an admin command opening an index does not need); ``tests/test_index_damage.py``
+#: which an admin command opening an index does not need); ``tests/tiers/disk/test_index_damage.py``
 #: pins that both give the same ids
 _NAMESPACE_TAG = "kvstore-namespace/1"
 

@@ -16,6 +16,7 @@ import torch
 
 redis = pytest.importorskip("redis", reason="redis-py is not installed (pip install 'redis>=5')")
 
+from conftest import REPO  # noqa: E402
 from support.remote import (  # noqa: E402
     RedisClusterProcesses,
     redis_cli_path,
@@ -63,7 +64,7 @@ HOST_SCRIPT = textwrap.dedent("""
 
 def host(url: str, mode: str, tag: str, n: int) -> dict:
     env = dict(os.environ)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = str(REPO)
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     r = subprocess.run([sys.executable, "-c", HOST_SCRIPT, url, mode, tag, str(n), str(NBYTES)],
                        capture_output=True, text=True, timeout=120, env=env)

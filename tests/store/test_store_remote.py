@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import bit_equal, keyed_kv
+from conftest import TESTS, bit_equal, keyed_kv
 from support.remote import RedisProcess, redis_server_path
 
 from kvstore import KVLayout, open_store
@@ -44,7 +44,7 @@ def test_block_put_on_one_host_is_fetched_bit_exact_on_another(server, tmp_path)
         assert a.stats().tier("remote").blocks == 6
     code = textwrap.dedent(f"""
         import sys
-        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        sys.path[:0] = [{str(TESTS)!r}, {str(Path(__file__).parent)!r}]
         from test_store_remote import host, kv_for, same
         with host({str(tmp_path / "b")!r}, {server.url!r}) as b:
             keys = b.block_keys(list(range(24)), salt="t")

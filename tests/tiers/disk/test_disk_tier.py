@@ -8,11 +8,13 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import lmdb
 import numpy as np
 import pytest
 import torch
+from conftest import REPO, TESTS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
@@ -173,7 +175,7 @@ def test_persistence_in_new_process(tmp_path):
         t.write_blocks(writes(keys, ns))
     script = textwrap.dedent(f"""
         import json, sys, torch
-        sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})  # tests/: support
+        sys.path[:0] = [{str(TESTS)!r}, {str(Path(__file__).parent)!r}]  # tests/: support
         from kvstore.tiers.disk import DiskTier
         from support.disk import verify_all, small_layout
         t = DiskTier({str(tmp_path)!r}, capacity_bytes=1 << 30)
@@ -183,7 +185,7 @@ def test_persistence_in_new_process(tmp_path):
         t.close()
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=120, cwd=os.path.dirname(os.path.dirname(__file__)))
+                         timeout=120, cwd=str(REPO))
     assert out.returncode == 0, out.stderr
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res == {"ok": 5, "bad": 0, "blocks": 5, "ns": [ns.model_id]}

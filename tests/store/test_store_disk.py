@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import bit_equal, keyed_kv
+from conftest import TESTS, bit_equal, keyed_kv
 
 from kvstore import ConfigError, KVLayout, open_store
 from kvstore.tiers.base import ReadStatus
@@ -44,7 +44,7 @@ def test_put_close_reopen_in_new_process(tmp_path):
         assert s.put(keys, kv_for(keys)).wait() == 10
     code = textwrap.dedent(f"""
         import sys, torch
-        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        sys.path[:0] = [{str(TESTS)!r}, {str(Path(__file__).parent)!r}]
         from test_store_disk import opened, kv_for, same
         with opened({str(tmp_path)!r}) as s:
             keys = s.block_keys(list(range(40)))
@@ -75,7 +75,7 @@ def test_put_larger_than_memory_goes_to_disk(tmp_path):
 def test_flush_makes_every_earlier_put_durable_against_sigkill(tmp_path):
     code = textwrap.dedent(f"""
         import os, signal, sys
-        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        sys.path[:0] = [{str(TESTS)!r}, {str(Path(__file__).parent)!r}]
         from test_store_disk import opened, kv_for
         s = opened({str(tmp_path)!r}, warm=64)
         for i in range(20):
@@ -239,7 +239,7 @@ def test_evict_reaches_disk(tmp_path):
 def test_two_processes_share_one_store(tmp_path):
     writer = textwrap.dedent(f"""
         import sys
-        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        sys.path[:0] = [{str(TESTS)!r}, {str(Path(__file__).parent)!r}]
         from test_store_disk import opened, kv_for
         with opened({str(tmp_path)!r}, warm=4) as s:
             for i in range(40):

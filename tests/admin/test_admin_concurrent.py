@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import conftest
 from support.admin import build_store, check_disk_bytes
 
 from kvstore.admin import list_blocks, list_namespaces
@@ -18,7 +19,7 @@ from kvstore.cli import main
 from kvstore.tiers.disk import segments as seg
 
 #: tests/: the worker runs as ``python -m support.admin`` from here
-TESTS = os.path.dirname(os.path.abspath(__file__))
+TESTS = str(conftest.TESTS)
 
 
 def _run(capsys, *args: str) -> tuple[int, dict]:

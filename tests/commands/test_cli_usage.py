@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import REPO
 from support.admin import build_store
 
 from kvstore import __version__
@@ -67,9 +68,8 @@ def test_every_subcommand_and_flag_has_help_and_an_example():
 def test_docs_use_store_never_the_old_path_spelling():
     """Issue 31: docs/vllm.md started the daemon with ``serve --path``; the vocabulary is
     ``--store`` (``--path`` stays accepted, and only cli.md's vocabulary table names it)."""
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
+    root = REPO
     for doc in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
         for n, line in enumerate(doc.read_text().splitlines(), 1):
             if "--path" in line and "old spelling" not in line:

@@ -8,16 +8,16 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO
 
 import kvstore.memcheck as memcheck
 from kvstore import ConfigError, KVLayout, open_store
 from kvstore.memcheck import Available, check_memory, host_available
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = REPO / "README.md"
 LAY = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16,
                block_tokens=16)
 
@@ -84,7 +84,7 @@ def test_readme_quickstart_runs_as_written(tmp_path):
     outs = []
     for _ in range(2):
         p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                           env=env, timeout=300, cwd=Path(__file__).resolve().parent.parent)
+                           env=env, timeout=300, cwd=REPO)
         assert p.returncode == 0, p.stderr[-3000:]
         outs.append(p.stdout)
     assert outs[0].startswith("0 of 62 blocks were cached")
