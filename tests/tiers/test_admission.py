@@ -1,7 +1,7 @@
 """Memory-tier admission (kvstore/tiers/admission.py): the doorkeeper, probation in each
 eviction policy, ``open_store(admission=...)`` per tier, and scan resistance through a store.
 The store-level invariants under second-hit admission are also checked by the stateful
-machines of tests/test_policy_properties.py (``TestPolicyStore_*_second_hit``)."""
+machines of tests/tiers/test_policy_properties.py (``TestPolicyStore_*_second_hit``)."""
 
 import pytest
 import torch

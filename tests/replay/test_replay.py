@@ -1,9 +1,9 @@
 """kvstore replay: traces, the simulators, the replay through a real store, the report."""
 
 import json
-from pathlib import Path
 
 import pytest
+from conftest import REPO
 
 from kvstore.errors import ConfigError
 from kvstore.replay import (
@@ -23,7 +23,7 @@ from kvstore.replay.families import generate
 from kvstore.replay.trace import Request, Trace, block_tokens_of, facts, store_keys
 from kvstore.replay.workloads import ChatWorkload, chat_trace
 
-MOONCAKE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation.jsonl"
+MOONCAKE = REPO.parent / "shared" / "traces" / "mooncake_conversation.jsonl"
 NS = replay_namespace(512).id
 BN = replay_layout(512).block_nbytes
 
