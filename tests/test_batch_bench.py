@@ -36,3 +36,19 @@ def test_quick_section_without_vllm(monkeypatch, tmp_path):
         assert k == n
     assert "doc: wall, transformers engine" in names and "long: wall, transformers engine" in names
     assert list(tmp_path.iterdir()) == []  # its temp dir is gone
+
+
+def test_baseline_engine_from_another_tree(monkeypatch, tmp_path):
+    """KVSTORE_BENCH_BATCH_BASELINE=DIR runs that tree's engine beside this one, interleaved
+    (here the same tree: its outputs equal the engine's)."""
+    from pathlib import Path
+
+    monkeypatch.setattr(bench, "vllm_python", lambda: None)
+    monkeypatch.setenv("KVSTORE_BENCH_BATCH_BASELINE", str(Path(bench.__file__).resolve().parents[2]))
+    rows = bench.run(BenchOptions(quick=True, workdir=str(tmp_path)))
+    base = [r for r in rows if r.ref_name == bench.BASELINE]
+    assert len(base) == 4 and all(r.name.endswith("wall, transformers engine") for r in base)
+    for r in rows:
+        if "prefill tokens" in r.name:
+            k, n = re.search(r"baseline transformers engine (\d+)/(\d+)", r.note).groups()
+            assert k == n

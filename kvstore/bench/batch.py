@@ -20,6 +20,10 @@ rows are skipped), each on as many threads as the cores this process may use. Ea
 gives vLLM a fresh ``cache_salt`` (cold caches). Times are medians over the repeats
 (``$KVSTORE_BENCH_BATCH_REPEATS``, default 3; 1 with ``--quick``), every time in the note;
 greedy tokens are compared between the methods.
+
+``$KVSTORE_BENCH_BATCH_BASELINE=DIR`` (a checkout, or ``git archive REV kvstore | tar -x -C
+DIR``) adds that tree's transformers engine as one more worker, interleaved with the rest:
+before/after figures of an engine change from one run, on the same load.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ MODEL = MODELS["toy"]
 #: goals of the transformers engine's wall time against vLLM APC (issue 28's)
 GOALS = {"doc": 1.5, "docs": 1.5, "chat": 1.0, "long": 2.0}
 VLLM_ENGINE_GOAL = 1.3
+BASELINE = "baseline transformers engine"  # $KVSTORE_BENCH_BATCH_BASELINE's
 TOKEN_GOAL = 1 / 1.05  # computed tokens within 1.05x of the lower bound
 
 
@@ -136,9 +141,9 @@ class VLLMWorker:
         args = [python, "-m", "kvstore.bench.batch_vllm", model_dir, mode, *([store] if store else [])]
         self._start(args, env)
 
-    def _start(self, args: list[str], env: dict[str, str]) -> None:
+    def _start(self, args: list[str], env: dict[str, str], cwd: str | None = None) -> None:
         self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, text=True, env=env)
+                                     stderr=subprocess.DEVNULL, text=True, env=env, cwd=cwd)
         self._read()  # ready
 
     def _read(self) -> dict[str, Any]:
@@ -170,7 +175,8 @@ class EngineWorker(VLLMWorker):
     started as ``kvstore batch run`` starts it: OpenMP threads that sleep while they wait
     (:mod:`kvstore.integrations.batch.engines.threads`), as many as the cores it may use."""
 
-    def __init__(self, model_dir: str, *, threads: int | None = None) -> None:
+    def __init__(self, model_dir: str, *, threads: int | None = None,
+                 tree: str | None = None) -> None:
         from kvstore.integrations.batch.engines.threads import PASSIVE_ENV
 
         env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
@@ -178,7 +184,8 @@ class EngineWorker(VLLMWorker):
             env.setdefault(k, v)
         if threads:
             env["OMP_NUM_THREADS"] = str(threads)
-        self._start([sys.executable, "-m", "kvstore.bench.batch", model_dir], env)
+        # tree: run that checkout's engine (``-m`` imports from the working directory first)
+        self._start([sys.executable, "-m", "kvstore.bench.batch", model_dir], env, cwd=tree)
 
 
 def _engine_main(model_dir: str) -> int:
@@ -253,6 +260,8 @@ def _methods(model: Any, workers: dict[str, VLLMWorker]) -> list[_Method]:
         return time.perf_counter() - t, sum(len(p) for p in w.prompts), out
 
     ms = [_Method("kvstore transformers engine", worker("engine"), [])]
+    if "baseline" in workers:
+        ms.append(_Method(BASELINE, worker("baseline"), []))
     if model is not None:
         ms.append(_Method("HF padded batch", hf, []))
     if "apc" in workers:
@@ -293,11 +302,14 @@ def _rows(w: Workload, methods: list[_Method], shape: str = "toy") -> list[Bench
     rows = [BenchRow(SECTION, f"{w.name}: prefill tokens, transformers engine", float(tf.tokens or 0),
                      "tokens", "lower bound (unique tokens)", float(bound),
                      bound / max(1, tf.tokens or 1), TOKEN_GOAL, note)]
-    for ref in ("vLLM APC", "HF padded batch"):
+    for ref in ("vLLM APC", "HF padded batch", BASELINE):
         if ref in med:
             rows.append(time_row(SECTION, f"{w.name}: wall, transformers engine", med[tf.label],
                                  ref, med[ref], unit="s",
                                  goal=GOALS.get(w.name) if ref == "vLLM APC" else None))
+    if BASELINE in med and "vLLM APC" in med:
+        rows.append(time_row(SECTION, f"{w.name}: wall, {BASELINE}", med[BASELINE],
+                             "vLLM APC", med["vLLM APC"], unit="s"))
     if "kvstore vLLM engine" in med and "vLLM APC" in med:
         rows.append(time_row(SECTION, f"{w.name}: wall, kvstore vLLM engine",
                              med["kvstore vLLM engine"], "vLLM APC", med["vLLM APC"], unit="s",
@@ -323,6 +335,9 @@ def run(opts: BenchOptions) -> list[BenchRow]:
             model = None
         threads = usable_cores()  # every method computes on as many cores
         workers["engine"] = EngineWorker(str(work / "model"), threads=threads)
+        base = os.environ.get("KVSTORE_BENCH_BATCH_BASELINE")
+        if base:
+            workers["baseline"] = EngineWorker(str(work / "model"), threads=threads, tree=base)
         py = vllm_python()
         if py is not None:
             workers["apc"] = VLLMWorker(py, str(work / "model"), "apc", threads=threads)
