@@ -391,3 +391,28 @@ def test_the_scheduler_plans_saves_with_the_requests_hint():
         assert [(r.session, r.priority, len(r.keys)) for r in meta.saves] == [("conv-9", 2, 3)]
     finally:
         store.close()
+
+
+def test_stats_written_at_most_once_an_interval_and_flushed(tmp_path, monkeypatch):
+    """The counters are a file write + rename (~1 ms here): at most one per interval on the
+    engine's steps; shutdown (force) and flush_stats write the rest."""
+    from kvstore.integrations.vllm import flush_stats, read_stats, stats
+
+    monkeypatch.setattr(stats, "WRITE_INTERVAL_S", 3600.0)
+    st = stats.ConnectorStats("worker", "embedded", str(tmp_path))
+    st.count(loads=1)
+    st.write()  # the first write goes through
+    assert read_stats(tmp_path)["worker"]["loads"] == 1
+    for _ in range(5):  # the next ones within the interval do not
+        st.count(loads=1)
+        st.write()
+    assert read_stats(tmp_path)["worker"]["loads"] == 1
+    flush_stats()  # a reader in the same process (a benchmark's driver), and at exit
+    assert read_stats(tmp_path)["worker"]["loads"] == 6
+    st.count(loads=1)
+    st.write(force=True)  # the connector's shutdown
+    assert read_stats(tmp_path)["worker"]["loads"] == 7
+    monkeypatch.setattr(stats, "WRITE_INTERVAL_S", 0.0)  # every step, as before
+    st.count(loads=1)
+    st.write()
+    assert read_stats(tmp_path)["worker"]["loads"] == 8

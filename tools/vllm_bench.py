@@ -57,7 +57,7 @@ from support.vllm_helpers import (
     run_engine_subprocess,
 )
 
-from kvstore.integrations.vllm import kvstore_transfer, read_stats
+from kvstore.integrations.vllm import flush_stats, kvstore_transfer, read_stats
 
 BS = 32
 MODEL = dict(hidden=1024, layers=8, heads=16, kv_heads=4, head_dim=64, intermediate=2816,
@@ -321,8 +321,11 @@ def _driver(spec_path: str, out_path: str) -> int:
               max_num_batched_tokens=spec["max_num_batched_tokens"])
     if spec.get("transfer"):
         kw["kv_transfer_config"] = KVTransferConfig(**spec["transfer"])
+    prof = _StepProfile() if spec.get("profile") else None
     llm = LLM(**kw)
     eng = llm.llm_engine
+    if prof is not None:
+        prof.install(eng)
 
     def sp(n: int) -> SamplingParams:
         return SamplingParams(max_tokens=n, temperature=0.0, detokenize=False, ignore_eos=True)
@@ -333,6 +336,7 @@ def _driver(spec_path: str, out_path: str) -> int:
     # may hit what an earlier engine saved)
     out["metrics_warmup"] = _driver_counters(llm)
     if spec.get("stats_path"):
+        flush_stats()  # the counters are written at most once a second
         out["connector_warmup"] = read_stats(spec["stats_path"])
 
     def run(reqs: list[dict]) -> dict[str, list[int]]:
@@ -341,6 +345,8 @@ def _driver(spec_path: str, out_path: str) -> int:
         added: dict[str, float] = {}
         tokens: dict[str, list[int]] = {}
         step = 0
+        if prof is not None:
+            prof.events.clear()
         while pending or eng.has_unfinished_requests():
             while pending and pending[0]["arrive"] <= step:
                 r = pending.pop(0)
@@ -376,7 +382,10 @@ def _driver(spec_path: str, out_path: str) -> int:
                     spec["messages"][c][turn], 5000 + 97 * c + turn, spec["vocab"])
     else:
         run(spec["requests"])
+    if prof is not None:
+        out["profile"] = prof.events
     out["metrics"] = _driver_counters(llm)
+    flush_stats()
     del llm
     from kvstore.integrations.vllm.store_registry import close_all
 
@@ -385,6 +394,89 @@ def _driver(spec_path: str, out_path: str) -> int:
         out["connector"] = read_stats(spec["stats_path"])
     Path(out_path).write_text(json.dumps(out))
     return 0
+
+
+class _StepProfile:
+    """``--profile``: wall-clock spans of the engine's step, the scheduler, the forward and the
+    connector's calls (those of the loader thread too), each ``(name, start, end, info)``
+    in ``perf_counter`` seconds; ``schedule``'s info is the step's scheduled tokens and new
+    requests."""
+
+    def __init__(self) -> None:
+        from kvstore.integrations.vllm import scheduler as S
+        from kvstore.integrations.vllm import worker as W
+
+        self.events: list[tuple[str, float, float, list[int]]] = []
+        # before the engine binds any of them (the worker binds its lease once)
+        for name in ("start_load_kv", "get_finished", "wait_for_save", "_lease_into",
+                     "_finish_async", "_load_direct", "_save_direct"):
+            self._wrap(W.WorkerSide, name, name)
+        self._wrap(S.SchedulerSide, "get_num_new_matched_tokens", "lookup")
+
+    def _wrap(self, owner, name: str, label: str, info=None) -> None:
+        f = getattr(owner, name)
+        ev = self.events
+
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            r = f(*a, **k)
+            ev.append((label, t0, time.perf_counter(), info(r) if info else []))
+            return r
+        setattr(owner, name, timed)
+
+    def install(self, eng) -> None:
+        core = eng.engine_core.engine_core
+        self._wrap(core.scheduler, "schedule", "schedule", lambda so: [
+            so.total_num_scheduled_tokens, len(so.scheduled_new_reqs)])
+        self._wrap(core.model_executor, "execute_model", "execute_model")
+        self._wrap(eng, "step", "step")
+
+
+def _profile_steps(events: list) -> list[dict]:
+    """Per engine step: its wall time, scheduled tokens, new requests, and the time of each
+    part inside it (``loader``: the background load's reads on the loader thread, the part
+    that overlapped the step)."""
+    steps = sorted((e for e in events if e[0] == "step"), key=lambda e: e[1])
+    out = []
+    for _, a, b, _info in steps:
+        row: dict = {"ms": (b - a) * 1e3, "tokens": 0, "new": 0}
+        for name, s0, s1, info in events:
+            if name == "step":
+                continue
+            if name == "_lease_into":  # on the loader thread: the overlap with this step
+                ov = min(b, s1) - max(a, s0)
+                if ov > 0:
+                    row["loader"] = row.get("loader", 0.0) + ov * 1e3
+                continue
+            if a <= s0 and s1 <= b:
+                row[name] = row.get(name, 0.0) + (s1 - s0) * 1e3
+                if name == "schedule":
+                    row["tokens"], row["new"] = info
+        out.append(row)
+    return out
+
+
+def _profile_table(name: str, profiles: list[list]) -> str:
+    """The steps that prefilled a new request (the p99 TPOT's steps) and the decode-only ones,
+    medians of their parts."""
+    rows = [r for p in profiles for r in _profile_steps(p)]
+    lines = [f"-- {name}: where a step's time goes (medians, ms)"]
+    groups = (("prefill of a new request", [r for r in rows if r["new"] and r["tokens"] > 2 * BS]),
+              ("prefill, a load in flight", [r for r in rows if r["new"] and r["tokens"] > 2 * BS
+                                              and r.get("loader")]),
+              ("decode only", [r for r in rows if not r["new"] and 0 < r["tokens"] <= 2 * BS]),
+              ("decode, a load in flight", [r for r in rows if not r["new"]
+                                            and 0 < r["tokens"] <= 2 * BS and r.get("loader")]),
+              ("nothing scheduled", [r for r in rows if not r["tokens"]]))
+    for title, rs in groups:
+        if not rs:
+            continue
+        keys = sorted({k for r in rs for k in r} - {"new"})
+        med = {k: statistics.median(r.get(k, 0.0) for r in rs) for k in keys}
+        parts = ", ".join(f"{k} {v:.1f}" for k, v in med.items() if k not in ("ms", "tokens"))
+        lines.append(f"{title:<28} n={len(rs):<4} step {med['ms']:7.1f} (p90 "
+                     f"{_pct([r['ms'] for r in rs], 0.9):.1f}); tokens {med['tokens']:.0f}; {parts}")
+    return "\n".join(lines)
 
 
 def _driver_counters(llm) -> dict[str, float]:
@@ -457,6 +549,13 @@ def main_async(argv: list[str]) -> int:
                     help="rounds of the three engines, the order rotated each round")
     ap.add_argument("--drop-page-cache", action="store_true",
                     help="drop the store's page cache before the measured engines")
+    ap.add_argument("--engines", default="vllm_alone,kvstore_async,kvstore_sync",
+                    help="the engines, comma-separated (vllm_alone first): vllm_alone, "
+                         "kvstore_async, kvstore_sync, and kvstore_async_stats_every_step "
+                         "(the connector's stats written every step, as before 2026-12-02)")
+    ap.add_argument("--profile", action="store_true",
+                    help="time every step's parts (schedule, forward, the connector's calls, "
+                         "the loader thread's reads) and print where the slow steps' time goes")
     ap.add_argument("--workdir")
     args = ap.parse_args(argv)
     from support.vllm_helpers import drop_page_cache
@@ -476,17 +575,19 @@ def main_async(argv: list[str]) -> int:
                      "prompt": prompt(n, (100 if hit else 300) + i, vocab)})
     base = {"model": str(model), "dtype": dtype, "warmup": prompt(64, 999, vocab),
             "max_model_len": n + 2 * args.max_tokens + BS,
-            "max_num_batched_tokens": max(2048, n + BS)}
+            "max_num_batched_tokens": max(2048, n + BS), "profile": args.profile}
     store = work / "store"
     shutil.rmtree(store, ignore_errors=True)
     kv = {"store_path": str(store), "cpu_capacity": "1GiB", "disk_capacity": "8GiB"}
     # the hits' prompts saved by an earlier engine (the store's disk tier holds them)
     saving = [dict(r, arrive=0, max_tokens=1) for r in reqs if r["id"].startswith("hit")]
     _drive(dict(base, requests=saving, transfer=kvstore_transfer(kv)), work, "save")
-    names = ["vllm_alone", "kvstore_async", "kvstore_sync"]
+    names = args.engines.split(",")
+    if names[0] != "vllm_alone" or "kvstore_async" not in names:
+        ap.error("--engines: vllm_alone first, and kvstore_async")
     runs: dict[str, list[dict]] = {k: [] for k in names}
     for rep in range(args.repeats):
-        for name in names[rep % 3:] + names[:rep % 3]:
+        for name in names[rep % len(names):] + names[:rep % len(names)]:
             spec = dict(base, requests=reqs, transfer=None)
             own = None
             if name != "vllm_alone":
@@ -495,10 +596,12 @@ def main_async(argv: list[str]) -> int:
                 shutil.rmtree(stats, ignore_errors=True)
                 spec |= {"stats_path": str(stats), "transfer": kvstore_transfer(
                     dict(kv, store_path=str(own), stats_path=str(stats),
-                         load_async=name == "kvstore_async"))}
+                         load_async=name != "kvstore_sync"))}
             if args.drop_page_cache:
                 drop_page_cache([own or store])
-            runs[name].append(_drive(spec, work, f"{name}-{rep}"))
+            env = ({"KVSTORE_VLLM_STATS_INTERVAL": "0"}
+                   if name == "kvstore_async_stats_every_step" else None)
+            runs[name].append(_drive(spec, work, f"{name}-{rep}", env))
             if own is not None and not args.workdir:
                 shutil.rmtree(own, ignore_errors=True)
     hits = sum(r["id"].startswith("hit") for r in reqs)
@@ -528,19 +631,23 @@ def main_async(argv: list[str]) -> int:
         print(f"{name:<16} {row['tpot_p50_ms']:>9.1f} {row['tpot_p99_ms']:>8.1f} "
               f"{row['tpot_max_ms']:>8.1f} {row['tpot_p99_ms'] / ref:>12.2f} "
               f"{row['hit_ttft_mean_ms']:>9.1f} {row['external_hit_tokens']:>12.0f} {conn:>10.0f}")
-    per_round = [b / a for a, b in zip(table["vllm_alone"]["tpot_p99_ms_per_round"],
-                                       table["kvstore_async"]["tpot_p99_ms_per_round"], strict=True)]
-    print("p99 TPOT kvstore_async / vllm_alone per round: "
-          + ", ".join(f"{x:.2f}" for x in per_round))
+    for name in names[1:]:
+        per_round = [b / a for a, b in zip(table["vllm_alone"]["tpot_p99_ms_per_round"],
+                                           table[name]["tpot_p99_ms_per_round"], strict=True)]
+        print(f"p99 TPOT {name} / vllm_alone per round: "
+              + ", ".join(f"{x:.2f}" for x in per_round))
     # every kvstore engine must report the same hits, vLLM's and the connector's alike
     odd = [f"{name} round {i}: vLLM {c['external_hits']:.0f}, connector "
            f"{c.get('connector_hit_tokens', 0):.0f}"
-           for name in ("kvstore_async", "kvstore_sync")
+           for name in names[1:]
            for i, c in enumerate(table[name]["counters_per_round"])
            if not c["external_hits"] == c.get("connector_hit_tokens") == expected]
     print(f"external hit tokens: expected {expected} per engine ({hits} hits of "
           f"{(n - 1) // BS * BS}); " + ("every kvstore engine, vLLM's and the connector's "
                                         "counters agree" if not odd else "DIFFER: " + "; ".join(odd)))
+    if args.profile:
+        for name, results in runs.items():
+            print(_profile_table(name, [res["profile"] for res in results]))
     if args.json:
         Path(args.json).write_text(json.dumps({"table": table, "args": vars(args),
                                                "expected_external_hits": expected,

@@ -58,7 +58,7 @@ from .config import (
     kvstore_transfer,
     weights_fingerprint,
 )
-from .stats import read_stats
+from .stats import flush_stats, read_stats
 
 if TYPE_CHECKING:
     from .connector import KVStoreConnector
@@ -74,6 +74,7 @@ __all__ = [
     "KVStoreConnector",
     "KVStoreConnectorMetadata",
     "engine_layout",
+    "flush_stats",
     "kvstore_transfer",
     "read_stats",
     "weights_fingerprint",
