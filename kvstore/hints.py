@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from kvstore.errors import ConfigError
 
-__all__ = ["MAX_PRIORITY", "MAX_SESSION_CHARS", "MIN_PRIORITY", "PutHint", "check_hint"]
+__all__ = ["MAX_PRIORITY", "MAX_SESSION_CHARS", "MIN_PRIORITY", "PutHint", "check_hint", "hint_of"]
 
 #: the priority range (negative: background work, evicted first; positive: kept as if used)
 MIN_PRIORITY = -1
@@ -47,6 +47,14 @@ class PutHint:
             raise ConfigError(f"PutHint.priority must be an int in [{MIN_PRIORITY}, "
                               f"{MAX_PRIORITY}] (-1 background, 0 default, 1-3 keep longer), "
                               f"got {p!r:.60}")
+
+
+def hint_of(session: str | None, priority: int) -> PutHint | None:
+    """The hint of a put carried as two plain fields (a wire message, a vLLM save run): None
+    when both are at their defaults."""
+    if session is None and not priority:
+        return None
+    return PutHint(session, priority)
 
 
 def check_hint(hint: object) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kvstore.hints import MAX_PRIORITY, MAX_SESSION_CHARS, MIN_PRIORITY, PutHint
+from kvstore.hints import MAX_PRIORITY, MAX_SESSION_CHARS, MIN_PRIORITY, PutHint, hint_of
 from kvstore.wire.errors import BadRequest
 from kvstore.wire.fields import (
     IdRequest,
@@ -42,9 +42,7 @@ class Put(KeysRequest):
 
     @property
     def hint(self) -> PutHint | None:
-        if self.session is None and not self.priority:
-            return None
-        return PutHint(self.session, self.priority)
+        return hint_of(self.session, self.priority)
 
     def to_wire(self) -> list:
         if self.session is None and not self.priority:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvstore.hints import PutHint
+from kvstore.hints import PutHint, hint_of
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
@@ -41,9 +41,7 @@ class BlockRun:
     @property
     def hint(self) -> PutHint | None:
         """The put hint of a save (None: none)."""
-        if self.session is None and not self.priority:
-            return None
-        return PutHint(self.session, self.priority)
+        return hint_of(self.session, self.priority)
 
 
 @dataclass
