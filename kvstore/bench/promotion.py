@@ -10,15 +10,38 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 
 import torch
 
 from kvstore.bench import BenchOptions, BenchRow, best_time, throughput_row
-from kvstore.bench.disk import _drop_cache, _files_under, _raw_read, _raw_write
+from kvstore.bench.disk_harness import drop_cache
 from kvstore.layout import KVLayout
 from kvstore.store import open_store
 
 SECTION = "promotion"
+
+
+def _raw_write(path: str, data: torch.Tensor) -> None:
+    """``data`` (uint8) to a new file, fsynced: the cold-read reference's bytes."""
+    with open(path, "wb") as f:
+        f.write(memoryview(data.numpy()))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _raw_read(path: str, buf: torch.Tensor) -> float:
+    """Seconds to ``readinto`` the whole file at ``path`` into ``buf`` (uint8)."""
+    view = memoryview(buf.numpy())
+    t0 = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        got = 0
+        while got < len(view):
+            n = f.readinto(view[got:])
+            if not n:
+                break
+            got += n
+    return time.perf_counter() - t0
 
 
 def run(opts: BenchOptions) -> list[BenchRow]:
@@ -34,13 +57,14 @@ def run(opts: BenchOptions) -> list[BenchRow]:
     tmp = tempfile.mkdtemp(prefix="kvstore-bench-promo-", dir=opts.workdir)
     rows: list[BenchRow] = []
     try:
-        raw = os.path.join(tmp, "raw.bin")
+        os.makedirs(os.path.join(tmp, "raw"))
+        raw = os.path.join(tmp, "raw", "raw.bin")
         _raw_write(raw, kv.view(torch.uint8).reshape(-1))
         raw_buf = torch.empty(nbytes, dtype=torch.uint8)
         t_raw = float("inf")
 
         def raw_cold() -> float:
-            _drop_cache([raw])
+            drop_cache(os.path.dirname(raw))
             return _raw_read(raw, raw_buf)
         with open_store(os.path.join(tmp, "store"), layout=lay, model_id="bench/promotion",
                         device=device, gpu_capacity=2 * nbytes, cpu_capacity=2 * nbytes,
@@ -61,7 +85,7 @@ def run(opts: BenchOptions) -> list[BenchRow]:
                 s.flush()
                 s.evict(keys, tier="hot")
                 s.evict(keys, tier="warm")
-                _drop_cache(_files_under(os.path.join(tmp, "store", "segments")))
+                drop_cache(os.path.join(tmp, "store", "segments"))
                 return best_time(lambda: s.fetch(keys, out=dst).wait(), repeat=1)
 
             # alternate with the raw read, so both see the same disk (a cloud disk's speed

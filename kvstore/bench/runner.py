@@ -111,6 +111,11 @@ def run_sections(names: Sequence[str], opts: BenchOptions, *,
         try:
             got = _run_one(name, opts)
         except ImportError as e:
+            if (e.name or "").split(".")[0] == "kvstore":  # our own code broke: not optional
+                tb = "".join(traceback.format_exception(e)[-6:])
+                failed.append(Failure(name, f"{type(e).__name__}: {e}", tb))
+                print(f"{tag}: FAILED: {type(e).__name__}: {e}\n{tb}", file=out, flush=True)
+                continue
             skipped.append(f"{name}: not available ({e})")
             print(f"{tag}: skipped, not available ({e})", file=out, flush=True)
             continue
