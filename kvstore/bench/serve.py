@@ -63,7 +63,7 @@ from kvstore.bench.serve_commands import (
     transfer_config,
     vllm_python,
 )
-from kvstore.bench.serve_processes import Group, Procs, metrics, wait_ready, warm_up
+from kvstore.bench.serve_processes import Group, Procs, free_port, metrics, wait_ready, warm_up
 from kvstore.bench.serve_results import RunResult, counter_delta, find, hit_rates, parse_result
 from kvstore.bench.serve_scale import FULL, QUICK, Scale
 from kvstore.bench.serve_workloads import convert_trace, trace_reuse, trace_source
@@ -226,8 +226,6 @@ class Bench:
         return [w for w in WORKLOADS if w in self.lengths]
 
     def start_engines(self, case: str, phase: str, n: int) -> list[tuple[Group, int]]:
-        from kvstore.tiers.remote.local_server import free_port
-
         out = []
         for e in range(n):
             port = free_port()

@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 import urllib.error
@@ -18,6 +19,15 @@ from typing import Any, TextIO
 
 from kvstore.bench.serve_results import parse_metrics
 from kvstore.bench.serve_scale import BLOCK
+
+
+def free_port() -> int:
+    """A loopback TCP port nobody listens on now (the kernel's pick), for a ``vllm serve``.
+    Not the remote tier's helper: that package needs redis-py, which the vLLM environment
+    does not have."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class Group:

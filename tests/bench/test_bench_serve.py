@@ -393,3 +393,18 @@ with sv._sigterm_unwinds():
     assert "cleaned" in out and p.returncode == 128 + signal.SIGTERM
     with pytest.raises(ProcessLookupError):
         os.killpg(pgid, 0)
+
+
+def test_the_serve_section_needs_no_redis_py():
+    # regression: start_engines took free_port from kvstore.tiers.remote, whose package
+    # imports redis-py, which the vLLM environment lacks; the two-engine case failed there
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['redis'] = None\n"
+            "from kvstore.bench import serve\n"
+            "from kvstore.bench.serve_processes import free_port\n"
+            "assert 1024 <= free_port() < 65536\n"
+            "assert 'kvstore.tiers.remote' not in sys.modules, 'the serve bench imports the remote tier'\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
