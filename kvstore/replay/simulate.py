@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from kvstore.errors import ConfigError
 from kvstore.hints import PutHint
 from kvstore.replay.baselines import SIM_ONLY, make_baseline
-from kvstore.tiers.admission import DEFAULT_ADMISSION, HintAdmission, tier_admission
+from kvstore.tiers.admission import DEFAULT_ADMISSION, HintAdmission, place, tier_admission
 from kvstore.tiers.policy import EvictionPolicy, make_policy
 
 #: simulators a report can show beside the store's policies
@@ -144,17 +144,8 @@ def simulate_policy(requests: Sequence[Sequence[Hashable]], capacity_blocks: int
             for k in reversed(new[keep:]):
                 unlink(k)
             dropped += len(new) - keep
-            if start:
-                for k in new[:keep]:
-                    if door is not None:
-                        door.admit(k)  # noted, as the tier does; the hint places it
-                    pol.insert(k, probation=start < 0, uses=max(start, 0))
-            elif door is None:
-                for k in new[:keep]:
-                    pol.insert(k)
-            else:
-                for k in new[:keep]:
-                    pol.insert(k, probation=not door.admit(k))
+            for k in new[:keep]:
+                place(pol, door, k, start)  # as MemoryTier.insert places it
             pol.touch(rev)
         if progress is not None and i % 256 == 255:
             progress(256)

@@ -26,10 +26,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from kvstore.errors import ConfigError
 from kvstore.hints import PutHint
+
+if TYPE_CHECKING:
+    from kvstore.tiers.policy import EvictionPolicy
 
 #: admission names accepted by ``open_store(admission=...)`` (per tier)
 ADMISSIONS = ("always", "second-hit")
@@ -98,6 +101,22 @@ class SecondHitAdmit:
 
     def evicted(self, key: Hashable) -> None:
         self._note(key)
+
+
+def place(policy: EvictionPolicy, door: Admission | None, key: Hashable, start: int = 0, *,
+          new: bool = True) -> None:
+    """Insert ``key`` into ``policy`` where it starts: on probation when ``start`` is
+    :data:`PROBATION`, as if used ``start`` times when positive, else where ``door`` (the
+    tier's admission; None under ``"always"``) puts a ``new`` key. A hinted start wins over
+    the doorkeeper, which still notes the key. The memory tier and the replay simulator both
+    place through here, so the simulator is the tier's order by construction."""
+    probation = start < 0
+    if door is not None and new:
+        probation |= not door.admit(key) and not start
+    if probation or start:
+        policy.insert(key, probation=probation, uses=max(start, 0))
+    else:
+        policy.insert(key)
 
 
 class HintAdmission:

@@ -11,7 +11,7 @@ import torch
 
 from kvstore.keys import BlockKey
 from kvstore.layout import KVLayout
-from kvstore.tiers.admission import DEFAULT_ADMISSION, Admission, tier_admission
+from kvstore.tiers.admission import DEFAULT_ADMISSION, Admission, place, tier_admission
 from kvstore.tiers.policy import EvictionPolicy, make_policy
 from kvstore.tiers.slab import Slab
 
@@ -109,16 +109,8 @@ class MemoryTier:
         d = self.slab.directory
         if d is not None and key in self._slots:
             d.remove(key)  # republished under another slot: one entry per key
-        adm = self.admission
-        probation = start < 0
-        if adm is not None and key not in self._slots:
-            # a key the tier has not seen lately starts at the victim end (second-hit); a
-            # hint decides where it starts, but the doorkeeper still notes the key
-            probation |= not adm.admit(key) and not start
-        if probation or start:
-            self.policy.insert(key, probation=probation, uses=max(start, 0))
-        else:
-            self.policy.insert(key)
+        # a key the tier has not seen lately starts at the victim end (second-hit)
+        place(self.policy, self.admission, key, start, new=key not in self._slots)
         self._slots[key] = slot
         if d is not None:
             d.insert(key, slot)
