@@ -151,11 +151,13 @@ class Residency:
             j += 1
         return j
 
-    def lookup(self, ks: list[BlockKey]) -> int:
-        """Leading ``ks`` held by any tier, counted as one lookup (takes the lock)."""
+    def lookup(self, ks: list[BlockKey],
+               found: list[tuple[int, int, Located]] | None = None) -> int:
+        """Leading ``ks`` held by any tier, counted as one lookup (takes the lock);
+        ``found`` as :meth:`leading_run`'s."""
         with self.st.lock:
             self.st.check_open()
-            n = self.leading_run(ks)
+            n = self.leading_run(ks, found)
             self.st.counters.looked_up(len(ks), n)
             return n
 
@@ -164,11 +166,8 @@ class Residency:
         ``located`` for :meth:`leading_run`, maybe in another process): ``(start, tier name,
         handles)`` per stretch, for tiers whose handles are bytes (the disk's index records)."""
         found: list[tuple[int, int, Located]] = []
-        with self.st.lock:
-            self.st.check_open()
-            n = self.leading_run(ks, found)
-            self.st.counters.looked_up(len(ks), n)
-            lower = self.st.lower
+        lower = self.st.lower  # close() rebinds it to []: keep the list the lookup indexes
+        n = self.lookup(ks, found)
         stretches: list[Stretch] = []
         for start, t, loc in found:
             hs = loc.handles
