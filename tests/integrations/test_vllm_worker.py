@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from kvstore.integrations.vllm.openmp import openmp_spin_hint
@@ -312,6 +315,7 @@ def test_a_block_moved_or_gone_since_the_lookup_is_a_miss_never_wrong_kv(tmp_pat
     ({"do_remote_prefill": True}, None),  # another connector's params
     ({"kvstore_session": "conv-1"}, ("conv-1", 0)),
     ({"kvstore_priority": -1}, (None, -1)),
+    ({"kvstore_session": None, "kvstore_priority": None}, None),  # hint_of: both unset
     ({"kvstore_session": "job", "kvstore_priority": -1}, ("job", -1)),
 ])
 def test_a_requests_kv_transfer_params_give_its_saves_hint(params, want):
@@ -324,7 +328,8 @@ def test_a_requests_kv_transfer_params_give_its_saves_hint(params, want):
 
 
 @pytest.mark.parametrize("params", [{"kvstore_session": 5}, {"kvstore_priority": 9},
-                                    {"kvstore_session": ""}, {"kvstore_priority": "high"}])
+                                    {"kvstore_session": ""}, {"kvstore_priority": "high"},
+                                    {"kvstore_priority": True}])
 def test_a_bad_hint_is_logged_and_ignored_never_a_failed_request(params, caplog):
     from types import SimpleNamespace
 
@@ -398,8 +403,9 @@ def test_stats_written_at_most_once_an_interval_and_flushed(tmp_path, monkeypatc
     engine's steps; shutdown (force) and flush_stats write the rest."""
     from kvstore.integrations.vllm import flush_stats, read_stats, stats
 
-    monkeypatch.setattr(stats, "WRITE_INTERVAL_S", 3600.0)
+    monkeypatch.setenv("KVSTORE_VLLM_STATS_INTERVAL", "3600")
     st = stats.ConnectorStats("worker", "embedded", str(tmp_path))
+    assert st.interval == 3600.0
     st.count(loads=1)
     st.write()  # the first write goes through
     assert read_stats(tmp_path)["worker"]["loads"] == 1
@@ -412,7 +418,26 @@ def test_stats_written_at_most_once_an_interval_and_flushed(tmp_path, monkeypatc
     st.count(loads=1)
     st.write(force=True)  # the connector's shutdown
     assert read_stats(tmp_path)["worker"]["loads"] == 7
-    monkeypatch.setattr(stats, "WRITE_INTERVAL_S", 0.0)  # every step, as before
+    st.interval = 0.0  # KVSTORE_VLLM_STATS_INTERVAL=0: every step, as before
     st.count(loads=1)
     st.write()
     assert read_stats(tmp_path)["worker"]["loads"] == 8
+
+
+@pytest.mark.parametrize("value", ["1s", "-1", "nan", "one"])
+def test_a_bad_stats_interval_is_a_config_error_saying_what_to_set(tmp_path, monkeypatch, value):
+    """KVSTORE_VLLM_STATS_INTERVAL is read when a connector with a stats_path is made (not at
+    import): a bad value is kvstore's ConfigError naming the variable and what it takes."""
+    from kvstore.errors import ConfigError
+    from kvstore.integrations.vllm import stats
+
+    monkeypatch.setenv("KVSTORE_VLLM_STATS_INTERVAL", value)
+    # importing never reads it (it raised a bare ValueError at import before)
+    subprocess.run([sys.executable, "-c", "import kvstore.integrations.vllm.stats"], check=True)
+    with pytest.raises(ConfigError, match=r"KVSTORE_VLLM_STATS_INTERVAL=.*number of seconds >= 0"):
+        stats.ConnectorStats("worker", "embedded", str(tmp_path))
+    # without a stats_path nothing is written, and the variable is not read
+    assert stats.ConnectorStats("worker", "embedded", None).interval == stats.DEFAULT_INTERVAL_S
+    for ok, want in (("0", 0.0), ("2.5", 2.5), ("", stats.DEFAULT_INTERVAL_S)):
+        monkeypatch.setenv("KVSTORE_VLLM_STATS_INTERVAL", ok)
+        assert stats.write_interval() == want

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvstore.api import KVCache
 from kvstore.errors import ConfigError
-from kvstore.hints import PutHint
+from kvstore.hints import PutHint, hint_of
 from kvstore.keys import KeyChain
 from kvstore.store import Store
 
@@ -49,11 +49,8 @@ def request_hint(request: Any) -> PutHint | None:
     params = getattr(request, "kv_transfer_params", None)
     if not isinstance(params, dict):
         return None
-    session, priority = params.get(SESSION_PARAM), params.get(PRIORITY_PARAM, 0)
-    if session is None and priority == 0:
-        return None
-    try:
-        return PutHint(session, priority)
+    try:  # kvstore.hints checks both fields (the daemon's put message goes through it too)
+        return hint_of(params.get(SESSION_PARAM), params.get(PRIORITY_PARAM, 0))
     except ConfigError as e:
         log.warning("kvstore: request %s: ignoring its kv_transfer_params hint: %s",
                     getattr(request, "request_id", "?"), e)

@@ -14,15 +14,39 @@ import time
 import weakref
 from pathlib import Path
 
-__all__ = ["COUNTERS", "ConnectorStats", "flush_stats", "read_stats"]
+from kvstore.errors import ConfigError
+
+__all__ = ["COUNTERS", "ConnectorStats", "flush_stats", "read_stats", "write_interval"]
 
 log = logging.getLogger("vllm.kvstore")
 
-#: at most one write per connector this often (seconds), and at shutdown / exit. A write is a
-#: file write and a rename: ~1.3 ms of wall time on this VM's disk (0.25 ms of CPU), and both
+#: the environment variable that sets :func:`write_interval`
+INTERVAL_ENV = "KVSTORE_VLLM_STATS_INTERVAL"
+#: its default: at most one write per connector a second, and at shutdown / exit. A write is
+#: a file write and a rename: ~1.3 ms of wall time on this VM's disk (0.25 ms of CPU), and both
 #: roles wrote once per engine step: ~1 ms of a 9-10 ms decode step (issue 29's TPOT).
-#: ``KVSTORE_VLLM_STATS_INTERVAL`` sets it (0: every step, as before).
-WRITE_INTERVAL_S = float(os.environ.get("KVSTORE_VLLM_STATS_INTERVAL", "1.0"))
+DEFAULT_INTERVAL_S = 1.0
+
+
+def write_interval() -> float:
+    """Seconds between two writes of one connector's stats file: ``$KVSTORE_VLLM_STATS_INTERVAL``
+    (0: every engine step), else :data:`DEFAULT_INTERVAL_S`. Read when a connector with a
+    ``stats_path`` is made; a value that is not a number >= 0 raises :class:`ConfigError`
+    saying what to set (the engine does not start with it, rather than write stats at a rate
+    nobody asked for)."""
+    raw = os.environ.get(INTERVAL_ENV)
+    if raw is None or not raw.strip():
+        return DEFAULT_INTERVAL_S
+    try:
+        v = float(raw)
+    except ValueError:
+        v = -1.0
+    if not v >= 0:  # negative or NaN
+        raise ConfigError(
+            f"{INTERVAL_ENV}={raw!r:.60}: set it to a number of seconds >= 0 between two writes "
+            f"of the vLLM connector's stats files (0: every engine step; unset: "
+            f"{DEFAULT_INTERVAL_S:g})")
+    return v
 
 _live: weakref.WeakSet[ConnectorStats] = weakref.WeakSet()
 
@@ -40,12 +64,16 @@ COUNTERS = (
 
 class ConnectorStats:
     """One connector's counters; ``stats_path`` (a directory, or None) is where
-    :meth:`write` puts them."""
+    :meth:`write` puts them, at most once every ``interval`` seconds (default:
+    :func:`write_interval`, read only when there is a ``stats_path``)."""
 
-    def __init__(self, role: str, mode: str, stats_path: str | None) -> None:
+    def __init__(self, role: str, mode: str, stats_path: str | None,
+                 interval: float | None = None) -> None:
         self.role = role
         self.mode = mode
         self.stats_path = stats_path
+        self.interval = (interval if interval is not None
+                         else write_interval() if stats_path else DEFAULT_INTERVAL_S)
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self._dirty = False
         self._last = float("-inf")  # monotonic time of the last write
@@ -59,11 +87,11 @@ class ConnectorStats:
 
     def write(self, force: bool = False) -> None:
         """Write the counters if they changed since the last write and the last write is
-        :data:`WRITE_INTERVAL_S` old (``force``: now, changed or not)."""
+        ``interval`` old (``force``: now, changed or not)."""
         if not self.stats_path or not (self._dirty or force):
             return
         now = time.monotonic()
-        if not force and now - self._last < WRITE_INTERVAL_S:
+        if not force and now - self._last < self.interval:
             return
         self._last = now
         self._dirty = False
