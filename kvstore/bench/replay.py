@@ -148,7 +148,7 @@ def _policy_rows(slots: int, quick: bool) -> list[BenchRow]:
     batch, rounds = (256, 10) if quick else (512, 40)
     batch = min(batch, slots // 4)
     names = ("lru", DEFAULT_EVICTION)
-    pols = {e: make_policy(e, slots) for e in names}
+    pols = {e: make_policy(e, slots, probation=True) for e in names}  # as the tiers make them
     fresh = iter(range(10**12))
     for p in pols.values():
         for _ in range(slots):

@@ -13,7 +13,13 @@ from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Iterator
 from itertools import chain
 
-from kvstore.tiers.tuning import ADAPTIVE_GUARD, ADAPTIVE_MIN_SLOTS, adaptive_mask
+from kvstore.tiers.tuning import (
+    ADAPTIVE_CANDIDATES,
+    ADAPTIVE_GUARD,
+    ADAPTIVE_MIN_SLOTS,
+    SCALE_CANDIDATES,
+    adaptive_mask,
+)
 from kvstore.tiers.use_classes import GHOSTS_PER_SLOT, MAX_CLASS, USE_CLASSES, UseClassPolicy
 
 
@@ -28,7 +34,9 @@ class AdaptivePolicy(UseClassPolicy):
     the old one left to age out. The :class:`~kvstore.tiers.tuning.ScaleTuner`'s shadows are
     this very structure in miniature, so what they measure is what the tier would do; its
     scale 0 is LRU (the victim is the oldest head), so a tier whose shadows show reuse not
-    paying evicts exactly as LRU does from the next eviction on. A parent joins at least its
+    paying evicts exactly as LRU does from the next eviction on. With ``probation`` (every
+    memory tier) the tuner also tries second-hit candidates: while one is chosen, a new key
+    the ghost list does not know starts on probation (``_second``). A parent joins at least its
     child's class on a touch (every use of a child is a use of its parent), so a parent never
     ranks below a child touched with it and leaves stay first. Blocks on probation wait in a
     FIFO before all others. ``_info``'s rank field is the clock at the block's last use.
@@ -47,7 +55,8 @@ class AdaptivePolicy(UseClassPolicy):
         self._prob: OrderedDict[Hashable, None] | None = OrderedDict() if probation else None
         super().__init__(slots, ghosts=ghosts, scale=scale,
                          tuned=tune and slots >= ADAPTIVE_MIN_SLOTS,
-                         mask=adaptive_mask(slots), guard=ADAPTIVE_GUARD)
+                         mask=adaptive_mask(slots), guard=ADAPTIVE_GUARD,
+                         candidates=ADAPTIVE_CANDIDATES if probation else SCALE_CANDIDATES)
 
     def _rescale(self) -> None:
         s = self._scale
@@ -63,7 +72,7 @@ class AdaptivePolicy(UseClassPolicy):
                clock: int) -> None:
         if back is None:
             c = uses if uses < MAX_CLASS else MAX_CLASS
-            if probation and not c:
+            if (probation or self._second) and not c:
                 if self._prob is None:
                     raise TypeError("this AdaptivePolicy has no probation: "
                                     "make_policy(..., probation=True)")

@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterator
 from functools import partial
 
-from kvstore.tiers.tuning import ScaleTuner, make_shadow
+from kvstore.tiers.tuning import SCALE_CANDIDATES, ScaleTuner, make_shadow
 
 #: use classes (0, 1, 2, 3+ uses)
 USE_CLASSES = 4
@@ -55,13 +55,14 @@ class UseClassPolicy:
 
     name: str
     __slots__ = ("_info", "_ghost", "_ghost_old", "_ghost_cap", "_slots", "_clock", "_call",
-                 "_tuner", "_scale", "_mask", "_fresh")
+                 "_tuner", "_scale", "_second", "_mask", "_fresh")
 
     def __init__(self, slots: int, *, ghosts: int, scale: float | None, tuned: bool,
-                 mask: int | None = None, guard: float | None = None) -> None:
-        """``tuned``: a :class:`~kvstore.tiers.tuning.ScaleTuner` picks the scale (``mask``
-        and ``guard`` are its); ``scale``: the start (default: LRU when tuned, else
-        :data:`UNTUNED_SCALE`)."""
+                 mask: int | None = None, guard: float | None = None,
+                 candidates: tuple[tuple[float, bool], ...] = SCALE_CANDIDATES) -> None:
+        """``tuned``: a :class:`~kvstore.tiers.tuning.ScaleTuner` picks the scale among
+        ``candidates`` (``mask`` and ``guard`` are its too); ``scale``: the start (default:
+        LRU when tuned, else :data:`UNTUNED_SCALE`)."""
         self._info: dict[Hashable, list[int]] = {}
         # evicted key -> its use class, in two generations of ghosts/2 x slots keys each
         self._ghost: dict[Hashable, int] = {}
@@ -72,8 +73,11 @@ class UseClassPolicy:
         self._call = 0  # touch calls
         start = scale if scale is not None else (TUNED_START if tuned else UNTUNED_SCALE)
         self._scale = start  # retention per use, in tier turnovers (the tuner's, when tuned)
+        # new keys the ghost list does not know start on probation (the tuner's choice)
+        self._second = False
         self._tuner = (ScaleTuner(slots, start, partial(make_shadow, classes=USE_CLASSES,
-                                                        ghosts=ghosts), mask=mask, guard=guard)
+                                                        ghosts=ghosts), mask=mask, guard=guard,
+                                  candidates=candidates)
                        if tuned else None)
         self._mask = self._tuner.mask if self._tuner is not None else 0
         # keys inserted on probation since the last touch call, in insertion order
@@ -123,6 +127,7 @@ class UseClassPolicy:
         tuner = self._tuner
         assert tuner is not None
         tuner.reference(key)
+        self._second = tuner.probation
         if tuner.scale != self._scale:
             self._scale = tuner.scale
             self._rescale()

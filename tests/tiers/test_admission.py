@@ -110,6 +110,7 @@ class CountingTuner:
 
     def __init__(self, scale, mask):
         self.scale, self.mask, self.refs = scale, mask, []
+        self.probation = False
 
     def reference(self, key):
         self.refs.append(key)

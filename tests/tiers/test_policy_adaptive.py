@@ -75,6 +75,40 @@ def test_ghost_uses_come_back():
     assert p.uses("a") == 2
 
 
+def test_second_hit_candidate_starts_only_unknown_keys_on_probation():
+    """When the shadows pick a second-hit candidate, a new key the ghost list does not know
+    starts at the victim end; one it knows, and a put hinted to start with uses, do not."""
+    p = AdaptivePolicy(8, scale=0.0, tune=False, probation=True)
+    p.insert("seen")
+    p.touch(["seen"])
+    p.remove("seen", for_room=True)  # now in the ghost list
+    p.insert("old")
+    p.touch(["old"])
+    p._second = True  # what the tuner's choice of (scale, probation=True) sets
+    for k, uses in (("new", 0), ("seen", 0), ("hinted", 2)):
+        p.insert(k, uses=uses)
+        p.touch([k])  # the put's own touch
+    assert p.order()[0] == "new" and set(p.order()[1:]) == {"old", "seen", "hinted"}
+    p.touch(["x"])
+    p.touch(["new"])  # its second use lifts it (behind "old", used before it)
+    order = p.order()
+    assert order.index("old") < order.index("new")
+    p._second = False
+    p.insert("later")
+    p.touch(["later"])
+    assert p.order()[-1] == "later"  # off again: a new key joins at the newest end
+
+
+def test_tuned_policy_offers_second_hit_candidates_only_with_probation():
+    from kvstore.tiers import tuning
+
+    with_prob = AdaptivePolicy(4_096, probation=True)._tuner
+    without = AdaptivePolicy(4_096)._tuner
+    assert with_prob._cands == tuning.ADAPTIVE_CANDIDATES
+    assert any(p for _, p in tuning.ADAPTIVE_CANDIDATES)
+    assert without._cands == tuning.SCALE_CANDIDATES
+
+
 def test_probation_blocks_go_first_until_touched_again():
     p = AdaptivePolicy(8, scale=1.0, tune=False, probation=True)
     p.insert("old")

@@ -81,3 +81,78 @@ def test_tuner_stays_put_without_a_clear_lead():
     for i in range(20_000):
         t.reference(i % 50)
     assert t.scale == 0.0
+
+
+# -- probation shadows and the adaptive policy's guarded choice ------------------------------------
+
+
+def test_probation_shadow_evicts_new_keys_first_and_admits_returning_ones():
+    s = ReuseShadow(3, 0.0, probation=True, ghosts=4)
+    for k in "ab":
+        assert not s.refer(k)
+    assert s.refer("a")  # its second use lifts "a" off probation
+    assert not s.refer("c") and not s.refer("d")  # full: "b" (still on probation) goes first
+    assert s._uses.get("b") is None and s._uses["a"] == 1
+    assert not s.refer("b")  # back from the ghost list: joins normally, not on probation
+    assert s._uses["b"] == 1 and "b" not in s._prob
+
+
+def test_make_shadow_gives_lru_only_without_probation():
+    assert isinstance(make_shadow(8, 0.0), LRUShadow)
+    p = make_shadow(8, 0.0, True)
+    assert isinstance(p, ReuseShadow) and p._prob is not None
+
+
+class Scripted:
+    """A shadow whose hits are given: ``hit(key)`` decides."""
+
+    def __init__(self, hit):
+        self.hit = hit
+
+    def refer(self, key):
+        return self.hit(key)
+
+
+def _guarded(hits_of, n_cands=3):
+    cands = tuning.SCALE_CANDIDATES[:n_cands - 1] + ((0.0, True),)
+    shadows = iter(hits_of)
+    return ScaleTuner(4_096, 0.0, lambda n, s, p: Scripted(next(shadows)),
+                      guard=tuning.ADAPTIVE_GUARD, candidates=cands, mask=0)
+
+
+def test_guarded_tuner_takes_a_shadow_only_on_evidence():
+    """A shadow that leads by a few hits (as a small sample does by chance) is not taken; one
+    whose wins over LRU's are many standard deviations beyond its losses is, at once."""
+    never = lambda k: False  # noqa: E731
+    # wins 1.1 % of the references, loses 1 %: it hits more, but not beyond chance
+    lucky = lambda k: k % 100 == 0 or k % 1000 == 555  # noqa: E731
+    t = _guarded([lambda k: k % 100 == 1, lucky, never])
+    for i in range(t._period * 3):
+        t.reference(i)
+    assert t._won[1] > t._lost[1] > 0
+    assert (t.scale, t.probation) == (0.0, False)
+    t = _guarded([never, never, lambda k: k % 3 == 0])  # wins a third of the references
+    for i in range(t._period):
+        t.reference(i)
+    assert (t.scale, t.probation) == (0.0, True)
+
+
+def test_guarded_tuner_falls_back_to_lru_when_the_evidence_fades():
+    phase = {"lru_wins": False}
+    lru = lambda k: phase["lru_wins"]  # noqa: E731
+    other = lambda k: not phase["lru_wins"]  # noqa: E731
+    t = _guarded([lru, lambda k: False, other])
+    for i in range(t._period * 2):
+        t.reference(i)
+    assert t.probation
+    phase["lru_wins"] = True  # the probation shadow now loses every reference to LRU's
+    for i in range(t._period * 3):
+        t.reference(i)
+    assert (t.scale, t.probation) == (0.0, False)
+
+
+def test_candidates_must_start_with_lru():
+    import pytest
+
+    with pytest.raises(ValueError, match="LRU"):
+        ScaleTuner(4_096, 0.0, candidates=((1.0, False),))
