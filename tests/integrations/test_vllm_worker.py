@@ -157,8 +157,8 @@ def _planned(store, tokens, *, load_async=False):
     side = SchedulerSide(store, block_size=BS, namespace_id=bytes(store.namespace_id),
                          stats=ConnectorStats("scheduler", "embedded", None),
                          load_async=load_async)
-    req = SimpleNamespace(request_id="r", prompt_token_ids=tokens, all_token_ids=list(tokens),
-                          cache_salt=None, lora_request=None, mm_features=None, prompt_embeds=None)
+    req = _req("r", tokens)
+    side.get_num_new_matched_tokens(_req("busy", [1, 2, 3]), 0)  # another request runs
     n = len(DST)
     assert side.get_num_new_matched_tokens(req, 0) == (n * BS, load_async)
     side.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (DST + [20],)),
@@ -170,6 +170,95 @@ def _planned(store, tokens, *, load_async=False):
                            num_scheduled_tokens={"r": 1}, new_block_ids_to_zero=None,
                            total_num_scheduled_tokens=1)
     return pickle.loads(pickle.dumps(side.build_connector_meta(step)))
+
+
+def _req(req_id, tokens, **kw):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(request_id=req_id, prompt_token_ids=tokens, all_token_ids=list(tokens),
+                           cache_salt=None, lora_request=None, mm_features=None,
+                           prompt_embeds=None, **kw)
+
+
+def _match(side, req):
+    """get_num_new_matched_tokens, then the allocation of its pages (where the kind of load
+    is counted)."""
+    from types import SimpleNamespace
+
+    got = side.get_num_new_matched_tokens(req, 0)
+    ids = list(range(len(req.prompt_token_ids) // BS + 1))
+    side.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (ids,)), got[0])
+    return got
+
+
+def _side(store, mode="embedded"):
+    from kvstore.integrations.vllm.scheduler import SchedulerSide
+    from kvstore.integrations.vllm.stats import ConnectorStats
+
+    return SchedulerSide(store, block_size=BS, namespace_id=bytes(store.namespace_id),
+                         stats=ConnectorStats("scheduler", mode, None))
+
+
+def test_a_hit_loads_now_when_in_memory_or_the_engine_is_idle_else_in_the_background(tmp_path):
+    """docs/vllm.md "How a hit loads": load_kv_async only for a hit below memory while other
+    requests run (the extra engine step it costs the request buys them a step not held up by
+    the read); a hit held in memory, or any hit while the engine runs nothing else, is
+    loaded before the step's forward."""
+    store = _open(tmp_path / "s")
+    try:
+        tokens = _tokens(5, len(IDS))
+        _saved(store, _pages(1), tokens)  # on disk only
+        n = len(IDS) * BS
+        side = _side(store)
+        assert _match(side, _req("a", tokens)) == (n, False)  # idle
+        side.request_finished(_req("a", tokens), [])
+        side.get_num_new_matched_tokens(_req("busy", [1, 2, 3]), 0)
+        assert _match(side, _req("b", tokens)) == (n, True)  # busy: disk
+        store.fetch(store.block_keys(tokens)).wait()  # now in the warm tier too
+        assert _match(side, _req("c", tokens)) == (n, False)
+        c = side.stats.counters
+        assert (c["idle_loads"], c["async_loads"], c["memory_loads"]) == (1, 1, 1)
+    finally:
+        store.close()
+
+
+def test_a_hit_in_the_daemons_warm_tier_loads_now_one_below_it_in_the_background(tmp_path):
+    """Daemon mode: the daemon's shared key directory says which blocks its warm tier holds,
+    without a round trip (scheduler.daemon_warm_run)."""
+    from kvstore.client import connect
+    from kvstore.daemon.process import DaemonProcess
+    from kvstore.integrations.vllm.scheduler import daemon_warm_run
+
+    d = DaemonProcess(tmp_path / "store", tmp_path / "run" / "kv.sock", "--cpu-capacity", "4MiB",
+                      "--disk-capacity", "64MiB").start()
+    try:
+        c = connect(str(d.socket_path), layout=_layout(), model_id="issue29", device="cpu")
+        try:
+            tokens = _tokens(6, 4)
+            keys = list(c.block_keys(tokens))
+            c.put(keys, _kv(len(keys))).wait()
+            c.flush()
+            side = _side(c, "daemon")
+            side.get_num_new_matched_tokens(_req("busy", [1, 2, 3]), 0)
+            assert daemon_warm_run(c, keys) == 4
+            assert _match(side, _req("a", tokens)) == (4 * BS, False)
+            assert side.stats.counters["memory_loads"] == 1
+            assert c.evict(tier="warm") == 4  # on the daemon's disk only
+            assert daemon_warm_run(c, keys) == 0
+            assert side.get_num_new_matched_tokens(_req("b", tokens), 0) == (4 * BS, True)
+            assert daemon_warm_run(object(), keys) == 0  # not a daemon client
+        finally:
+            c.close()
+    finally:
+        assert d.stop() == 0, d.log()
+
+
+def _kv(n):
+    import torch
+
+    lay = _layout()
+    return torch.randn(lay.batch_shape(n), generator=torch.Generator().manual_seed(n)).to(
+        lay.dtype)
 
 
 def _count_locates(monkeypatch, store):

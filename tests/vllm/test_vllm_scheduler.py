@@ -202,7 +202,8 @@ def _wait_finished(w, meta, timeout=30.0):
 
 @pytest.mark.parametrize("damage", [None, "evicted"])
 def test_hits_below_memory_load_in_the_background(tmp_path, damage):
-    """Issue 29 item 1: a hit held only on disk is claimed with load_kv_async=True; the worker
+    """Issue 29 item 1: a hit held only on disk while another request runs is claimed with
+    load_kv_async=True (idle, it loads before the step); the worker
     reads it into the request's pages in the background and reports it in get_finished;
     a hit held in memory stays synchronous. A block gone since the lookup is reported in the
     same pass as the finished request (vLLM recomputes from there), never left hanging."""
@@ -227,6 +228,9 @@ def test_hits_below_memory_load_in_the_background(tmp_path, damage):
     side.request_finished(req, [])
     store.flush()
     store.evict(tier="warm")
+    assert side.get_num_new_matched_tokens(req, 0) == (4 * BS, False)  # the engine is idle
+    side.request_finished(req, [])
+    side.get_num_new_matched_tokens(_request("busy", [1, 2, 3]), 0)  # another request runs
     assert side.get_num_new_matched_tokens(req, 0) == (4 * BS, True)  # disk only: async
     side.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([0, 2, 4, 5, 6],)),
                                   4 * BS)

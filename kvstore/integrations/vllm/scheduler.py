@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvstore.api import KVCache
+from kvstore.client import Client
 from kvstore.errors import ConfigError
 from kvstore.hints import PutHint, hint_of
 from kvstore.keys import KeyChain
@@ -72,6 +73,7 @@ class _ReqState:
     block_ids: list[int] = field(default_factory=list)  # vLLM pages, group 0
     load: BlockRun | None = None  # planned by update_state_after_alloc, sent once
     load_async: bool = False  # the last match asked vLLM to load in the background
+    load_now: str = ""  # else why it loads before the step (_load_now: its counter)
     located: Located = field(default_factory=list)  # what the last lookup found below memory
     hint: PutHint | None = None  # the saves' put hint (request_hint)
     failed_at: int | None = None  # first block a load of this request failed on
@@ -149,6 +151,7 @@ class SchedulerSide:
                 _lora_tag(request), hint=request_hint(request))
         st.load = None
         st.load_async = False
+        st.load_now = ""
         if st.keys is None:
             return 0, False
         bs = self.block_size
@@ -174,8 +177,24 @@ class SchedulerSide:
         ext = n * bs - num_computed_tokens
         if ext <= 0:
             return 0, False
-        st.load_async = self.load_async and not self._in_memory(st.keys[st.local_blocks:n])
+        st.load_now = self._load_now(st, n) if self.load_async else ""
+        st.load_async = self.load_async and not st.load_now
         return ext, st.load_async
+
+    def _load_now(self, st: _ReqState, n: int) -> str:
+        """Why a hit loads before the step's forward (``load_kv_async=False``) rather than in
+        the background (its counter's name; "": it does not): a background load costs its
+        request one more engine step (vLLM schedules it in the step after the worker reports
+        the load), so it pays only where a load would hold up other requests' steps. Loaded
+        now: a hit whose every block a memory tier holds (a copy, cheaper than a step), and
+        any hit while the engine runs nothing else (no other request's step to hold up).
+        The rule is docs/vllm.md's "How a hit loads"."""
+        assert st.keys is not None
+        if self._in_memory(st.keys[st.local_blocks:n]):
+            return "memory_loads"
+        if all(other is st for other in self._reqs.values()):
+            return "idle_loads"
+        return ""
 
     def _lookup(self, st: _ReqState, keys: list[bytes]) -> int:
         """The store's lookup; an embedded store also says where it found the blocks below
@@ -189,12 +208,15 @@ class SchedulerSide:
 
     def _in_memory(self, keys: list[bytes]) -> bool:
         """Whether the worker can copy all of ``keys`` from memory: an embedded store shared
-        with the worker (one process) that holds them in its hot or warm tier. A load from
-        disk, the daemon or Redis is asynchronous; a copy from memory is not worth a step."""
-        if not isinstance(self.store, Store) or not keys:
+        with the worker (one process) that holds them in its hot or warm tier, or a daemon
+        whose warm tier holds them (its shared key directory says so without a round trip).
+        A load from disk or Redis (embedded or behind the daemon) is not."""
+        if not keys:
             return False
         try:
-            return self.store.zero_copy.memory_run(keys) == len(keys)
+            if isinstance(self.store, Store):
+                return self.store.zero_copy.memory_run(keys) == len(keys)
+            return daemon_warm_run(self.store, keys) == len(keys)
         except Exception:  # a closed store: the load will say
             return False
 
@@ -229,6 +251,8 @@ class SchedulerSide:
             self.stats.count(async_loads=1)
         else:
             st.load = run
+            if st.load_now:
+                self.stats.count(**{st.load_now: 1})
         self.stats.count(hit_requests=1, hit_tokens=num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVStoreConnectorMetadata:
@@ -304,6 +328,20 @@ class SchedulerSide:
         # worker reports the load finished (its finish_requests), nothing to hold here
         self._reqs.pop(request.request_id, None)
         return False, None
+
+
+def daemon_warm_run(store: object, keys: Sequence[bytes]) -> int:
+    """How many leading ``keys`` a daemon's warm tier holds, read from its shared key
+    directory (no round trip, no reconnect: 0 while the daemon is down, for a store that is
+    not a daemon client, or a daemon without a shared slab). What ``Client.lookup`` reads
+    before it asks the daemon about the rest; the client has no public call for it yet."""
+    if not isinstance(store, Client):
+        return 0
+    s = store._session
+    directory = getattr(s, "directory", None)
+    if s is None or directory is None or not s.channel.peer_alive():
+        return 0
+    return directory.leading_run(b"".join(keys))
 
 
 def located_window(located: Located, first: int, count: int) -> Located:

@@ -55,6 +55,8 @@ COUNTERS = (
     "lookups", "lookup_tokens", "hit_tokens", "hit_requests",
     "loads", "load_blocks", "loaded_blocks", "failed_blocks",
     "async_loads",  # hits loaded in the background (load_kv_async)
+    "memory_loads",  # hits loaded before the step: every block in a memory tier
+    "idle_loads",  # hits below memory loaded before the step: the engine ran nothing else
     "saves", "save_blocks", "save_errors", "skipped_saves",
     "layer_waits",
     # microseconds spent on the engine's critical path
