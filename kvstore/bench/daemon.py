@@ -41,7 +41,7 @@ def _percentiles(fn, n: int) -> tuple[float, float]:
 
 def _echo_round_trip(path: Path, nbytes: int, iters: int) -> tuple[float, float]:
     """p50/p99 of sending an ``nbytes`` frame to the bare echo server and reading its reply."""
-    from kvstore.commands.entry import env, python_argv
+    from kvstore.child import env, python_argv
 
     proc = subprocess.Popen(python_argv("kvstore.bench.echo", str(path)), env=env())
     try:

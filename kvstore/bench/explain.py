@@ -65,7 +65,7 @@ def _build(store: str, layout: KVLayout, tokens: list[int]) -> Namespace:
 
 
 def _cli(store: str, prompt: str, ns: Namespace) -> float:
-    from kvstore.commands.entry import env, kvstore_argv
+    from kvstore.child import env, kvstore_argv
 
     t0 = time.perf_counter()
     out = subprocess.run(kvstore_argv("explain", "--store", store, "--namespace",

@@ -48,7 +48,7 @@ def _phase(args: argparse.Namespace, path: Path, *, cold: bool, console: Any) ->
 
 
 def _rerun(args: argparse.Namespace, path: Path) -> subprocess.CompletedProcess:
-    from kvstore.commands.entry import env, kvstore_argv
+    from kvstore.child import env, kvstore_argv
 
     cmd = kvstore_argv("demo", "--store", str(path), "--workload", args.workload,
                        "--model-size", args.model_size, "--engine", args.engine,

@@ -1,5 +1,5 @@
 """``kvstore serve`` as a child process (:class:`DaemonProcess`): started with this process's
-kvstore (:mod:`kvstore.commands.entry`), waited for until its socket answers, stopped with
+kvstore (:mod:`kvstore.child`), waited for until its socket answers, stopped with
 SIGTERM (SIGKILL when it does not exit in time). The ``daemon`` benchmark and the tests start
 their daemons with it (``tests/support/daemon.py`` re-exports it); the daemon itself never
 imports this module.
@@ -17,7 +17,7 @@ from pathlib import Path
 
 class DaemonProcess:
     """``kvstore serve`` on ``socket_path``; ``start()`` waits until it answers. The child runs
-    this process's kvstore, whatever the working directory holds (:mod:`kvstore.commands.entry`)."""
+    this process's kvstore, whatever the working directory holds (:mod:`kvstore.child`)."""
 
     def __init__(self, path: str | os.PathLike[str], socket_path: str | os.PathLike[str],
                  *args: str, log_path: str | os.PathLike[str] | None = None) -> None:
@@ -33,14 +33,14 @@ class DaemonProcess:
         return self.proc.pid
 
     def command(self) -> list[str]:
-        from kvstore.commands.entry import kvstore_argv
+        from kvstore.child import kvstore_argv
 
         return kvstore_argv("serve", "--store", str(self.path), "--socket",
                             str(self.socket_path), *self.args)
 
     def start(self, timeout: float = 60.0) -> DaemonProcess:
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in wait()
-        from kvstore.commands.entry import env
+        from kvstore.child import env
 
         self.proc = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT,
                                      env=env())

@@ -245,7 +245,7 @@ def test_a_layout_given_by_dtype_name_works_with_tensors(shared):
 
 
 def _python(code: str) -> subprocess.CompletedProcess:
-    from kvstore.commands.entry import env
+    from kvstore.child import env
 
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120, env=env(), stdin=subprocess.DEVNULL)

@@ -166,7 +166,7 @@ _CLI_WITHOUT_TORCH = (
 def cli_without_torch(*args: str) -> tuple[subprocess.CompletedProcess, float]:
     """Run ``kvstore ARGS`` in a subprocess; exit status 99 means it imported torch. Also
     returns the seconds it took in-process (imports included, interpreter start not)."""
-    from kvstore.commands.entry import env
+    from kvstore.child import env
 
     p = subprocess.run([sys.executable, "-c", _CLI_WITHOUT_TORCH, *args], capture_output=True,
                        text=True, timeout=120, env=env(), stdin=subprocess.DEVNULL)

@@ -1,6 +1,6 @@
-"""Starting kvstore in a child process (``kvstore demo``'s restarted run, the benchmarks'
-daemon and echo server): the child runs the kvstore this process runs, never a source
-checkout that happens to be in the working directory.
+"""Starting kvstore in a child process (the daemon launcher, ``kvstore demo``'s restarted
+run, the benchmarks' echo server): the child runs the kvstore this process runs, never a
+source checkout that happens to be in the working directory.
 
 ``python -m kvstore.cli`` puts the working directory first on ``sys.path``: run from a
 directory holding another checkout's ``kvstore/``, the child imports that one. So the child is
