@@ -6,7 +6,9 @@ the block is stored, its chain stays prefix-closed, a dirty block is kept until 
 writer has it). Admission only decides *where* in the eviction order a new block starts:
 
 * ``"always"`` (:class:`AlwaysAdmit`, the default): where the eviction policy puts any new
-  block (the newest end under LRU).
+  block (the newest end under LRU; the ``adaptive`` policy starts keys its ghost list does not
+  know on probation while its shadows show that pays, see
+  :mod:`kvstore.tiers.adaptive_policy`).
 * ``"second-hit"`` (:class:`SecondHitAdmit`): a block whose key the tier has not seen lately
   joins *on probation*, at the victim end of the policy's order (see
   ``EvictionPolicy.insert``), so it is the first to go when room is needed unless it is
