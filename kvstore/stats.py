@@ -20,6 +20,7 @@ class TierStats:
     hits: int = 0  # blocks a fetch or lease was served from this tier
     hit_bytes: int = 0  # their raw bytes
     policy: str = ""  # a memory tier's eviction policy ("adaptive", "reuse", "lru")
+    policy_state: str = ""  # what it has chosen lately ("scale 2, second-hit"; EvictionPolicy.state)
 
 
 @dataclass(frozen=True, slots=True)

@@ -89,7 +89,9 @@ def _namespace_parts(n) -> list[Any]:
         t.add_column(c, justify=j, no_wrap=True)
     for tier in st.tiers:
         t.add_row(tier.name, tier.device, size(tier.used_bytes), size(tier.capacity_bytes),
-                  str(tier.blocks), str(tier.evictions), tier.policy or "-")
+                  str(tier.blocks), str(tier.evictions),
+                  (f"{tier.policy} ({tier.policy_state})" if tier.policy_state else tier.policy)
+                  or "-")
     return ["", f"[bold]{n.model_id}[/bold] {n.layout} (namespace {n.namespace_id[:12]})",
             kv_grid(rows), t]
 

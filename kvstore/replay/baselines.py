@@ -104,6 +104,9 @@ class ARCPolicy:
         a, b = self._first()
         return next(iter(a)) if a else (next(iter(b)) if b else None)
 
+    def state(self) -> str:
+        return ""
+
     def order(self) -> list[Hashable]:
         return list(self.victims())
 
@@ -194,6 +197,9 @@ class S3FIFOPolicy:
 
     def peek(self) -> Hashable | None:
         return self._settle()
+
+    def state(self) -> str:
+        return ""
 
     def order(self) -> list[Hashable]:
         return list(self.victims())

@@ -299,7 +299,8 @@ class Store:
                 TierStats(name=t.name, device=str(t.device), capacity_bytes=t.slab.nbytes,
                           used_bytes=t.used_bytes, blocks=len(t), evictions=t.counters.evictions,
                           demotions_in=t.counters.demotions_in,
-                          promotions_in=t.counters.promotions_in, policy=t.policy.name)
+                          promotions_in=t.counters.promotions_in, policy=t.policy.name,
+                          policy_state=t.policy.state())
                 for t in (st.hot, st.warm) if t is not None
             ]
             tiers += [t.stats() for t in st.lower]

@@ -72,6 +72,10 @@ class EvictionPolicy(Protocol):
     def order(self) -> list[Hashable]:
         """:meth:`victims` as a list (a snapshot)."""
 
+    def state(self) -> str:
+        """What the policy has chosen lately, for ``stats`` (e.g. ``"scale 2, second-hit"``);
+        empty when it chooses nothing."""
+
 
 class LRUPolicy:
     """Least recently used first. Without probation (``make_policy(..., probation=True)``
@@ -112,6 +116,9 @@ class LRUPolicy:
 
     def order(self) -> list[Hashable]:
         return list(self._lru)
+
+    def state(self) -> str:
+        return ""
 
 
 class ProbationLRU(LRUPolicy):

@@ -122,6 +122,12 @@ class UseClassPolicy:
         """:meth:`victims` as a list (a snapshot)."""
         return list(self.victims())
 
+    def state(self) -> str:
+        """The scale in use, ``second-hit`` while new unknown keys start on probation, and
+        whether the tuner chooses them (``fixed`` when the tier is too small to tune)."""
+        out = f"scale {self._scale:g}" + (", second-hit" if self._second else "")
+        return out if self._tuner is not None else out + ", fixed"
+
     def _sample(self, key: Hashable) -> None:
         """A use or a miss of a sampled key: the tuner's shadows see it."""
         tuner = self._tuner

@@ -96,6 +96,7 @@ def store_stats_to_wire(s: StoreStats) -> dict:
     out["tiers"] = [[getattr(t, n) for n in _TIER_FIELDS] for t in s.tiers]
     # a map an older client ignores (it reads the counters by name): tier -> its policy
     out["tier_policies"] = {t.name: t.policy for t in s.tiers if t.policy}
+    out["tier_policy_states"] = {t.name: t.policy_state for t in s.tiers if t.policy_state}
     return out
 
 
@@ -114,6 +115,11 @@ def store_stats_from_wire(body: object) -> StoreStats:
         raise BadRequest("store stats: tier_policies must be a map")
     tiers = [dataclasses.replace(t, policy=check_str(pol[t.name], "tier policy"))
              if t.name in pol else t for t in tiers]
+    ps = body.get("tier_policy_states") or {}  # absent from an older daemon
+    if not isinstance(ps, dict):
+        raise BadRequest("store stats: tier_policy_states must be a map")
+    tiers = [dataclasses.replace(t, policy_state=check_str(ps[t.name], "tier policy state"))
+             if t.name in ps else t for t in tiers]
     kw = {f.name: check_int(body.get(f.name, 0), f.name)
           for f in dataclasses.fields(StoreStats) if f.name != "tiers"}
     return StoreStats(**kw, tiers=tuple(tiers))

@@ -153,8 +153,12 @@ def test_stats_socket_finds_the_daemons_store(daemon, tmp_path, capsys, monkeypa
     data = json.loads(capsys.readouterr().out)
     assert data["store"] == str(daemon.path)
     assert [n["model_id"] for n in data["namespaces"]] == ["live/m"]
+    warm = [t for t in data["namespaces"][0]["stats"]["tiers"] if t["name"] == "warm"][0]
+    assert warm["policy"] == "adaptive" and warm["policy_state"].startswith("scale ")
     assert main(["stats", "--socket", str(daemon.socket_path)]) == 0
-    assert f"(store {daemon.path})" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"(store {daemon.path})" in out
+    assert f"adaptive ({warm['policy_state']})" in out  # the policy's choice, in the table
 
 
 def test_daemon_subprocess_ignores_a_checkout_in_the_working_directory(tmp_path, monkeypatch):

@@ -191,5 +191,19 @@ def test_stats_name_each_memory_tiers_policy_across_the_wire():
     assert [(t.name, t.policy) for t in st.tiers] == [("hot", "lru"), ("warm", "adaptive")]
     wire = store_stats_to_wire(st)
     assert [t.policy for t in store_stats_from_wire(wire).tiers] == ["lru", "adaptive"]
+    states = [t.policy_state for t in st.tiers]
+    assert states == ["", "scale 1, fixed"]  # LRU says nothing; an 8-slot tier is not tuned
+    assert [t.policy_state for t in store_stats_from_wire(wire).tiers] == states
     del wire["tier_policies"]  # an older daemon's reply
+    del wire["tier_policy_states"]
     assert [t.policy for t in store_stats_from_wire(wire).tiers] == ["", ""]
+    assert [t.policy_state for t in store_stats_from_wire(wire).tiers] == ["", ""]
+
+
+def test_policy_state_names_the_tuners_choice():
+    p = AdaptivePolicy(4_096, probation=True)
+    assert p.state() == "scale 0"
+    p._scale, p._second = 2.0, True
+    assert p.state() == "scale 2, second-hit"
+    assert AdaptivePolicy(8, tune=False).state() == "scale 1, fixed"
+    assert LRUPolicy().state() == ""
