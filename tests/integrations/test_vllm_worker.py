@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -214,7 +215,11 @@ def test_a_hit_loads_now_when_in_memory_or_the_engine_is_idle_else_in_the_backgr
         side.request_finished(_req("a", tokens), [])
         side.get_num_new_matched_tokens(_req("busy", [1, 2, 3]), 0)
         assert _match(side, _req("b", tokens)) == (n, True)  # busy: disk
-        store.fetch(store.block_keys(tokens)).wait()  # now in the warm tier too
+        keys = store.block_keys(tokens)
+        store.fetch(keys).wait()  # now in the warm tier too, once its copies are filled
+        deadline = time.monotonic() + 10  # (after the fetch, off its path: fetch.fill_warm)
+        while store.zero_copy.memory_run(keys) < len(keys) and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert _match(side, _req("c", tokens)) == (n, False)
         c = side.stats.counters
         assert (c["idle_loads"], c["async_loads"], c["memory_loads"]) == (1, 1, 1)
