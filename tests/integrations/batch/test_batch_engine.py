@@ -284,3 +284,64 @@ def test_linears_are_packed_when_the_engine_is_built(model):
     assert n and len(packed) == n
     run(engine, [[5, 6, 7]], SamplingParams(max_tokens=2))
     assert all(engine._linears._packed[m][1] is t for m, t in packed.items())  # none again
+
+
+def test_heap_reuse_during_a_run_then_glibc_ceiling(model, monkeypatch):
+    """A run keeps large freed blocks in the heap (glibc's mallopt), nested blocks share the
+    setting, and the thresholds drop to glibc's own ceiling afterwards."""
+    from kvstore.integrations.batch.engines import allocator
+
+    calls = []
+
+    class Lib:
+        def mallopt(self, what, value):
+            calls.append((what, value))
+            return 1
+
+        def malloc_trim(self, pad):
+            calls.append(("trim", pad))
+            return 1
+
+    monkeypatch.setattr(allocator, "_libc", Lib())
+    engine = TransformersEngine(model, eos_token_id=())
+    with allocator.heap_reuse() as on:
+        assert on
+        run(engine, [[5, 6, 7]], SamplingParams(max_tokens=2))  # nested: no change, no trim
+        assert calls == [(-3, allocator.RUN_THRESHOLD), (-1, allocator.RUN_THRESHOLD)]
+    assert calls[2:] == [(-3, allocator.AFTER_MMAP), (-1, allocator.AFTER_TRIM), ("trim", 0)]
+    calls.clear()
+    run(engine, [[5, 6, 7]], SamplingParams(max_tokens=2))
+    assert len(calls) == 5 and calls[-1] == ("trim", 0)
+    monkeypatch.setattr(allocator, "_libc", False)  # not glibc: nothing to set
+    with allocator.heap_reuse() as on:
+        assert not on
+
+
+def test_heap_reuse_on_this_libc():
+    import sys
+
+    from kvstore.integrations.batch.engines import allocator
+
+    with allocator.heap_reuse() as on:
+        big = torch.ones(8 << 20)  # 32 MiB: from the heap, not a fresh mapping
+        del big
+    assert on == (sys.platform.startswith("linux") and allocator._glibc() is not None)
+
+
+def test_gated_mlp_runs_fused_and_matches(model):
+    from kvstore.integrations.batch.engines import linear
+
+    if not linear.packing_available():
+        pytest.skip("no oneDNN in this torch")
+    mlp = model.model.layers[0].mlp
+    assert linear._gated_silu(mlp)
+    x = torch.randn(1, 7, model.config.hidden_size)
+    with torch.no_grad():
+        want = mlp(x)
+        p = linear.PackedLinears(model)
+        with p.active():
+            assert "forward" in mlp.__dict__
+            got = mlp(x)
+    assert "forward" not in mlp.__dict__
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not linear._gated_silu(torch.nn.Linear(4, 4))

@@ -12,6 +12,11 @@ against 27.
 weight changes in place: its tensor version moves) and swaps their ``forward`` for the packed
 one for the duration of :meth:`PackedLinears.active`. The products sum in another order than
 torch's GEMM: float32 results agree to rounding, as the engine's attention does.
+
+A gated SiLU MLP (the Llama MLP's forward; Qwen2's and Mistral's are copies of it) runs on
+fused calls meanwhile: SiLU as the gate GEMM's post-op, the product as the up GEMM's (as
+torch's inductor fuses them on the CPU). Measured alone (110M shape, 2 threads): 512 rows
+13.0 -> 11.6 ms per MLP, 64 rows 1.80 -> 1.70 ms.
 """
 
 from __future__ import annotations
@@ -91,10 +96,28 @@ class PackedLinears:
                 self.failed = True
                 self._restore(swapped)
                 swapped = []
+        fused = [] if self.failed else self._fuse_mlps()
         try:
             yield len(swapped)
         finally:
-            self._restore(swapped)
+            self._restore(fused + swapped)
+
+    def _fuse_mlps(self) -> list[torch.nn.Module]:
+        """Gated SiLU MLPs (the Llama MLP's forward, ``down(silu(gate(x)) * up(x))``) on two
+        fused oneDNN calls: the gate's GEMM with SiLU as its post-op, the up GEMM with the
+        product as its post-op (no separate SiLU and product passes over ``[N, FFN]``)."""
+        done: list[torch.nn.Module] = []
+        for m in self.model.modules():
+            if "forward" in m.__dict__ or not _gated_silu(m):
+                continue
+            try:
+                m.forward = _fused_mlp(self._pack(m.gate_proj), m.gate_proj.bias,  # type: ignore[method-assign]
+                                       self._pack(m.up_proj), m.up_proj.bias, m.down_proj)
+            except (RuntimeError, NotImplementedError) as e:  # pragma: no cover - old oneDNN
+                log.warning("fused MLP unavailable, using separate ops: %s", e)
+                break
+            done.append(m)
+        return done
 
     @staticmethod
     def _restore(mods: list[torch.nn.Module]) -> None:
@@ -109,5 +132,39 @@ def _packed_forward(packed: torch.Tensor, bias: torch.Tensor | None) -> Any:
         if x.dtype != torch.float32 or x.device.type != "cpu":
             raise RuntimeError("packed linear layers take float32 CPU inputs")
         return op(x, packed, bias, "none", [], "")
+
+    return forward
+
+
+def _llama_mlp_code() -> Any:
+    try:
+        from transformers.models.llama.modeling_llama import LlamaMLP
+    except ImportError:  # pragma: no cover
+        return None
+    return LlamaMLP.forward.__code__
+
+
+def _gated_silu(m: torch.nn.Module) -> bool:
+    """``m`` is an MLP whose forward is the Llama MLP's (Qwen2, Mistral... copy it) with SiLU
+    and packable gate / up layers."""
+    ref = _llama_mlp_code()
+    fwd = getattr(type(m), "forward", None)
+    code = getattr(fwd, "__code__", None)
+    act = getattr(m, "act_fn", None)
+    return (ref is not None and code is not None and code.co_code == ref.co_code
+            and code.co_names == ref.co_names
+            and type(act).__name__ in ("SiLU", "SiLUActivation")
+            and all(_packable(getattr(m, n, None)) for n in ("gate_proj", "up_proj")))
+
+
+def _fused_mlp(gate: torch.Tensor, gate_bias: torch.Tensor | None, up: torch.Tensor,
+               up_bias: torch.Tensor | None, down: torch.nn.Module) -> Any:
+    op = torch.ops.mkldnn._linear_pointwise
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or x.device.type != "cpu":
+            raise RuntimeError("packed linear layers take float32 CPU inputs")
+        g = op(x, gate, gate_bias, "swish", [], "")  # oneDNN's swish with alpha 1 is SiLU
+        return down(op.binary(x, g, up, up_bias, "mul"))
 
     return forward

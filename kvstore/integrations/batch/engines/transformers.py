@@ -25,6 +25,7 @@ import torch
 
 from kvstore.errors import ConfigError
 from kvstore.integrations.batch.engines import EngineReport, OnDone
+from kvstore.integrations.batch.engines.allocator import heap_reuse
 from kvstore.integrations.batch.engines.attention import GroupSlice, SuffixKV, make_plan, running
 from kvstore.integrations.batch.engines.linear import PackedLinears, packing_available
 from kvstore.integrations.batch.engines.sampling import RowState, Tokenizer, choose_tokens
@@ -64,7 +65,8 @@ class TransformersEngine:
     :func:`~.threads.usable_cores`; restored after). ``prepack``: run the model's float32
     CPU linear layers on oneDNN-prepacked weights during :meth:`run` (:mod:`.linear`;
     default: where this torch has it), packed here (a weight changed in place is packed
-    again at the next run).
+    again at the next run), gated SiLU MLPs on fused oneDNN calls. On glibc, large freed
+    tensors stay in the heap for reuse during :meth:`run` (:mod:`.allocator`).
     """
 
     name = "transformers"
@@ -249,7 +251,8 @@ class TransformersEngine:
         plan = plan or self.plan(requests)
         before = set_threads(self.threads) if self.device.type == "cpu" else None
         try:
-            with self._linears.active() if self._linears else contextlib.nullcontext():
+            with self._linears.active() if self._linears else contextlib.nullcontext(), \
+                    heap_reuse() if self.device.type == "cpu" else contextlib.nullcontext():
                 return self._run(requests, lengths, plan, on_done, t0)
         finally:
             if before is not None:
