@@ -19,6 +19,7 @@ Two more sections (issue 29), each its own command line:
 
     .venv-vllm/bin/python tools/vllm_bench.py async [--json OUT] [--requests 12] ...
     .venv-vllm/bin/python tools/vllm_bench.py chat [--json OUT] [--conversations 4] ...
+    PYTHONPATH=TREE .venv/bin/python tools/vllm_bench.py serve-ab --tree before=DIR ...
 
 ``async``: requests arrive while others decode, half of them hits saved on disk by an
 earlier engine, half new; the inter-token latency (TPOT) of every running decode, p50/p99,
@@ -810,6 +811,64 @@ def main_chat(argv: list[str]) -> int:
     return 1 if bad else 0
 
 
+def main_serve_ab(argv: list[str]) -> int:
+    """``serve-ab``: cases of ``kvstore bench --section serve`` (``prefix_repetition`` only)
+    with the engines on given kvstore trees, interleaved in one sitting: a before/after of a
+    connector change. Run it with the main venv's python and ``PYTHONPATH=TREE`` of a frozen
+    copy (``git archive REV kvstore | tar -x -C TREE``, plus ``kvstore/_native*.so``), from a
+    directory without a ``kvstore`` folder: the driver, its daemon and every variant then run
+    fixed code while the checkout changes."""
+    ap = argparse.ArgumentParser(description="serve-section cases, before/after (issue 29)")
+    ap.add_argument("--tree", action="append", default=[], metavar="NAME=DIR",
+                    help="a variant: the engines get DIR first on PYTHONPATH")
+    ap.add_argument("--order", required=True,
+                    help="comma-separated CASE[:NAME], e.g. alone,embedded:before,"
+                         "embedded:after,shared:after,shared:before,alone")
+    ap.add_argument("--workdir", required=True)
+    args = ap.parse_args(argv)
+    from dataclasses import asdict
+
+    import kvstore.bench.serve as serve
+    from kvstore.bench.serve_commands import vllm_python
+    from kvstore.bench.serve_scale import FULL
+
+    trees = dict(t.split("=", 1) for t in args.tree)
+    serve.WORKLOADS = ("prefix_repetition",)
+    cases = {c.key: c for c in serve.plan()}
+    root = Path(args.workdir)
+    root.mkdir(parents=True, exist_ok=True)
+    py, base, model, out = vllm_python(), os.environ.get("PYTHONPATH"), None, []
+    for i, item in enumerate(args.order.split(",")):
+        key, _, name = item.partition(":")
+        tree = trees[name] if name else base
+        os.environ.pop("PYTHONPATH", None)
+        if tree:
+            os.environ["PYTHONPATH"] = tree
+        work = root / f"{i}-{key}-{name or 'x'}"
+        work.mkdir(exist_ok=True)
+        if model is not None and not (work / "model").exists():
+            (work / "model").symlink_to(model)
+        b = serve.Bench(py, work, FULL, sys.stderr)
+        b.say(f"== {item}: load average {os.getloadavg()[0]:.1f}")
+        b.prepare()
+        model = model or (work / "model").resolve()
+        try:
+            b.run_case(cases[key])
+        finally:
+            b.cleanup(keep=True)
+        out += [{"item": item, "load": os.getloadavg(), **asdict(r)} for r in b.results]
+        out += [{"item": item, "failed": f} for f in b.failures]
+        (root / "ab.json").write_text(json.dumps(out, indent=1, default=str))
+    for r in out:
+        f = r.get("figures")
+        if f:
+            print(f"{r['item']:<18} {r['phase']:<8} {r['engine']} mean {f['mean_ttft_ms']:7.1f} "
+                  f"p50 {f['p50_ttft_ms']:6.1f} p99 {f['p99_ttft_ms']:7.1f} ms TTFT")
+        else:
+            print(f"{r['item']}: FAILED {r['failed']['error'][-200:]}")
+    return 0
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--driver"]:
         sys.exit(_driver(sys.argv[2], sys.argv[3]))
@@ -817,4 +876,6 @@ if __name__ == "__main__":
         sys.exit(main_async(sys.argv[2:]))
     if sys.argv[1:2] == ["chat"]:
         sys.exit(main_chat(sys.argv[2:]))
+    if sys.argv[1:2] == ["serve-ab"]:
+        sys.exit(main_serve_ab(sys.argv[2:]))
     sys.exit(main())
