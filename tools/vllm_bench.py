@@ -816,8 +816,9 @@ def main_serve_ab(argv: list[str]) -> int:
     with the engines on given kvstore trees, interleaved in one sitting: a before/after of a
     connector change. Run it with the main venv's python and ``PYTHONPATH=TREE`` of a frozen
     copy (``git archive REV kvstore | tar -x -C TREE``, plus ``kvstore/_native*.so``), from a
-    directory without a ``kvstore`` folder: the driver, its daemon and every variant then run
-    fixed code while the checkout changes."""
+    directory without a ``kvstore`` folder, with ``KVSTORE_VLLM_PYTHON`` naming the checkout's
+    ``.venv-vllm/bin/python`` (a frozen tree has no venv beside it): the driver, its daemon and
+    every variant then run fixed code while the checkout changes."""
     ap = argparse.ArgumentParser(description="serve-section cases, before/after (issue 29)")
     ap.add_argument("--tree", action="append", default=[], metavar="NAME=DIR",
                     help="a variant: the engines get DIR first on PYTHONPATH")
