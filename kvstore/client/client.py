@@ -455,8 +455,12 @@ class Client:
         survived = {s.instance, *s.hello.flushed_instances}  # this daemon, or stopped clean
         gone = sum(n for inst, n in pending.items() if inst not in survived)
         refused: ServerError | None = None
+        # the daemon answers by ``timeout`` (TIMEOUT when its flush is not done); one that does
+        # not answer at all (hung, stopped) must not hold this call past it either: no answer
+        # is a flush nobody confirmed
+        wait = None if timeout is None else timeout + max(self.timeout or 0.0, 1.0)
         try:
-            answered = self._request(s, m.Flush(timeout), None) is not None
+            answered = self._request(s, m.Flush(timeout), wait) is not None
         except ServerError as e:  # the daemon's disk could not write some of them
             if e.code != ErrorCode.NOT_DURABLE:
                 raise

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
 import shutil
 import socket
@@ -147,8 +148,26 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+#: the lock each daemon holds on its shared-memory directory for as long as it runs (an flock
+#: on an fd of the directory, kept open): a pid is no proof of death, since a daemon in
+#: another pid namespace (another container sharing /dev/shm) has a pid that looks dead here
+_held_shm: dict[str, int] = {}
+
+
+def _lock_dir(d: Path) -> int | None:
+    """An fd of ``d`` holding its exclusive flock, or None when another process holds it."""
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
 def remove_stale_shm(base: Path) -> list[Path]:
-    """Remove shared-memory directories of our daemons that died without cleaning up."""
+    """Remove shared-memory directories of our daemons that died without cleaning up (their
+    pid is not alive here and nobody holds their lock)."""
     removed = []
     if not base.is_dir():
         return removed
@@ -164,7 +183,16 @@ def remove_stale_shm(base: Path) -> list[Path]:
             continue
         if st.st_uid != os.getuid() or not stat.S_ISDIR(st.st_mode) or _pid_alive(pid):
             continue
-        shutil.rmtree(entry, ignore_errors=True)
+        try:
+            fd = _lock_dir(entry)
+        except OSError:
+            continue
+        if fd is None:  # its daemon runs (in another pid namespace)
+            continue
+        try:
+            shutil.rmtree(entry, ignore_errors=True)
+        finally:
+            os.close(fd)
         removed.append(entry)
     return removed
 
@@ -175,6 +203,9 @@ def make_shm_dir(base: Path) -> Path:
         raise ConfigError(f"shared-memory base {base} is not a directory (is /dev/shm mounted?)")
     d = Path(tempfile.mkdtemp(prefix=f"{SHM_PREFIX}{os.getpid()}-", dir=base))
     os.chmod(d, 0o700)
+    fd = _lock_dir(d)  # held until this process exits (the kernel drops it then)
+    if fd is not None:
+        _held_shm[str(d)] = fd
     return d
 
 

@@ -81,6 +81,8 @@ def open_store(
         raise ConfigError(f"layout must be a KVLayout, got {type(layout).__name__}")
     if path is not None and not isinstance(path, (str, os.PathLike)):
         raise ConfigError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+    if path is not None:
+        _check_store_path(Path(os.fspath(path)).expanduser())
     if remote is not None and not isinstance(remote, str):
         raise ConfigError("remote must be a URL string like 'redis://host:6379'")
     if remote_codec not in ("none", "zstd"):
@@ -118,3 +120,19 @@ def open_store(
         group=gid,
     )
     return Store(config, events=events)
+
+
+def _check_store_path(path: Path) -> None:
+    """A store path that is, or lies under, something other than a directory (a file, a
+    device) is refused before anything there is created or has its mode changed."""
+    for p in (path, *path.parents):
+        try:
+            if p.is_dir():
+                return
+            if not p.exists():
+                continue
+        except OSError:  # unreadable on the way: opening says what is wrong
+            return
+        where = "is" if p == path else f"lies under {p}, which is"
+        raise ConfigError(f"store path {path} {where} not a directory; pass a directory "
+                          "(created if missing)")

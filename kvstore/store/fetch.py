@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from kvstore import streams as _streams
-from kvstore.errors import StoreClosedError
+from kvstore.errors import StoreClosedError, TensorMismatchError
 from kvstore.keys import BlockKey
 from kvstore.store.copy_engine import (
     Job,
@@ -257,7 +257,7 @@ class Fetcher:
                   mirrors: list[torch.Tensor | None] | None) -> list[ReadStatus]:
         try:
             return tier.read(found, dsts, mirrors)
-        except StoreClosedError:
+        except (StoreClosedError, TensorMismatchError):  # the caller's buffers: its to fix
             raise
         except Exception as e:  # a damaged index or tier: a counted miss, never wrong KV
             log.warning("fetch: reading %d block(s) from the %s tier failed (%s: %s); "

@@ -3,6 +3,7 @@ shared memory), and borrowed blocks (a pinned in-place view, no fetch copy)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -18,6 +19,8 @@ from kvstore.store.residency import Residency, Stretch
 from kvstore.store.state import StoreState
 from kvstore.tiers.slab import paired_runs
 from kvstore.transfer import Transfer
+
+log = logging.getLogger("kvstore.store")
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +44,11 @@ class ZeroCopyPlane:
         self.st = st
         self.res = res
         self.fetcher = fetcher
+        # granted puts not yet committed or aborted, by identity: a grant is used once, and
+        # only in the store that made it (its slots are this store's); one committed or
+        # aborted before, or another store's, would map keys onto slots that may hold other
+        # blocks by now
+        self.grants: dict[int, PutGrant] = {}
 
     # -- shared-memory data plane (used by the sidecar daemon) -------------------------------
     def lookup_split(self, keys: list[BlockKey]) -> int:
@@ -64,6 +72,7 @@ class ZeroCopyPlane:
         said (damage, or no room to stage a block).
         """
         ks = self.st.keys(keys)
+        self.st.check_open()  # a closed store has no warm tier either: say it is closed
         if self.st.warm is None:
             raise ConfigError("leases need a warm tier (cpu_capacity > 0)")
         t, plan, _ = self.fetcher.submit(ks, self.st.chain_parent(keys), None, want_result=False)
@@ -112,6 +121,7 @@ class ZeroCopyPlane:
         own bytes, never another's (:meth:`Residency.leading_run`).
         """
         ks = self.st.keys(keys)
+        self.st.check_open()  # a closed store has no warm tier either: say it is closed
         if self.st.warm is None:
             raise ConfigError("leases need a warm tier (cpu_capacity > 0)")
         parent = self.st.chain_parent(keys)
@@ -201,6 +211,7 @@ class ZeroCopyPlane:
         ks = self.st.keys(keys)
         check_hint(hint)
         parent = self.st.chain_parent(keys)
+        self.st.check_open()
         if self.st.warm is None:
             raise ConfigError("granted puts need a warm tier (cpu_capacity > 0)")
         with self.st.lock:
@@ -219,12 +230,18 @@ class ZeroCopyPlane:
             grant.slots = slots
             self.st.granted.update(grant.keys)
             self.res.pin(grant.keys)
+            self.grants[id(grant)] = grant
             return grant
 
     def commit_put(self, grant: PutGrant) -> int:
-        """Publish a granted put whose slots were filled; returns the blocks stored."""
+        """Publish a granted put whose slots were filled; returns the blocks stored (0 for a
+        grant already committed or aborted, or made by another store: nothing is published)."""
         with self.st.lock:
             if self.st.closed:
+                return 0
+            if not self._take_grant(grant):
+                log.warning("commit_put of a grant this store does not hold (committed or "
+                            "aborted already, or another store's): nothing stored")
                 return 0
             warm = self.st.warm
             assert warm is not None
@@ -241,9 +258,10 @@ class ZeroCopyPlane:
         return len(grant.keys)
 
     def abort_put(self, grant: PutGrant) -> None:
-        """Give back a granted put's slots (a client died mid-put): nothing becomes visible."""
+        """Give back a granted put's slots (a client died mid-put): nothing becomes visible.
+        A grant already committed or aborted, or another store's, is left alone."""
         with self.st.lock:
-            if self.st.closed:
+            if self.st.closed or not self._take_grant(grant):
                 return
             warm, cat = self.st.warm, self.st.catalog
             assert warm is not None
@@ -253,6 +271,14 @@ class ZeroCopyPlane:
                 self.st.granted.discard(k)
                 warm.release(s)
             self.st.counters.put_dropped += len(grant.keys)
+
+    def _take_grant(self, grant: PutGrant) -> bool:
+        """Whether ``grant`` is this store's and still open; it is not any more (under lock)."""
+        held = self.grants.get(id(grant))
+        if held is None or held is not grant:
+            return False
+        del self.grants[id(grant)]
+        return True
 
     @property
     def warm_slab(self) -> torch.Tensor | None:
