@@ -41,7 +41,8 @@ class PagedGeometry:
 def _layer_tensors(layer: object) -> tuple[torch.Tensor, ...]:
     if isinstance(layer, torch.Tensor):
         return (layer,)
-    if isinstance(layer, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in layer):
+    if (isinstance(layer, (tuple, list)) and layer
+            and all(isinstance(t, torch.Tensor) for t in layer)):
         return tuple(layer)
     raise TensorMismatchError(
         "each layer must be a paged tensor [kv_planes, num_pages, page_size, H, D] or a "
@@ -106,7 +107,18 @@ def paged_geometry(
 
 def page_index(block_ids: object, needed: int, geo: PagedGeometry) -> torch.Tensor:
     """``block_ids`` as an int64 index tensor of at least ``needed`` valid page ids."""
-    ids = torch.as_tensor(block_ids, dtype=torch.int64).reshape(-1)
+    if isinstance(block_ids, (str, bytes)) or block_ids is None:
+        raise TensorMismatchError(f"block_ids must be page numbers (ints), got "
+                                  f"{type(block_ids).__name__}")
+    try:
+        raw = torch.as_tensor(block_ids)
+    except (TypeError, ValueError, RuntimeError, OverflowError) as e:
+        raise TensorMismatchError(f"block_ids must be page numbers (ints that fit int64): "
+                                  f"{e}") from None
+    # a float id would be truncated to another page, a bool is no page number
+    if raw.dtype.is_floating_point or raw.dtype.is_complex or raw.dtype == torch.bool:
+        raise TensorMismatchError(f"block_ids must be integer page numbers, got {raw.dtype}")
+    ids = raw.to(torch.int64).reshape(-1)
     if ids.numel() < needed:
         raise TensorMismatchError(
             f"block_ids names {ids.numel()} pages, {needed} are needed "

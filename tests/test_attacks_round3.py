@@ -952,10 +952,6 @@ def test_borrowed_and_pinned_blocks_survive_evict_and_churn():
         assert s.evict(keys) == 4
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: load_into/save_from take float block_ids, "
-                   "truncating them to other pages (kvstore/paged.py page_index: "
-                   "torch.as_tensor(block_ids, dtype=int64)), and raise bare TypeError/"
-                   "ValueError/IndexError for junk ids or an empty layer tuple")
 @pytest.mark.parametrize("bad", ["float ids", "str ids", "None ids", "huge ids", "empty layer"])
 def test_paged_calls_refuse_block_ids_that_are_not_page_numbers(bad):
     with opened(None) as s:
@@ -977,7 +973,7 @@ def test_paged_calls_refuse_block_ids_that_are_not_page_numbers(bad):
             s.load_into(keys, pages, ids).wait()
         with pytest.raises(TensorMismatchError):
             s.save_from(pages, ids, chain(s, 421, 4)).wait()
-        assert all(torch.count_nonzero(p) == 0 for p in pages)
+        assert all(torch.count_nonzero(p) == 0 for p in pages if isinstance(p, torch.Tensor))
 
 
 @pytest.mark.parametrize("bad", ["short", "long", "read-only", "float32", "strided", "none",
@@ -1182,10 +1178,6 @@ def test_a_store_path_that_is_a_file_is_refused_and_left_alone(tmp_path):
     assert not (tmp_path / "segments").exists()
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: the client's evict() and prefetch() wait for the "
-                   "daemon's answer without a bound (kvstore/client/client.py: _call(m.Evict"
-                   "(...), None) and _call(m.Prefetch(...), None)): a hung or stopped daemon "
-                   "holds the caller forever, past the client's timeout")
 @pytest.mark.parametrize("call", ["evict", "prefetch"])
 def test_evict_and_prefetch_against_a_frozen_daemon_return_within_a_bound(serve, call):
     d = serve("--cpu-capacity", "1MiB", "--disk-capacity", "16MiB")

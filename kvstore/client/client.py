@@ -47,6 +47,9 @@ log = logging.getLogger("kvstore.client")
 _TIERS = (None, "hot", "warm", "disk")
 
 
+#: evict and prefetch wait this many times the client's timeout for the daemon
+LONG_CALLS = 4
+
 class Client:
     """A store served by a daemon; the same API as :class:`kvstore.store.Store`.
 
@@ -122,6 +125,13 @@ class Client:
         """A round trip on ``s``; ``None`` when it could not be answered (a miss for the
         caller). Only errors that are the caller's to fix raise (bad arguments)."""
         return self._link.request(s, req, timeout)
+
+    def _long_wait(self) -> float | None:
+        """How long evict and prefetch (many blocks on disk) wait for the daemon:
+        :data:`LONG_CALLS` x the client's timeout (None: no bound, as the client's). A daemon
+        that does not answer by then is treated as gone (0 evicted or prefetched), never
+        waited for forever."""
+        return None if self.timeout is None else LONG_CALLS * max(self.timeout, 0.1)
 
     def _call(self, req: m.Request, timeout: float | None | bool = True) -> object | None:
         """A round trip; ``None`` when the daemon is not there (the caller reports a miss)."""
@@ -283,7 +293,7 @@ class Client:
         """Have the daemon read the leading blocks from disk into its warm tier."""
         blob, n, parent = self._keys(keys)
         self._check_open()
-        r = self._call(m.Prefetch(blob, parent), None) if n else None
+        r = self._call(m.Prefetch(blob, parent), self._long_wait()) if n else None
         return Transfer.completed(0 if r is None else r.n)  # type: ignore[attr-defined]
 
     # -- put -------------------------------------------------------------------------------------
@@ -408,7 +418,7 @@ class Client:
             raise ConfigError(f"tier must be None, 'hot', 'warm' or 'disk', got {tier!r}")
         blob = None if keys is None else self._keys(keys)[0]
         self._check_open()
-        r = self._call(m.Evict(blob, tier), None)
+        r = self._call(m.Evict(blob, tier), self._long_wait())
         return 0 if r is None else r.n  # type: ignore[attr-defined]
 
     # -- stats / flush / close ---------------------------------------------------------------------
