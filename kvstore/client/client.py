@@ -187,6 +187,17 @@ class Client:
         check_out(self.layout, out, n)
 
     # -- lookup / fetch / prefetch ---------------------------------------------------------------
+    def memory_run(self, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` the daemon's warm tier holds now, read from its shared
+        key directory: no round trip, no reconnect (0 while the daemon is down or without a
+        shared slab). As ``Store.zero_copy.memory_run``: what a load can copy from memory."""
+        blob, n, _ = self._keys(keys)
+        self._check_open()
+        s = self._session
+        if not n or s is None or s.directory is None or not s.channel.peer_alive():
+            return 0
+        return s.directory.leading_run(blob)
+
     def lookup(self, keys: Sequence[bytes]) -> int:
         """Number of leading ``keys`` held by the daemon (0 while it is down).
 

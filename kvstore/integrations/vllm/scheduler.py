@@ -333,15 +333,10 @@ class SchedulerSide:
 def daemon_warm_run(store: object, keys: Sequence[bytes]) -> int:
     """How many leading ``keys`` a daemon's warm tier holds, read from its shared key
     directory (no round trip, no reconnect: 0 while the daemon is down, for a store that is
-    not a daemon client, or a daemon without a shared slab). What ``Client.lookup`` reads
-    before it asks the daemon about the rest; the client has no public call for it yet."""
+    not a daemon client, or a daemon without a shared slab): ``Client.memory_run``."""
     if not isinstance(store, Client):
         return 0
-    s = store._session
-    directory = getattr(s, "directory", None)
-    if s is None or directory is None or not s.channel.peer_alive():
-        return 0
-    return directory.leading_run(b"".join(keys))
+    return store.memory_run(keys)
 
 
 def located_window(located: Located, first: int, count: int) -> Located:
