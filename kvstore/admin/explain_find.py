@@ -14,6 +14,7 @@ from kvstore.keys import block_keys
 from kvstore.tiers import codec as _codec
 from kvstore.tiers.disk import (
     NOT_KEPT,
+    SEGMENT_READ_FLAGS,
     DiskTier,
     NamespaceInfo,
     Rec,
@@ -93,7 +94,7 @@ def damage_of(t: DiskTier, key: bytes, rec: Rec, segs: _Segments, *, verify: boo
         return ""
     path = os.path.join(segs.segdir, segment_name(rec.segment))
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(path, SEGMENT_READ_FLAGS)
     except OSError:
         return "missing_segment"
     try:

@@ -27,6 +27,7 @@ from kvstore.keys import block_keys
 from kvstore.packs.format import PackError, encode_header, manifest_checksum
 from kvstore.tiers import codec as _codec
 from kvstore.tiers.disk import (
+    SEGMENT_READ_FLAGS,
     DiskRecord,
     DiskTier,
     advance,
@@ -257,7 +258,7 @@ def _copy_segment(t: DiskTier, sid: int, idx: list[int], chosen: _Chosen, nid: b
     """Copy the blocks ``idx`` of segment ``sid``; returns them when the file is gone."""
     path = os.path.join(t.path, "segments", segment_name(sid))
     try:
-        sfd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        sfd = os.open(path, SEGMENT_READ_FLAGS)
     except FileNotFoundError:
         return idx
     try:

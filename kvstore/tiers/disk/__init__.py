@@ -68,6 +68,7 @@ from kvstore.tiers.disk.records import (
 from kvstore.tiers.disk.segments import (
     DTYPE_SIZES,
     SEGMENT_RE,
+    SEGMENT_READ_FLAGS,
     ST_DTYPES,
     TEMP_RE,
     advance,
@@ -85,6 +86,7 @@ __all__ = [
     "DISK_FORMAT_VERSION",
     "DTYPE_SIZES",
     "NOT_KEPT",
+    "SEGMENT_READ_FLAGS",
     "SEGMENT_RE",
     "ST_DTYPES",
     "TEMP_RE",

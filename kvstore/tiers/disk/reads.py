@@ -301,7 +301,7 @@ def _read_runs(rd: _Reading, runs, keys, raws, bufs, nb, out, dsts, mirrors,
     if rec is not None and len(runs) > 1:  # a stretch of one segment: its own descriptor
         with contextlib.suppress(OSError):  # gone? the shared path knows what to do
             fd = os.open(os.path.join(rd.ctx.segdir, _seg.segment_name(rec.segment)),
-                         _seg.READ_FLAGS)
+                         _seg.SEGMENT_READ_FLAGS)
     try:
         for run in runs:
             _read_run(rd, run, keys, raws, bufs, nb, out, fd, chunk)

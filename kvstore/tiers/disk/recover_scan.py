@@ -202,7 +202,7 @@ class _Verifier:
         bad: list[RecoverFinding] = []
         nread = 0
         try:
-            fd = os.open(seg.path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(seg.path, _seg.SEGMENT_READ_FLAGS)
         except OSError as e:
             for run in runs:
                 for en in run:

@@ -30,7 +30,7 @@ SEGMENT_SUFFIX = ".safetensors"
 #: flags of every read-only open of a segment: O_NONBLOCK so that a path that is not a
 #: regular file (a FIFO left in its place) opens at once and then fails its reads (a
 #: counted miss) instead of blocking the reading thread forever; no effect on files
-READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK
+SEGMENT_READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK
 TEMP_SUFFIX = ".tmp"
 SEGMENT_RE = re.compile(r"^([0-9a-f]{16})\.safetensors$")
 TEMP_RE = re.compile(r"^([0-9a-f]{16})\.tmp$")
@@ -150,7 +150,7 @@ def parse_header(head: bytes) -> tuple[dict, int]:
 
 def read_header(path: str) -> tuple[dict, int, int]:
     """Read and parse a segment's header. Returns (json dict, data start, file size)."""
-    fd = os.open(path, READ_FLAGS)
+    fd = os.open(path, SEGMENT_READ_FLAGS)
     try:
         size = os.fstat(fd).st_size
         first = os.pread(fd, 8, 0)
@@ -488,7 +488,7 @@ class FdCache:
                     e.refs += 1
                     return e
                 self._drop_locked(segment_id)
-        fd = os.open(os.path.join(self.segdir, segment_name(segment_id)), READ_FLAGS)
+        fd = os.open(os.path.join(self.segdir, segment_name(segment_id)), SEGMENT_READ_FLAGS)
         e = _FdEntry(fd)
         e.refs = 1
         with self._lock:
