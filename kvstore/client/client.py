@@ -194,9 +194,7 @@ class Client:
         blob, n, _ = self._keys(keys)
         self._check_open()
         s = self._session
-        if not n or s is None or s.directory is None or not s.channel.peer_alive():
-            return 0
-        return s.directory.leading_run(blob)
+        return (s.warm_run(blob) or 0) if n and s is not None else 0
 
     def lookup(self, keys: Sequence[bytes]) -> int:
         """Number of leading ``keys`` held by the daemon (0 while it is down).
@@ -210,13 +208,13 @@ class Client:
         s = self._get()
         if s is None:
             return 0
-        local = 0
-        if s.directory is not None and s.channel.peer_alive():  # a dead daemon's table: no
-            local = s.directory.leading_run(blob)
-        elif s.channel.broken:
-            s = self._get()  # reconnect now (or learn that the daemon is down)
-            if s is None:
-                return 0
+        local = s.warm_run(blob)
+        if local is None:
+            local = 0
+            if s.channel.broken:
+                s = self._get()  # reconnect now (or learn that the daemon is down)
+                if s is None:
+                    return 0
         if local == n:
             self._report(1, n, 0)
             return n

@@ -47,6 +47,14 @@ class Session:
         self._active = 0
         self._idle = threading.Condition()
 
+    def warm_run(self, blob: bytes) -> int | None:
+        """The leading run of ``blob``'s keys in the daemon's shared key directory; None when
+        there is no directory to read (none shared, or its daemon is gone: a dead daemon's
+        table says nothing)."""
+        if self.directory is None or not self.channel.peer_alive():
+            return None
+        return self.directory.leading_run(blob)
+
     @contextlib.contextmanager
     def copying(self) -> Iterator[None]:
         with self._idle:
