@@ -80,7 +80,9 @@ class Fetcher:
 
         The result ``[n, L, P, T, H, D]`` has ``n <= len(keys)`` blocks: the run stops at the
         first miss or damaged block (damage is counted, never raised). Blocks read from disk
-        land in the warm tier; blocks served from a lower tier are promoted into hot.
+        land in the warm tier; blocks served from a lower tier are promoted into hot. With
+        ``out``, the result is ``out[:n]``: rows ``out[n:]`` are never changed (they may hold
+        the caller's data), even where a read of theirs landed before the damage was seen.
         """
         ks = self.st.keys(keys)
         if out is not None:
@@ -182,11 +184,13 @@ class Fetcher:
         plan.lower = [(p, s) for p, s in plan.lower if p < cut and s >= 0]
 
     def read_lower(self, plan: FetchPlan, result: torch.Tensor | None,
-                   ready: Handoff = NO_HANDOFF) -> None:
+                   ready: Handoff = NO_HANDOFF, *, keep: bool = False) -> None:
         """Read the plan's lower-tier blocks (straight into ``result`` when it is in host
         memory, else into their warm slots or host staging rows), one call per tier with what
         planning located, and cut ``plan.valid`` at the first block not read. A host
-        ``result`` is written only after the work its caller queued on it (``ready``)."""
+        ``result`` is written only after the work its caller queued on it (``ready``);
+        ``keep``: it is the caller's ``out``, whose rows past the valid run end as they were
+        (saved before the reads, put back where a read landed past the cut)."""
         assert self.st.warm is not None
         warm = self.st.warm.slab.data
         flat = None
@@ -204,7 +208,12 @@ class Fetcher:
                                        dtype=torch.uint8, pin_memory=self.st.config.pin_memory)
         dsts = [flat[p] if plan.direct else warm[s] if s >= 0 else plan.staging[j]
                 for j, (p, s) in enumerate(plan.lower)]
+        saved = torch.stack(dsts) if keep and plan.direct else None
         self._read_tiers(plan, dsts)
+        if saved is not None:
+            for j, (p, _) in enumerate(plan.lower):
+                if p >= plan.valid:
+                    dsts[j].copy_(saved[j])
 
     def read_into(self, plan: FetchPlan, into: Callable[[int], Sequence[object]]) -> None:
         """Read the plan's lower-tier blocks straight into ``into(position)`` (the pieces that
@@ -450,6 +459,7 @@ class FetchJob:
         self.then = then
         self.result: torch.Tensor | None = None
         self.ready: Handoff = NO_HANDOFF  # the caller's stream when it submitted (rule 1)
+        self.keep = False  # the result is the caller's out: rows past the run stay as they were
         self.transfer: Transfer = Transfer(self.st.layout.num_layers)
         assert self.st.engine is not None
         self.engine = self.st.engine
@@ -458,6 +468,7 @@ class FetchJob:
         plan, lay = self.plan, self.st.layout
         if self.want_result:
             n = len(plan.keys)
+            self.keep = out is not None
             if out is None:
                 out = torch.empty(lay.batch_shape(n), dtype=lay.dtype, device=self.st.device)
             self.result = out[:n]
@@ -483,7 +494,7 @@ class FetchJob:
             self.plan, self.result, self.transfer, stream, ready=self.ready), self.finish)
 
     def read(self, stream: Stream | None) -> list:
-        self.fetcher.read_lower(self.plan, self.result, self.ready)
+        self.fetcher.read_lower(self.plan, self.result, self.ready, keep=self.keep)
         return []
 
     def after_read(self, ok: bool, error: BaseException | None) -> None:
