@@ -105,6 +105,13 @@ static void range_error_obj(PyObject *item, Py_ssize_t index) {
 /* Convert one int-like item; 0 on success, -1 with an exception set. */
 static int item_to_u32(PyObject *item, Py_ssize_t index, uint32_t *out) {
     PyObject *num = NULL;
+    if (PyBool_Check(item)) {
+        PyErr_Format(PyExc_TypeError,
+                     "token ids must be ints, got %R (bool) at index %zd; a bool is not a "
+                     "token id (pass the token ids themselves)",
+                     item, index);
+        return -1;
+    }
     if (!PyLong_Check(item)) {
         if (!PyIndex_Check(item)) {
             PyErr_Format(PyExc_TypeError,
@@ -139,8 +146,8 @@ static int tokens_from_sequence(PyObject *seq, tokbuf *tb) {
     PyObject **items = PySequence_Fast_ITEMS(seq);
     uint8_t *buf = alloc_tokens(n);
     if (buf == NULL) return -1;
-    /* Fast path: exact ints and int subclasses (bool) convert without running Python code, so
-     * a list cannot change under us. */
+    /* Fast path: exact ints and int subclasses (not bool) convert without running Python
+     * code, so a list cannot change under us. */
     Py_ssize_t i;
     for (i = 0; i < n; i++) {
         PyObject *item = items[i];
@@ -166,7 +173,7 @@ static int tokens_from_sequence(PyObject *seq, tokbuf *tb) {
             }
         }
 #endif
-        if (!PyLong_Check(item)) break;
+        if (!PyLong_Check(item) || PyBool_Check(item)) break; /* bools: refused below */
         v = PyLong_AsLongLongAndOverflow(item, &overflow);
         if (overflow || v < 0 || v > 0xFFFFFFFFLL) {
             if (v == -1 && !overflow && PyErr_Occurred()) goto fail;

@@ -90,8 +90,9 @@ def root_key(namespace_id: bytes, salt: str | bytes | None = None) -> BlockKey:
 def tokens_to_u32le(token_ids: object) -> bytes:
     """Validate token ids and encode them as uint32 little-endian bytes.
 
-    Accepts a sequence of ints, a numpy integer array or a torch integer tensor (any device).
-    Raises :class:`TokenError` for negative, too large or non-integer tokens.
+    Accepts a sequence of ints, a numpy integer array or a torch integer tensor (any device),
+    1-D (or one row: shape ``[1, n]``). Raises :class:`TokenError` for negative, too large or
+    non-integer tokens (bools included), and for arrays of several rows.
     """
     if isinstance(token_ids, (bytes, bytearray, str)):
         raise TokenError(
@@ -100,6 +101,15 @@ def tokens_to_u32le(token_ids: object) -> bytes:
     mod = type(token_ids).__module__
     if mod.startswith("torch") or mod.startswith("numpy"):
         return _array_to_u32le(token_ids)
+    if type(token_ids) not in (list, tuple, range, array):
+        try:  # an iterator is read once: keep its items for the checks below
+            token_ids = list(token_ids)  # type: ignore[call-overload]
+        except TypeError:
+            raise TokenError("token_ids must be a sequence of ints or an integer array, not "
+                             f"{type(token_ids).__name__}") from None
+    if type(token_ids) in (list, tuple) and bool in set(map(type, token_ids)):  # type: ignore[call-overload]
+        raise TokenError("token_ids must contain only ints (got "
+                         f"{_first_non_int(token_ids)!r}); a bool is not a token id")
     try:
         arr = array("I", token_ids)  # C-speed range and type check for the common list case
     except OverflowError:
@@ -127,14 +137,33 @@ def _array_to_u32le(token_ids: object) -> bytes:
             raise TokenError(f"token_ids of type {type(t).__name__} are not supported")
         if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
             raise TokenError(f"token_ids tensor must have an integer dtype, not {t.dtype}")
+        _check_one_row(tuple(t.shape))
         a = t.detach().to("cpu").reshape(-1).numpy()
     else:
-        a = np.asarray(token_ids).reshape(-1)
+        a = np.asarray(token_ids)
+        _check_one_row(a.shape)
+        a = a.reshape(-1)
     if a.dtype.kind not in "iu":
         raise TokenError(f"token_ids array must have an integer dtype, not {a.dtype}")
     if a.size and (int(a.min()) < 0 or int(a.max()) >= _MAX_TOKEN):
         raise TokenError(_range_message(a.tolist()))
     return a.astype("<u4", copy=False).tobytes()
+
+
+def one_row(shape: tuple[int, ...]) -> bool:
+    """Whether an array of ``shape`` holds one prompt: 1-D, or one row (``[1, n]``)."""
+    return len(shape) == 1 or (len(shape) == 2 and shape[0] == 1)
+
+
+def _check_one_row(shape: tuple[int, ...]) -> None:
+    if not shape:
+        raise TokenError("token_ids must be a 1-D sequence of token ids, got a 0-d array (one "
+                         "number): wrap it in a list")
+    if not one_row(shape):
+        raise TokenError(
+            f"token_ids must be one prompt's tokens, 1-D (or one row, shape [1, n]); got an "
+            f"array of shape {list(shape)}: pass each prompt on its own (tokens[i]), never a "
+            "batch (its rows would be keyed as one prompt)")
 
 
 def _range_message(tokens: Iterable[object]) -> str:
@@ -146,7 +175,7 @@ def _range_message(tokens: Iterable[object]) -> str:
 
 def _first_non_int(tokens: Iterable[object]) -> object:
     for t in tokens:
-        if not isinstance(t, int):
+        if not isinstance(t, int) or isinstance(t, bool):
             return t
     return None
 
@@ -238,8 +267,9 @@ def block_keys(
                         and not token_ids.dtype.is_complex  # type: ignore[attr-defined]
                         and token_ids.dtype != torch.bool  # type: ignore[attr-defined]
                     ):
-                        a = token_ids.detach().reshape(-1).numpy()  # type: ignore[attr-defined]
-                if a is not None and a.dtype.kind in "iu" and a.dtype.itemsize in (2, 4, 8):  # type: ignore[attr-defined]
+                        a = token_ids.detach().numpy()  # type: ignore[attr-defined]
+                if (a is not None and a.dtype.kind in "iu"  # type: ignore[attr-defined]
+                        and a.dtype.itemsize in (2, 4, 8) and one_row(a.shape)):  # type: ignore[attr-defined]
                     direct = a.reshape(-1)  # type: ignore[attr-defined]
             except Exception:  # an exotic array or tensor: let the Python path judge it
                 direct = None

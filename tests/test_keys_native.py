@@ -272,15 +272,14 @@ def _containers():
     yield "numpy uint8", np.array(BASE[:70], dtype=np.uint8)
     yield "numpy strided", np.array(BASE * 2, dtype=np.int64)[::2]
     yield "numpy reversed", np.array(BASE[::-1], dtype=np.uint32)[::-1]
-    yield "numpy 2-D", np.array(BASE, dtype=np.int64).reshape(8, 10)
-    yield "numpy 2-D transposed", np.array(BASE, dtype=np.int64).reshape(10, 8).T
+    yield "numpy one row", np.array(BASE, dtype=np.int64).reshape(1, 80)
+    yield "numpy one row, strided", np.array(BASE * 2, dtype=np.int64).reshape(2, 80)[:1, ::2][:, ::1]
     yield "numpy scalars in a list", [np.int64(t) for t in BASE]
-    yield "bools in a list", [True, False] * 40
     yield "torch int64", torch.tensor(BASE, dtype=torch.int64)
     yield "torch int32", torch.tensor(BASE[:70], dtype=torch.int32)
     yield "torch uint32", torch.tensor(BASE, dtype=torch.uint32)
-    yield "torch int64 2-D", torch.tensor(BASE, dtype=torch.int64).reshape(8, 10)
-    yield "torch non-contiguous", torch.tensor(BASE, dtype=torch.int64).reshape(10, 8).t()
+    yield "torch int64 one row", torch.tensor(BASE, dtype=torch.int64).reshape(1, 80)
+    yield "torch non-contiguous", torch.tensor(BASE * 2, dtype=torch.int64)[::2]
 
 
 @pytest.mark.parametrize(("name", "tokens"), list(_containers()), ids=lambda v: v if isinstance(v, str) else "")
@@ -292,7 +291,7 @@ def test_containers_agree(name, tokens):
     if isinstance(tokens, (list, tuple, array.array)) or (
         isinstance(tokens, np.ndarray)
         and tokens.dtype.itemsize > 1
-        and (tokens.ndim == 1 or tokens.flags.c_contiguous)
+        and tokens.ndim == 1
     ):
         assert _native.chain_keys(root_key(NID), tokens, 8) == want
 
@@ -334,6 +333,15 @@ BAD_TOKENS = [
     np.array([True, False]),
     np.array(["1", "2"]),
     torch.tensor([True]),
+    [True, False] * 8,  # bools are ints to Python, never token ids
+    [1, 2, False],
+    (5, True),
+    np.array(BASE, dtype=np.int64).reshape(8, 10),  # a batch of prompts: never one flattened
+    np.array(BASE, dtype=np.int64).reshape(10, 8).T,
+    torch.tensor(BASE, dtype=torch.int64).reshape(8, 10),
+    torch.tensor(BASE, dtype=torch.int64).reshape(10, 8).t(),
+    torch.tensor(7),
+    np.int64(7),
     torch.tensor([1.0]),
     torch.tensor([-1]),
     torch.tensor([2**33]),
@@ -365,6 +373,8 @@ def test_bad_tokens_raise_token_error_like_python(bad):
         (["7"], TypeError, "str"),
         ({1, 2}, TypeError, "set"),
         (7, TypeError, "int"),
+        ([1, True], TypeError, r"True \(bool\) at index 1"),
+        ((False,), TypeError, "bool"),
     ],
 )
 def test_native_error_types(tokens, exc, match):
