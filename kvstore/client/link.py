@@ -10,7 +10,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from kvstore.client.session import Session
+from kvstore.client.session import Session, SharedMemoryUnavailable
 from kvstore.errors import DaemonUnavailableError, StoreClosedError
 from kvstore.wire import messages as m
 from kvstore.wire.channel import ChannelClosed
@@ -64,6 +64,10 @@ class Link:
             if e.code in (ErrorCode.CONFIG, ErrorCode.BAD_REQUEST) or (
                     not wait and e.code not in _SOFT_CODES):
                 raise
+            self._mark_down(e)
+        except SharedMemoryUnavailable as e:
+            if not wait:
+                raise DaemonUnavailableError(str(e)) from None
             self._mark_down(e)
         except (OSError, ChannelClosed) as e:
             if not wait:

@@ -20,9 +20,22 @@ if TYPE_CHECKING:
 
     from kvstore.tiers.key_directory import KeyDirectory
 
-__all__ = ["Session", "open_session"]
+__all__ = ["Session", "SharedMemoryUnavailable", "open_session"]
 
 log = logging.getLogger("kvstore.client")
+
+
+class SharedMemoryUnavailable(OSError):
+    """The daemon answered, but the shared memory its hello named cannot be mapped here."""
+
+    def __init__(self, socket_path: str, shm_path: str, why: str) -> None:
+        super().__init__(
+            f"the kvstore daemon at {socket_path} answered, but its shared memory {shm_path} "
+            f"cannot be mapped ({why}): it was removed or truncated under the running daemon "
+            "(a /dev/shm clean-up, systemd-logind's RemoveIPC=yes when its user logged out), "
+            "or this process does not see the daemon's shared-memory directory (another "
+            "container or mount namespace): restart the daemon, and run it and its clients "
+            "with one /dev/shm (or the same --shm-dir)")
 
 
 class Session:
@@ -97,7 +110,11 @@ def open_session(socket_path: str, timeout: float | None, hello: m.Hello, layout
         ch.max_frame = reply.max_frame
         if reply.new_namespace:  # a typo'd model id would otherwise just never hit
             log.warning("kvstore daemon at %s: %s", socket_path, reply.new_namespace)
-        slab = _map_slab(reply)
+        try:
+            slab = _map_slab(reply)
+        except (OSError, ValueError) as e:  # ValueError: SizeError, an mmap refused
+            why = (e.strerror if isinstance(e, OSError) else None) or str(e)
+            raise SharedMemoryUnavailable(socket_path, reply.shm_path, why) from None
         pinned = device.type == "cuda" and _pin(slab)
         directory = _open_directory(reply.shm_path)
     except BaseException:
