@@ -64,7 +64,14 @@ from kvstore.bench.serve_commands import (
     vllm_python,
 )
 from kvstore.bench.serve_processes import Group, Procs, free_port, metrics, wait_ready, warm_up
-from kvstore.bench.serve_results import RunResult, counter_delta, find, hit_rates, parse_result
+from kvstore.bench.serve_results import (
+    RunResult,
+    counter_delta,
+    find,
+    hit_rates,
+    parse_result,
+    ttfts_ms,
+)
 from kvstore.bench.serve_scale import FULL, QUICK, Scale
 from kvstore.bench.serve_workloads import convert_trace, trace_reuse, trace_source
 
@@ -262,7 +269,8 @@ class Bench:
         after = metrics(port)
         figs = parse_result(self.work / "results" / name)
         figs |= hit_rates(counter_delta(before, after), self.lengths[workload])
-        r = RunResult(case, phase, engine, workload, figs)
+        r = RunResult(case, phase, engine, workload, figs,
+                      ttfts_ms(self.work / "results" / name))
         self.results.append(r)
         self.say(f"{workload:<17} {r.tag:<22} {_fmt_note(figs)}")
         return r

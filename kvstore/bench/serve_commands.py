@@ -85,7 +85,7 @@ def client_command(python: str, model: str, port: int, workload: str, scale: Sca
            "--backend", "vllm", "--base-url", f"http://127.0.0.1:{port}", "--model", model,
            "--seed", "0", "--temperature", "0", "--ignore-eos", "--disable-tqdm",
            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
-           "--save-result", "--result-dir", str(result_dir), "--result-filename", result_name]
+           "--save-result", "--save-detailed", "--result-dir", str(result_dir), "--result-filename", result_name]
     if workload == "prefix_repetition":
         cmd += ["--dataset-name", "prefix_repetition",
                 "--prefix-repetition-prefix-len", str(scale.prefix_len),

@@ -28,7 +28,18 @@ def parse_result(path: str | os.PathLike[str]) -> dict[str, float]:
             "request_throughput": f("request_throughput"),
             "output_throughput": f("output_throughput"),
             "total_token_throughput": f("total_token_throughput"),
-            "completed": f("completed"), "failed": f("failed"), "duration_s": f("duration")}
+            "completed": f("completed"), "failed": f("failed"), "duration_s": f("duration"),
+            "max_ttft_ms": max(ttfts_ms(path), default=float("nan"))}
+
+
+def ttfts_ms(path: str | os.PathLike[str]) -> list[float]:
+    """Each request's TTFT in ms, in the order sent, from a ``--save-detailed`` result (its
+    ``ttfts``, seconds; a failed request's is 0 there and left out here)."""
+    d = json.loads(Path(path).read_text())
+    raw = d.get("ttfts")
+    if not isinstance(raw, list):
+        return []
+    return [round(float(t) * 1e3, 3) for t in raw if isinstance(t, (int, float)) and t > 0]
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -89,6 +100,8 @@ class RunResult:
     engine: int
     workload: str
     figures: dict[str, float] = field(default_factory=dict)
+    #: each request's TTFT (ms, in the order sent): the client's per-request detail
+    ttfts_ms: list[float] = field(default_factory=list)
 
     @property
     def tag(self) -> str:

@@ -38,6 +38,7 @@ from kvstore.bench.serve_results import (
     hit_rates,
     parse_metrics,
     parse_result,
+    ttfts_ms,
     unservable_tail,
 )
 from kvstore.bench.serve_scale import BLOCK, FULL, MODEL_QUICK, QUICK, Scale
@@ -121,7 +122,7 @@ def test_client_commands(tmp_path):
     assert pr[pr.index("--dataset-name") + 1] == "prefix_repetition"
     assert pr[pr.index("--prefix-repetition-prefix-len") + 1] == str(s.prefix_len)
     assert pr[pr.index("--base-url") + 1] == "http://127.0.0.1:8001"
-    assert {"--save-result", "--ignore-eos"} <= set(pr)
+    assert {"--save-result", "--save-detailed", "--ignore-eos"} <= set(pr)
     assert pr[pr.index("--result-filename") + 1] == "r.json"
     mc = client_command("/py", "/m", 8001, "mooncake", s, tmp_path, "m.json",
                         tmp_path / "t.jsonl")
@@ -212,6 +213,10 @@ def test_parse_result_and_metrics(tmp_path):
     assert f["mean_ttft_ms"] == 4721.6 and f["p50_ttft_ms"] == 5560.4
     assert f["p99_ttft_ms"] == 6515.8 and f["p99_tpot_ms"] == 517.2
     assert f["total_token_throughput"] == 886.3 and f["failed"] == 0 and f["completed"] == 8
+    assert f["max_ttft_ms"] != f["max_ttft_ms"] and ttfts_ms(p) == []  # not --save-detailed
+    # --save-detailed: each request's TTFT (s), a failed one's 0
+    p.write_text(json.dumps(SAVED | {"ttfts": [0.25, 6.5158, 0, 0.0401]}))
+    assert ttfts_ms(p) == [250.0, 6515.8, 40.1] and parse_result(p)["max_ttft_ms"] == 6515.8
     m = parse_metrics(METRICS)
     assert m["vllm:external_prefix_cache_hits_total"] == 4096
     assert m["vllm:prompt_tokens_by_source_total{local_compute}"] == 512
