@@ -134,7 +134,7 @@ def test_other_namespace_cannot_overwrite_blocks_in_the_shared_tier(server, tmp_
 
 def test_remote_lookup_is_one_round_trip_and_a_fetch_two(server, tmp_path, monkeypatch):
     """A lookup is one pipeline of EXISTS; a fetch locates once (EXISTS) and reads with what it
-    found (GET): no second EXISTS, no per-block calls."""
+    found (GETRANGE): no second EXISTS, no per-block calls."""
     from kvstore.tiers.remote import tier as remote_tier
 
     redis.Redis(port=server.port).flushall()
@@ -157,4 +157,4 @@ def test_remote_lookup_is_one_round_trip_and_a_fetch_two(server, tmp_path, monke
         calls.clear()
         got = b.fetch(keys).wait()
         assert got.shape[0] == 6 and same(got, kv_for(keys))
-        assert [set(c) for c in calls] == [{"EXISTS"}, {"GET"}], calls
+        assert [set(c) for c in calls] == [{"EXISTS"}, {"GETRANGE"}], calls

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 class BoundRemote:
     """``remote``'s blocks of ``namespace_id``. A lookup is one round trip (a pipeline of
-    ``EXISTS`` per node); a read one more (``GET``). Values may expire between the two: a
+    ``EXISTS`` per node); a read one more (``GETRANGE``). Values may expire between the two: a
     plain miss, not damage (``volatile``)."""
 
     name = "remote"
@@ -61,7 +61,7 @@ class BoundRemote:
         return self.remote.delete_owned(keys, self.namespace_id) if keys else []
 
     def touch(self, keys: Sequence[bytes]) -> None:
-        """Nothing to send: Redis's LRU counts the ``GET`` of a read as the access."""
+        """Nothing to send: Redis's LRU counts the ``GETRANGE`` of a read as the access."""
 
     def evict(self, protect: Callable[[bytes], bool] | None = None) -> list[bytes]:
         """Nothing to do here: Redis evicts by its ``maxmemory`` policy and TTLs."""

@@ -72,6 +72,9 @@ _NA = object()
 _REDIRECTS = (redis.exceptions.AskError, redis.exceptions.TryAgainError,
               redis.exceptions.ClusterDownError)  # MovedError is an AskError  # a key whose node was skipped, failed or did not answer in time
 _SSL_FIELDS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs")
+#: a read takes at most this many bytes past a v1 value's longest (header + raw block): room
+#: for a later version's longer header; anything longer is not a block of this size
+_READ_SLACK = 4096
 
 
 _COUNTERS = ("hits", "misses", "corrupt", "timeouts", "errors", "skipped", "lookups",
@@ -124,6 +127,10 @@ class RemoteTier:
             if v is not None:
                 kw[name] = v
         kw.update(config.connection_kwargs)
+        if kw.get("decode_responses"):
+            raise ConfigError(f"remote url {redact(config.url)!r}: decode_responses must be off "
+                              "(the tier stores binary values; decoded as text every read "
+                              "failed, a silent miss): drop it from the URL or connection_kwargs")
         if cluster and "{" in config.key_prefix:
             raise ConfigError("remote key_prefix must not hold a '{hash tag}' in cluster mode: "
                               "it would put every block in one slot (one master)")
@@ -324,13 +331,19 @@ class RemoteTier:
         rkeys = [self.redis_key(k) for k in keys]
         raw_total = sum(a.size for a in arrs)
         deadline = time.monotonic() + self.config.budget_s + raw_total / self.config.min_read_rate
-        replies, _ = self._dispatch(rkeys, lambda idx: [(("GET", rkeys[i]), {}) for i in idx],
-                                    deadline, write=False, what="read")
+        # GETRANGE, not GET: a value far larger than a block (another writer's) is read only
+        # as far as a block's value can go, then found corrupt, instead of keeping the whole
+        # pipeline past its deadline (every block of the read a miss, the node skipped) read
+        # after read. A missing key reads as b"".
+        replies, _ = self._dispatch(
+            rkeys, lambda idx: [(("GETRANGE", rkeys[i], 0,
+                                  fmt.HEADER_NBYTES + arrs[i].size + _READ_SLACK - 1), {})
+                                for i in idx], deadline, write=False, what="read")
         out = [ReadStatus.MISSING] * n
         hits = misses = received = 0
         bad: list[bytes] = []
         for i, r in enumerate(replies):
-            if r is _NA or r is None:
+            if r is _NA or r is None or r == b"":
                 misses += 1
                 continue
             if isinstance(r, Exception):
@@ -342,6 +355,10 @@ class RemoteTier:
                 else:
                     misses += 1
                     self._counters.add(errors=1)
+                continue
+            if not isinstance(r, bytes):  # not Redis's answer to GETRANGE: not a server of ours
+                misses += 1
+                self._counters.add(errors=1)
                 continue
             received += len(r)
             try:
