@@ -133,6 +133,21 @@ def test_small_queue_goes_first_only_over_its_cap_and_a_hinted_probation_before_
     assert p.peek() == "x" and len(p) == 2  # only the small queue left: it goes, cap or not
 
 
+def test_a_walk_under_the_small_queues_cap_passes_at_most_walk_list_blocks(monkeypatch):
+    """Past the lists' first blocks a walk for a leaf crosses whole chains whose new blocks
+    wait in the small queue: it takes the queue's oldest after WALK of them."""
+    from kvstore.tiers import adaptive_policy
+
+    monkeypatch.setattr(adaptive_policy, "WALK", 2)
+    p = _small_queue_policy(4)
+    for k in "abcd":
+        p.insert(k, uses=1)
+        p.touch([k])
+    p.insert("x")
+    p.touch(["x"])
+    assert p.peek() == "a" and p.order() == ["a", "b", "x", "c", "d"]
+
+
 def test_tuner_finds_the_small_queue_on_scans_over_a_working_set_with_bursts(monkeypatch):
     """A working set re-read round robin (LRU loses it to two one-time keys per step), new keys
     used a few times soon after they arrive, then never (the use classes would keep them for
