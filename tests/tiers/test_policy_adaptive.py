@@ -155,6 +155,9 @@ def test_tuner_finds_the_small_queue_on_scans_over_a_working_set_with_bursts(mon
     tuner picks it and beats LRU; without that candidate it stays at LRU's ratio."""
     from kvstore.tiers import adaptive_policy, tuning
 
+    monkeypatch.setattr(adaptive_policy, "ADAPTIVE_CANDIDATES",
+                        tuning.ADAPTIVE_CANDIDATES + (tuning.SMALL_QUEUE,))
+
     reqs, fresh, nxt = [], [], 10**6
     for i in range(2_000):
         reqs.append([i % 300])
@@ -166,8 +169,7 @@ def test_tuner_finds_the_small_queue_on_scans_over_a_working_set_with_bursts(mon
         nxt += 2
     lru = simulate_policy(reqs, 1_000, "lru").hit_ratio
     assert simulate_policy(reqs, 1_000, "adaptive").hit_ratio > 1.1 * lru  # 1.17x
-    monkeypatch.setattr(adaptive_policy, "ADAPTIVE_CANDIDATES",
-                        tuple(c for c in tuning.ADAPTIVE_CANDIDATES if not c.small))
+    monkeypatch.setattr(adaptive_policy, "ADAPTIVE_CANDIDATES", tuning.ADAPTIVE_CANDIDATES)
     assert simulate_policy(reqs, 1_000, "adaptive").hit_ratio < 1.03 * lru  # 1.01x
 
 
@@ -178,7 +180,7 @@ def test_tuned_policy_offers_second_hit_candidates_only_with_probation():
     without = AdaptivePolicy(4_096)._tuner
     assert with_prob._cands == tuning.ADAPTIVE_CANDIDATES
     assert any(c.probation for c in tuning.ADAPTIVE_CANDIDATES)
-    assert any(c.small for c in tuning.ADAPTIVE_CANDIDATES)
+    assert tuning.SMALL_QUEUE not in tuning.ADAPTIVE_CANDIDATES  # measured, not adopted
     assert without._cands == tuning.SCALE_CANDIDATES
 
 

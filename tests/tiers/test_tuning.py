@@ -180,8 +180,8 @@ def test_guarded_tuner_falls_back_to_lru_when_the_evidence_fades():
 
 
 def test_guarded_tuner_takes_the_small_queue_candidate_on_evidence():
-    cands = tuning.ADAPTIVE_CANDIDATES
-    small = cands.index(tuning.Candidate(0.0, True, tuning.SMALL_SHARE))
+    cands = tuning.ADAPTIVE_CANDIDATES + (tuning.SMALL_QUEUE,)
+    small = len(cands) - 1
     shadows = iter([lambda k, i=i: i == small and k % 3 == 0 for i in range(len(cands))])
     t = ScaleTuner(4_096, 0.0, lambda n, *c: Scripted(next(shadows)),
                    guard=tuning.ADAPTIVE_GUARD, candidates=cands, mask=0)
