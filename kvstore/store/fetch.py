@@ -188,15 +188,18 @@ class Fetcher:
         """Read the plan's lower-tier blocks (straight into ``result`` when it is in host
         memory, else into their warm slots or host staging rows), one call per tier with what
         planning located, and cut ``plan.valid`` at the first block not read. A host
-        ``result`` is written only after the work its caller queued on it (``ready``);
-        ``keep``: it is the caller's ``out``, whose rows past the valid run end as they were
-        (saved before the reads, put back where a read landed past the cut)."""
+        ``result`` is written only after the work its caller queued on it (``ready``).
+        ``keep``: it is the caller's ``out``, whose rows past the valid run must end as they
+        were: read into warm slots (or staging) instead and copied for the valid run only, as
+        for a device ``out`` (a damaged block is found only once its bytes have landed, and
+        the blocks after it may have landed too; saving and restoring the caller's rows cost
+        2-3x more than this copy, measured)."""
         assert self.st.warm is not None
         warm = self.st.warm.slab.data
         flat = None
         if result is not None and result.numel():
             flat = result.view(result.shape[0], -1).view(torch.uint8)
-        plan.direct = flat is not None and flat.device.type == "cpu"
+        plan.direct = flat is not None and flat.device.type == "cpu" and not keep
         if plan.direct:
             assert flat is not None
             host_wait(ready.ready, what="the work queued on a fetch's out buffer")
@@ -208,12 +211,7 @@ class Fetcher:
                                        dtype=torch.uint8, pin_memory=self.st.config.pin_memory)
         dsts = [flat[p] if plan.direct else warm[s] if s >= 0 else plan.staging[j]
                 for j, (p, s) in enumerate(plan.lower)]
-        saved = torch.stack(dsts) if keep and plan.direct else None
         self._read_tiers(plan, dsts)
-        if saved is not None:
-            for j, (p, _) in enumerate(plan.lower):
-                if p >= plan.valid:
-                    dsts[j].copy_(saved[j])
 
     def read_into(self, plan: FetchPlan, into: Callable[[int], Sequence[object]]) -> None:
         """Read the plan's lower-tier blocks straight into ``into(position)`` (the pieces that

@@ -391,9 +391,11 @@ def test_staged_batches_commit_once_enough_is_staged(tmp_path, monkeypatch):
 
 
 def test_a_disk_fetch_into_host_memory_fills_warm_behind_the_caller(tmp_path, monkeypatch):
-    """The fetch reads straight into the caller's tensor; the warm copies are read from disk
-    afterwards (never from the caller's buffer, which it may reuse at once), and a block
-    whose second read fails is simply not kept in warm (nor those after it)."""
+    """The fetch reads straight into the tensor it returns; the warm copies are read from
+    disk afterwards (never from that tensor, which the caller may reuse at once), and a block
+    whose second read fails is simply not kept in warm (nor those after it). (A caller's
+    ``out`` is read into warm and copied instead: its rows past the run must stay as they
+    were, tests/test_attacks_round4.py.)"""
     with opened(tmp_path, warm=16) as s:
         keys = s.block_keys(list(range(24)))
         kv = kv_for(keys)
@@ -412,10 +414,9 @@ def test_a_disk_fetch_into_host_memory_fills_warm_behind_the_caller(tmp_path, mo
             return out
 
         monkeypatch.setattr(disk, "read_many", reading)
-        out = torch.empty_like(kv)
-        got = s.fetch(keys, out=out).wait()
+        got = s.fetch(keys).wait()
         assert same(got, kv)
-        out.fill_(0)  # the caller reuses its buffer at once: warm must not copy from it
+        got.fill_(0)  # the caller reuses the result at once: warm must not copy from it
         s.flush()
         assert [n for n, _m in calls] == [6, 6] and all(m is None for _n, m in calls)
         # blocks 0-3 joined warm; 4 did not, nor 5 after it (warm stays prefix-closed)
