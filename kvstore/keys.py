@@ -138,7 +138,11 @@ def _array_to_u32le(token_ids: object) -> bytes:
         if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
             raise TokenError(f"token_ids tensor must have an integer dtype, not {t.dtype}")
         _check_one_row(tuple(t.shape))
-        a = t.detach().to("cpu").reshape(-1).numpy()
+        try:
+            a = t.detach().to("cpu").reshape(-1).numpy()
+        except (RuntimeError, NotImplementedError) as e:  # a meta tensor, a lost device
+            raise TokenError(f"token_ids tensor on {t.device} cannot be read ({e}); pass "
+                             "token ids that hold values (a list, a CPU tensor)") from None
     else:
         a = np.asarray(token_ids)
         _check_one_row(a.shape)

@@ -5,7 +5,9 @@ then, never an exception into the engine."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -34,20 +36,53 @@ CLOSED_MESSAGE = ("this client is closed; connect again with kvstore.connect() "
 class Link:
     """The session to the daemon at ``socket_path``, opened by ``open_session``; while the
     daemon is down :meth:`get` answers ``None`` and retries after a backoff that doubles from
-    ``backoff[0]`` up to ``backoff[1]`` seconds."""
+    ``backoff[0]`` up to ``backoff[1]`` seconds.
+
+    A session belongs to the process that opened it. In a process forked from it (a
+    ``multiprocessing`` worker, a pre-forking server) the inherited socket is the parent's
+    too: each reply went to whichever process read first, so one could take the other's
+    answer to a request of the same id (another process's slots: wrong blocks). There it is
+    left to the parent (this process's copy of the socket closed) and :meth:`get` connects
+    afresh."""
 
     def __init__(self, socket_path: str, open_session: Callable[[], Session],
                  backoff: tuple[float, float]) -> None:
         self.socket_path = socket_path
         self._open = open_session
         self.closed = False
-        self.session: Session | None = None
+        self._session: Session | None = None
+        self._pid = os.getpid()  # the process the session belongs to
         self._lock = threading.Lock()  # connecting / swapping the session
         self._backoff_min, self._backoff_max = backoff
         self._backoff = self._backoff_min
         self._next_attempt = 0.0
         self._down = False
         self._warned: dict[int, float] = {}
+
+    @property
+    def session(self) -> Session | None:
+        """This process's session (``None`` in a forked child until :meth:`get` opens one)."""
+        if self._pid != os.getpid():
+            self._after_fork()
+        return self._session
+
+    @session.setter
+    def session(self, s: Session | None) -> None:
+        self._session = s
+
+    def _after_fork(self) -> None:
+        """Forget the parent's session here: close only this process's copy of its socket
+        (no frame sent, no lock of the parent's taken: they were copied in whatever state
+        the fork found them); the next :meth:`get` connects at once."""
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        s, self._session = self._session, None
+        if s is not None:
+            with contextlib.suppress(OSError):
+                s.channel.close()
+        self._down = False
+        self._next_attempt = 0.0
+        self._backoff = self._backoff_min
 
     def connect_first(self, wait: bool = False) -> None:
         """At ``connect``: configuration errors raise, and so does a daemon that does not
@@ -72,6 +107,8 @@ class Link:
         except (OSError, ChannelClosed) as e:
             if not wait:
                 why = (e.strerror if isinstance(e, OSError) else None) or str(e) or type(e).__name__
+                if isinstance(e.__cause__ or e, (TimeoutError, BlockingIOError)):  # timed out
+                    why = "something listens there but did not answer the handshake in time"
                 raise DaemonUnavailableError(
                     f"no kvstore daemon answers at {self.socket_path} ({why}): start "
                     f"'kvstore serve --socket {self.socket_path}' or fix the path; "
@@ -95,7 +132,7 @@ class Link:
         """The live session, reconnecting if it is time to; ``None`` while the daemon is down."""
         if self.closed:
             raise StoreClosedError(CLOSED_MESSAGE)
-        s = self.session
+        s = self.session  # None in a forked child: connects its own below
         if s is not None and not s.channel.broken:
             return s
         with self._lock:
