@@ -99,7 +99,8 @@ def run_check(ctx: DiskContext, *, fix: bool, grace_s: float, verify_data: bool,
     snap.index_problems.extend(_side_index_problems(snap))
     # 4. segment files against the index
     by_seg, flagged, orphans = _check_segment_files(ctx, good, files, snap, now, grace_s)
-    stale_temps = [p for p, mt in temps if now - mt >= grace_s]
+    # a file a writer holds is in flight whatever its mtime says (the clock may have jumped)
+    stale_temps = [p for p, mt in temps if now - mt >= grace_s and not _seg.in_flight(p)]
     # 5. data: every remaining block read back and verified (plus its header entry)
     header_bad = _verify_data(ctx, by_seg, flagged, snap.bad_keys) if verify_data else []
 
@@ -269,7 +270,9 @@ def _check_segment_files(ctx: DiskContext, good: list[tuple[bytes, Rec]],
         if sid in referenced:
             continue
         path = os.path.join(segdir, _seg.segment_name(sid))
-        if now - st.st_mtime >= grace_s and _unreferenced(ctx.sh, sid):
+        # in flight first: a writer releases its file only after the index references it
+        if (now - st.st_mtime >= grace_s and not _seg.in_flight(path)
+                and _unreferenced(ctx.sh, sid)):
             orphans.append(path)
     return by_seg, flagged, orphans
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import fcntl
 import json
 import os
 import re
@@ -305,8 +306,11 @@ class OpenSegment:
 def create_segment(segdir: str, segment_id: int, entries: Sequence[SegmentEntry],
                    namespaces: Mapping[bytes, bytes] | None = None) -> OpenSegment:
     """Write a segment's bytes under its temp name (``O_EXCL``) in one sequential pass, each
-    chunk handed to the device as it goes; the file stays open for :func:`finish_segment`.
-    On error the temp file is removed and the OSError propagates."""
+    chunk handed to the device as it goes; the file stays open for :func:`finish_segment`,
+    under a shared ``flock`` until :func:`release_segment` (or :func:`discard_segment`): the
+    mark of a write in flight that ``check``/``prune`` leave alone whatever the file's mtime
+    says (:func:`in_flight`; a clock that jumped forward made it look old). On error the temp
+    file is removed and the OSError propagates."""
     header, offsets = encode_header(segment_id, entries, namespaces)
     tmp = os.path.join(segdir, temp_name(segment_id))
     final = os.path.join(segdir, segment_name(segment_id))
@@ -319,6 +323,8 @@ def create_segment(segdir: str, segment_id: int, entries: Sequence[SegmentEntry]
         fd = create_file(tmp, flags, mode)
     seg = OpenSegment(fd, tmp, final, len(header) + sum(e.nbytes for e in entries), offsets)
     try:
+        with contextlib.suppress(OSError):  # a file system without flock: mtime alone judges
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         _write_all(fd, [header, *(e.payload for e in entries)])
     except BaseException:
         discard_segment(seg)
@@ -328,20 +334,46 @@ def create_segment(segdir: str, segment_id: int, entries: Sequence[SegmentEntry]
 
 def finish_segment(seg: OpenSegment) -> None:
     """Make a created segment durable (fsync) and :func:`publish` it under its final name
-    (never replacing an existing file). The caller fsyncs the directory. On error the temp
-    file is removed and nothing is left under the final name (FileExistsError when a file of
+    (never replacing an existing file). The caller fsyncs the directory, commits the index,
+    then calls :func:`release_segment` (the file stays open and locked until then: named but
+    not yet in the index, it is still a write in flight). On error the temp file is removed,
+    the file closed and nothing is left under the final name (FileExistsError when a file of
     that name exists already: it is left as it was)."""
     try:
-        try:
-            os.fsync(seg.fd)
-        finally:
-            os.close(seg.fd)
-            seg.fd = -1
+        os.fsync(seg.fd)
         publish(seg.tmp, seg.final)
     except BaseException:
+        release_segment(seg)
         with contextlib.suppress(OSError):
             os.unlink(seg.tmp)
         raise
+
+
+def release_segment(seg: OpenSegment) -> None:
+    """Close a segment's file (and drop its in-flight lock) once its index commit is done."""
+    if seg.fd >= 0:
+        with contextlib.suppress(OSError):
+            os.close(seg.fd)
+        seg.fd = -1
+
+
+def in_flight(path: str) -> bool:
+    """Whether a writer holds ``path`` (a temp or named segment whose index commit has not
+    happened yet: :func:`create_segment`'s lock). False for anything that cannot be opened
+    or locked (a crashed writer's file, a FIFO, a file system without flock)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return False
 
 
 def discard_segment(seg: OpenSegment) -> None:
@@ -365,6 +397,7 @@ def write_segment(segdir: str, segment_id: int, entries: Sequence[SegmentEntry],
     """
     seg = create_segment(segdir, segment_id, entries, namespaces)
     finish_segment(seg)
+    release_segment(seg)
     return seg.final, seg.size, seg.offsets
 
 

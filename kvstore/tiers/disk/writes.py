@@ -278,6 +278,8 @@ def _commit(ctx: DiskContext, segs: list, parents: set[bytes]) -> tuple[list[byt
             for path in published:  # ours, named, but no record points at them
                 with contextlib.suppress(OSError):
                     os.unlink(path)
+        for _sid, seg, _group in segs:  # in the index (or gone): no longer in flight
+            _seg.release_segment(seg)
     return new, emptied  # type: ignore[return-value]
 
 
