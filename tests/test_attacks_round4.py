@@ -25,6 +25,11 @@ from kvstore import KVLayout, connect, open_store
 from kvstore.errors import DaemonUnavailableError, TokenError
 from kvstore.keys import tokens_to_u32le
 
+# conftest's constants are not imported at call time: by then the module named
+# ``conftest`` may be tests/vllm/conftest.py (CI's whole-suite run).
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+
 LAY = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16, block_tokens=4)
 BN = LAY.block_nbytes  # 512 B
 T = LAY.block_tokens
@@ -335,8 +340,6 @@ def test_prune_with_no_grace_while_another_process_writes_loses_nothing_vouched(
     served whole and exact afterwards."""
     import subprocess
     import sys
-
-    from conftest import REPO, TESTS
 
     from kvstore.admin import prune
 
