@@ -11,7 +11,7 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Iterator
-from itertools import chain, islice
+from itertools import chain
 
 from kvstore.tiers.tuning import (
     ADAPTIVE_CANDIDATES,
@@ -21,12 +21,6 @@ from kvstore.tiers.tuning import (
     adaptive_mask,
 )
 from kvstore.tiers.use_classes import GHOSTS_PER_SLOT, MAX_CLASS, USE_CLASSES, UseClassPolicy
-
-#: while the small queue is under its cap, the lists' blocks a walk for a leaf passes before
-#: it takes the queue's oldest: unbounded, the walk crossed whole chains (145 blocks per
-#: eviction on `batch` seed 1 at 10 %); 32: 4-8 on the fit traces, hit ratios within 0.012
-#: (1, 8: lower, below LRU on `batch` seed 0 at 10 %; 128: as 32)
-WALK = 32
 
 
 class AdaptivePolicy(UseClassPolicy):
@@ -45,17 +39,11 @@ class AdaptivePolicy(UseClassPolicy):
     the ghost list does not know starts on probation (``_second``). A parent joins at least its
     child's class on a touch (every use of a child is a use of its parent), so a parent never
     ranks below a child touched with it and leaves stay first. Blocks on probation wait in a
-    FIFO before all others. While the tuner's choice has a small queue
-    (:attr:`~kvstore.tiers.tuning.Candidate.small`, S3-FIFO's shape), the new keys it puts on
-    probation wait in a second FIFO instead, which goes next only while it holds more than
-    ``_small_cap`` blocks (else after the class lists), so a new block has that much of the
-    turnover to be used again; a probation the put asked for (a hint, the tier's doorkeeper)
-    stays in the first, as a batch job's prompts must go first whatever the tuner chose.
-    ``_info``'s rank field is the clock at the block's last use.
+    FIFO before all others. ``_info``'s rank field is the clock at the block's last use.
     """
 
     name = "adaptive"
-    __slots__ = ("_lists", "_off", "_prob", "_smallq")
+    __slots__ = ("_lists", "_off", "_prob")
 
     def __init__(self, slots: int, *, ghosts: int = GHOSTS_PER_SLOT, scale: float | None = None,
                  tune: bool = True, probation: bool = False) -> None:
@@ -65,8 +53,6 @@ class AdaptivePolicy(UseClassPolicy):
         # blocks on probation (a tier with second-hit admission): first in first out, before
         # every class list; None without probation
         self._prob: OrderedDict[Hashable, None] | None = OrderedDict() if probation else None
-        # the small queue: first in first out, after _prob (empty without probation)
-        self._smallq: OrderedDict[Hashable, None] = OrderedDict()
         super().__init__(slots, ghosts=ghosts, scale=scale,
                          tuned=tune and slots >= ADAPTIVE_MIN_SLOTS,
                          mask=adaptive_mask(slots), guard=ADAPTIVE_GUARD,
@@ -78,7 +64,7 @@ class AdaptivePolicy(UseClassPolicy):
 
     def _republish(self, key: Hashable, e: list[int], clock: int) -> None:
         prob = self._prob
-        if not (prob and key in prob or key in self._smallq):
+        if not (prob and key in prob):
             e[2] = clock
             self._lists[e[0]].move_to_end(key)
 
@@ -91,10 +77,7 @@ class AdaptivePolicy(UseClassPolicy):
                     raise TypeError("this AdaptivePolicy has no probation: "
                                     "make_policy(..., probation=True)")
                 self._info[key] = [0, self._call, clock]
-                if probation or not self._small_cap:
-                    self._prob[key] = None
-                else:
-                    self._smallq[key] = None
+                self._prob[key] = None
                 self._fresh[key] = None
                 return
         else:  # its uses came back from the ghost list: seen before, no probation
@@ -104,12 +87,9 @@ class AdaptivePolicy(UseClassPolicy):
 
     def remove(self, key: Hashable, *, for_room: bool) -> None:
         e = self._info.pop(key)
-        prob, small = self._prob, self._smallq
+        prob = self._prob
         if prob and key in prob:
             del prob[key]
-            self._fresh.pop(key, None)
-        elif small and key in small:
-            del small[key]
             self._fresh.pop(key, None)
         else:
             del self._lists[e[0]][key]
@@ -127,7 +107,6 @@ class AdaptivePolicy(UseClassPolicy):
         last = call - 1
         clock = self._clock
         tuner, mask, lists, prob = self._tuner, self._mask, self._lists, self._prob
-        small = self._smallq
         floor = 0  # the class of the block below: a parent is used whenever its child is
         for k in keys:  # leaf first
             e = info.get(k)
@@ -151,12 +130,6 @@ class AdaptivePolicy(UseClassPolicy):
                 del prob[k]
                 e[0] = c
                 lists[c][k] = None
-            elif small and k in small:
-                if k in self._fresh:
-                    continue
-                del small[k]
-                e[0] = c
-                lists[c][k] = None
             elif c == old:
                 lists[c].move_to_end(k)
             else:
@@ -169,16 +142,12 @@ class AdaptivePolicy(UseClassPolicy):
             for k in reversed(self._fresh):
                 if k in prob:
                     prob.move_to_end(k)
-                elif k in small:
-                    small.move_to_end(k)
             self._fresh = {}
 
     def peek(self) -> Hashable | None:
-        prob, small = self._prob, self._smallq
+        prob = self._prob
         if prob:
             return next(iter(prob))
-        if small and (len(small) > self._small_cap or len(small) == len(self._info)):
-            return next(iter(small))
         info, off = self._info, self._off
         best = None
         rank = 0
@@ -201,11 +170,4 @@ class AdaptivePolicy(UseClassPolicy):
             out: Iterator[Hashable] = iter(lists[live[0]]) if live else iter(())
         else:
             out = (k for _, _, k in heapq.merge(*(self._ranked(c) for c in live)))
-        prob, small = self._prob, self._smallq
-        if small:  # the small queue goes before the lists only while it is over its cap ...
-            if len(small) > self._small_cap:
-                out = chain(small, out)
-            else:  # ... else after the lists' first WALK: past them the walk meets whole
-                # chains whose new blocks wait in the queue (every block an ancestor)
-                out = chain(islice(out, WALK), small, out)
-        return chain(prob, out) if prob else out
+        return chain(self._prob, out) if self._prob else out

@@ -12,9 +12,7 @@ policy starts tuned tiers as LRU) and moves only on a clear lead (:data:`MARGIN`
 wrong move costs more than a late one.
 The adaptive policy's tuner also shadows second-hit candidates (:data:`ADAPTIVE_CANDIDATES`:
 new keys the ghost list does not know start on probation) and leaves LRU only on evidence
-(:meth:`ScaleTuner._decide_guarded`). A small-queue candidate (:data:`SMALL_QUEUE`, S3-FIFO's
-shape: probation held to a share of the slots, so a new key gets that much of the tier's
-turnover to be used again) is built and measured, not in the default set.
+(:meth:`ScaleTuner._decide_guarded`).
 Shadows rank as the policy does (``last use + min(uses, 3) x scale x slots``, uses kept
 across eviction in a ghost list), over keys only and without the timing wheel: one LRU list
 per use class, the victim the best of their oldest entries. The scale-0 shadow is plain
@@ -26,7 +24,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 #: reuse scales the shadows try (0 is LRU)
 SCALES = (0.0, 1.0, 2.0, 4.0)
@@ -47,18 +45,6 @@ ADAPTIVE_GUARD = 0.99
 ADAPTIVE_Z = 2.5
 MEMORY = 0.9  # each decision period's hits weigh this much less in the next one
 MARGIN = 1.02  # switch when the best shadow hit this many times as often as the current one
-
-
-class Candidate(NamedTuple):
-    """What a policy may do, one shadow each. ``scale``: retention per use (0 is LRU);
-    ``probation``: new keys the ghost list does not know start on probation (second-hit);
-    ``small``: the probation FIFO goes first only while it holds more than this share of the
-    slots (0: always first), so a new key has that share of the tier's turnover to earn its
-    second use (S3-FIFO's small queue; the main part is ``scale``'s order)."""
-
-    scale: float
-    probation: bool = False
-    small: float = 0.0
 
 
 class Shadow(Protocol):
@@ -113,10 +99,10 @@ class ReuseShadow:
     them at one ``scale``: a list per use class, oldest use first."""
 
     __slots__ = ("_lists", "_uses", "_ghost", "_ghost_old", "_ghost_cap", "_slots", "_off",
-                 "_clock", "_prob", "_small")
+                 "_clock", "_prob")
 
     def __init__(self, slots: int, scale: float, *, classes: int = 4, ghosts: int = 6,
-                 probation: bool = False, small: float = 0.0) -> None:
+                 probation: bool = False) -> None:
         # key -> the clock at its last use, one list per use class
         self._lists: list[OrderedDict[Hashable, int]] = [OrderedDict() for _ in range(classes)]
         # probation (the adaptive policy's second-hit candidate): a key not in the ghost list
@@ -126,8 +112,6 @@ class ReuseShadow:
         self._ghost: dict[Hashable, int] = {}
         self._ghost_old: dict[Hashable, int] = {}
         self._slots = max(1, slots)
-        # probation goes first only while it holds more than this many keys (Candidate.small)
-        self._small = int(small * self._slots)
         self._ghost_cap = max(1, ghosts * self._slots // 2)
         self._off = [int(c * scale * self._slots) for c in range(classes)]
         self._clock = 0  # keys inserted, as the policy counts
@@ -168,7 +152,7 @@ class ReuseShadow:
 
     def _evict(self) -> None:
         prob = self._prob
-        if prob and (len(prob) > self._small or len(prob) == len(self._uses)):
+        if prob:
             k = next(iter(prob))
             del prob[k]
             del self._uses[k]
@@ -193,32 +177,22 @@ class ReuseShadow:
             self._ghost_old, self._ghost = ghost, {}
 
 
-def make_shadow(slots: int, scale: float, probation: bool = False, small: float = 0.0, *,
-                classes: int = 4, ghosts: int = 6) -> Shadow:
+def make_shadow(slots: int, scale: float, probation: bool = False, *, classes: int = 4,
+                ghosts: int = 6) -> Shadow:
     """The shadow cache of ``slots`` keys at ``scale`` (``classes`` use classes, ``ghosts``
     ghost keys per slot, as the policy it shadows); ``probation``: new keys the ghost list
-    does not know start on probation (second-hit), first out while they are more than
-    ``small`` x ``slots``."""
+    does not know start on probation (second-hit)."""
     if scale == 0 and not probation:
         return LRUShadow(slots)
-    return ReuseShadow(slots, scale, classes=classes, ghosts=ghosts, probation=probation,
-                       small=small)
+    return ReuseShadow(slots, scale, classes=classes, ghosts=ghosts, probation=probation)
 
 
-#: what a policy may do (:class:`Candidate`): each a shadow. ``SCALE_CANDIDATES`` are the
+#: what a policy may do, ``(scale, probation)``: each a shadow. ``SCALE_CANDIDATES`` are the
 #: reuse policy's; the adaptive policy's add probation for new keys the ghost list does not
 #: know (second-hit admission) at two scales. The first is LRU, the safe choice
-SCALE_CANDIDATES: tuple[Candidate, ...] = tuple(Candidate(s) for s in SCALES)
-ADAPTIVE_CANDIDATES: tuple[Candidate, ...] = SCALE_CANDIDATES + (Candidate(0.0, True),
-                                                                 Candidate(2.0, True))
-#: the small queue's share of the slots (0.1-0.5 tried on the fit traces; 0.25-0.3 best, and
-#: 0.3 the only one never below LRU there held fixed)
-SMALL_SHARE = 0.3
-#: S3-FIFO's shape at LRU: a small queue of SMALL_SHARE. Not in ADAPTIVE_CANDIDATES: on the fit
-#: traces it lifted the mean gap closed at 5 % from 25.2 to 28.8 %, but on the report traces
-#: (docs/benchmarks.md issue 30) it moved 5 % by +1.2 points and 10 % by -0.6, with session
-#: hints by -0.2 and -1.2, and left `mooncake` at 10 % below LRU (0.996x): no clear gain
-SMALL_QUEUE = Candidate(0.0, True, SMALL_SHARE)
+SCALE_CANDIDATES: tuple[tuple[float, bool], ...] = tuple((s, False) for s in SCALES)
+ADAPTIVE_CANDIDATES: tuple[tuple[float, bool], ...] = SCALE_CANDIDATES + ((0.0, True),
+                                                                          (2.0, True))
 
 
 class ScaleTuner:
@@ -234,32 +208,29 @@ class ScaleTuner:
     shadows, few disagreements) is not taken; LRU is what a tier falls back to.
     """
 
-    __slots__ = ("scale", "probation", "small", "mask", "_cands", "_shadows", "_hits", "_period", "_refs",
+    __slots__ = ("scale", "probation", "mask", "_cands", "_shadows", "_hits", "_period", "_refs",
                  "_won", "_lost", "_guard")
 
     def __init__(self, slots: int, start: float,
-                 make: Callable[[int, float, bool, float], Shadow] = make_shadow, *,
+                 make: Callable[[int, float, bool], Shadow] = make_shadow, *,
                  mask: int | None = None, guard: float | None = None,
-                 candidates: Sequence[tuple[float, bool] | Candidate] = SCALE_CANDIDATES,
-                 ) -> None:
-        cands = tuple(Candidate(*c) for c in candidates)
-        if not cands or cands[0] != Candidate(0.0):
+                 candidates: tuple[tuple[float, bool], ...] = SCALE_CANDIDATES) -> None:
+        if not candidates or candidates[0] != (0.0, False):
             raise ValueError("the first candidate must be LRU, (0.0, False)")
         self.scale = start
         self.probation = False
-        self.small = 0.0
-        self._cands = cands
+        self._cands = candidates
         # the tier samples a key when its last byte & mask == 0
         self.mask = sample_mask(slots) if mask is None else mask
         n = max(1, slots // (self.mask + 1))
-        self._shadows = [make(n, *c) for c in cands]
-        self._hits = [0.0] * len(cands)
+        self._shadows = [make(n, s, p) for s, p in candidates]
+        self._hits = [0.0] * len(candidates)
         self._period = max(64, n)  # sampled references between decisions
         self._refs = 0
         # guarded: per candidate, the references it hit and LRU's shadow missed, and the reverse
         self._guard = guard
-        self._won = [0.0] * len(cands)
-        self._lost = [0.0] * len(cands)
+        self._won = [0.0] * len(candidates)
+        self._lost = [0.0] * len(candidates)
 
     def reference(self, key: Hashable) -> None:
         """A use or a miss of a sampled key (see ``ReusePolicy.insert``) in the tier."""
@@ -291,16 +262,15 @@ class ScaleTuner:
 
     def _best(self, hits: list[float], among: Sequence[int]) -> int:
         """The candidate of ``among`` that hit most; ties: the one nearest the current."""
-        cands, scale, prob, small = self._cands, self.scale, self.probation, self.small
-        return max(among, key=lambda i: (hits[i], -(cands[i].probation != prob),
-                                         -(cands[i].small != small),
-                                         -abs(cands[i].scale - scale)))
+        cands, scale, prob = self._cands, self.scale, self.probation
+        return max(among, key=lambda i: (hits[i], -(cands[i][1] != prob),
+                                         -abs(cands[i][0] - scale)))
 
     def _decide(self, hits: list[float]) -> None:
         cur = self._cur()
         best = self._best(hits, range(len(self._cands)))
         if hits[best] > MARGIN * (hits[cur] if cur >= 0 else 0.0):
-            self.scale, self.probation, self.small = self._cands[best]
+            self.scale, self.probation = self._cands[best]
 
     def _decide_guarded(self, hits: list[float]) -> None:
         won, lost, g = self._won, self._lost, self._guard
@@ -310,12 +280,12 @@ class ScaleTuner:
         cur = self._cur()
         best = self._best(hits, ok)
         if cur not in ok or hits[best] > hits[cur]:
-            self.scale, self.probation, self.small = self._cands[best]
+            self.scale, self.probation = self._cands[best]
         for i in range(len(won)):
             won[i] *= g
             lost[i] *= g
 
     def _cur(self) -> int:
         """The current candidate's index, -1 when the start is none of them."""
-        c = Candidate(self.scale, self.probation, self.small)
+        c = (self.scale, self.probation)
         return self._cands.index(c) if c in self._cands else -1

@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterator
 from functools import partial
 
-from kvstore.tiers.tuning import SCALE_CANDIDATES, Candidate, ScaleTuner, make_shadow
+from kvstore.tiers.tuning import SCALE_CANDIDATES, ScaleTuner, make_shadow
 
 #: use classes (0, 1, 2, 3+ uses)
 USE_CLASSES = 4
@@ -55,11 +55,11 @@ class UseClassPolicy:
 
     name: str
     __slots__ = ("_info", "_ghost", "_ghost_old", "_ghost_cap", "_slots", "_clock", "_call",
-                 "_tuner", "_scale", "_second", "_small_cap", "_mask", "_fresh")
+                 "_tuner", "_scale", "_second", "_mask", "_fresh")
 
     def __init__(self, slots: int, *, ghosts: int, scale: float | None, tuned: bool,
                  mask: int | None = None, guard: float | None = None,
-                 candidates: tuple[Candidate, ...] = SCALE_CANDIDATES) -> None:
+                 candidates: tuple[tuple[float, bool], ...] = SCALE_CANDIDATES) -> None:
         """``tuned``: a :class:`~kvstore.tiers.tuning.ScaleTuner` picks the scale among
         ``candidates`` (``mask`` and ``guard`` are its too); ``scale``: the start (default:
         LRU when tuned, else :data:`UNTUNED_SCALE`)."""
@@ -75,9 +75,6 @@ class UseClassPolicy:
         self._scale = start  # retention per use, in tier turnovers (the tuner's, when tuned)
         # new keys the ghost list does not know start on probation (the tuner's choice)
         self._second = False
-        # ... and wait in a small queue that goes first only while it holds more than this
-        # many blocks (0: no small queue; the tuner's Candidate.small x slots)
-        self._small_cap = 0
         self._tuner = (ScaleTuner(slots, start, partial(make_shadow, classes=USE_CLASSES,
                                                         ghosts=ghosts), mask=mask, guard=guard,
                                   candidates=candidates)
@@ -129,8 +126,6 @@ class UseClassPolicy:
         """The scale in use, ``second-hit`` while new unknown keys start on probation, and
         whether the tuner chooses them (``fixed`` when the tier is too small to tune)."""
         out = f"scale {self._scale:g}" + (", second-hit" if self._second else "")
-        if self._small_cap:
-            out += f" (small queue {self._small_cap})"
         return out if self._tuner is not None else out + ", fixed"
 
     def _sample(self, key: Hashable) -> None:
@@ -139,7 +134,6 @@ class UseClassPolicy:
         assert tuner is not None
         tuner.reference(key)
         self._second = tuner.probation
-        self._small_cap = int(tuner.small * self._slots) if tuner.probation else 0
         if tuner.scale != self._scale:
             self._scale = tuner.scale
             self._rescale()

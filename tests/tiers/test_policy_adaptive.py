@@ -99,88 +99,13 @@ def test_second_hit_candidate_starts_only_unknown_keys_on_probation():
     assert p.order()[-1] == "later"  # off again: a new key joins at the newest end
 
 
-def _small_queue_policy(cap):
-    p = AdaptivePolicy(8, scale=0.0, tune=False, probation=True)
-    p._second, p._small_cap = True, cap  # what the tuner's small-queue candidate sets
-    return p
-
-
-def test_small_queue_goes_first_only_over_its_cap_and_a_hinted_probation_before_it():
-    """The small-queue candidate: new unknown keys wait in a FIFO that goes before the class
-    lists only while it holds more than its cap; a probation the put asked for (a hint, the
-    doorkeeper) goes before it whatever the tuner chose."""
-    p = _small_queue_policy(2)
-    for k in ("a", "b"):
-        p.insert(k)
-        p.touch([k])
-        p.touch(["z"])
-        p.touch([k])  # a second use: into the lists
-    for k in ("x", "y"):
-        p.insert(k)
-        p.touch([k])  # the insert's own touch: stays in the small queue
-    assert p.peek() == "a" and p.order() == ["a", "b", "x", "y"]  # at its cap: lists first
-    p.insert("w")
-    p.touch(["w"])
-    assert p.peek() == "x" and p.order() == ["x", "y", "w", "a", "b"]  # over: FIFO first
-    p.insert("job", probation=True)  # a hinted probation: first of all
-    p.touch(["job"])
-    assert p.order()[0] == "job"
-    p.touch(["z"])
-    p.touch(["y"])  # its second use lifts "y" into the lists, behind "b"
-    assert p.order() == ["job", "a", "b", "y", "x", "w"]
-    for k in ["job", "a", "b", "y"]:
-        p.remove(k, for_room=True)
-    assert p.peek() == "x" and len(p) == 2  # only the small queue left: it goes, cap or not
-
-
-def test_a_walk_under_the_small_queues_cap_passes_at_most_walk_list_blocks(monkeypatch):
-    """Past the lists' first blocks a walk for a leaf crosses whole chains whose new blocks
-    wait in the small queue: it takes the queue's oldest after WALK of them."""
-    from kvstore.tiers import adaptive_policy
-
-    monkeypatch.setattr(adaptive_policy, "WALK", 2)
-    p = _small_queue_policy(4)
-    for k in "abcd":
-        p.insert(k, uses=1)
-        p.touch([k])
-    p.insert("x")
-    p.touch(["x"])
-    assert p.peek() == "a" and p.order() == ["a", "b", "x", "c", "d"]
-
-
-def test_tuner_finds_the_small_queue_on_scans_over_a_working_set_with_bursts(monkeypatch):
-    """A working set re-read round robin (LRU loses it to two one-time keys per step), new keys
-    used a few times soon after they arrive, then never (the use classes would keep them for
-    turnovers; second-hit misses their second use). Only the small queue keeps both: the
-    tuner picks it and beats LRU; without that candidate it stays at LRU's ratio."""
-    from kvstore.tiers import adaptive_policy, tuning
-
-    monkeypatch.setattr(adaptive_policy, "ADAPTIVE_CANDIDATES",
-                        tuning.ADAPTIVE_CANDIDATES + (tuning.SMALL_QUEUE,))
-
-    reqs, fresh, nxt = [], [], 10**6
-    for i in range(2_000):
-        reqs.append([i % 300])
-        nxt += 1
-        fresh.append(nxt)
-        reqs.append([nxt])
-        reqs += [[fresh[i - g]] for g in (10, 20, 30) if i >= g]
-        reqs += [[nxt + 1], [nxt + 2]]
-        nxt += 2
-    lru = simulate_policy(reqs, 1_000, "lru").hit_ratio
-    assert simulate_policy(reqs, 1_000, "adaptive").hit_ratio > 1.1 * lru  # 1.17x
-    monkeypatch.setattr(adaptive_policy, "ADAPTIVE_CANDIDATES", tuning.ADAPTIVE_CANDIDATES)
-    assert simulate_policy(reqs, 1_000, "adaptive").hit_ratio < 1.03 * lru  # 1.01x
-
-
 def test_tuned_policy_offers_second_hit_candidates_only_with_probation():
     from kvstore.tiers import tuning
 
     with_prob = AdaptivePolicy(4_096, probation=True)._tuner
     without = AdaptivePolicy(4_096)._tuner
     assert with_prob._cands == tuning.ADAPTIVE_CANDIDATES
-    assert any(c.probation for c in tuning.ADAPTIVE_CANDIDATES)
-    assert tuning.SMALL_QUEUE not in tuning.ADAPTIVE_CANDIDATES  # measured, not adopted
+    assert any(p for _, p in tuning.ADAPTIVE_CANDIDATES)
     assert without._cands == tuning.SCALE_CANDIDATES
 
 
@@ -280,7 +205,5 @@ def test_policy_state_names_the_tuners_choice():
     assert p.state() == "scale 0"
     p._scale, p._second = 2.0, True
     assert p.state() == "scale 2, second-hit"
-    p._scale, p._small_cap = 0.0, 1228
-    assert p.state() == "scale 0, second-hit (small queue 1228)"
     assert AdaptivePolicy(8, tune=False).state() == "scale 1, fixed"
     assert LRUPolicy().state() == ""

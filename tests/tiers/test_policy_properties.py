@@ -114,35 +114,6 @@ for _ev in EVICTIONS:
         globals()[f"TestPolicyStore_{_name}"] = _machine.TestCase
 
 
-class SmallQueueStoreMachine(PolicyStoreMachine):
-    """The adaptive policy with its small-queue candidate chosen in both memory tiers (tiers
-    this small are not tuned, so it is set as the tuner would set it): new unknown blocks wait
-    in a FIFO that goes first only while it is over its cap, else after the lists, where a
-    chain's new blocks can follow its cached prefix: the leaf-first walk must skip that
-    prefix, never take it."""
-
-    eviction = "adaptive"
-
-    def __init__(self):
-        super().__init__()
-        for tier in (self.store.state.hot, self.store.state.warm):
-            tier.policy._second, tier.policy._small_cap = True, 1
-
-
-# second-hit admission: the doorkeeper's probation and the small queue side by side
-TestSmallQueueStore = type("SmallQueueStoreMachine_second_hit", (SmallQueueStoreMachine,),
-                           {"admission": "second-hit"}).TestCase
-TestSmallQueueStore.settings = settings(max_examples=8, stateful_step_count=25, deadline=None,
-                                        suppress_health_check=[HealthCheck.too_slow])
-
-
-def _small_queue(cap=2):
-    """An adaptive policy as its small-queue candidate leaves it (``cap`` blocks)."""
-    p = AdaptivePolicy(6, scale=0.0, tune=False, probation=True)
-    p._second, p._small_cap = True, cap
-    return p
-
-
 # -- the policies alone ----------------------------------------------------------------------
 
 
@@ -150,8 +121,7 @@ def _small_queue(cap=2):
 @given(ops=ops_st)
 @pytest.mark.parametrize("make", [LRUPolicy, lambda: ReusePolicy(6, tune=False),
                                   lambda: ReusePolicy(6, scale=4.0, tune=False),
-                                  lambda: ReusePolicy(600), _small_queue,
-                                  lambda: _small_queue(0)])
+                                  lambda: ReusePolicy(600)])
 def test_policy_lists_exactly_the_held_blocks_and_is_deterministic(make, ops):
     assert drive(make(), ops) == drive(make(), ops)
 
@@ -159,9 +129,8 @@ def test_policy_lists_exactly_the_held_blocks_and_is_deterministic(make, ops):
 @settings(max_examples=80, deadline=None)
 @given(ops=ops_st)
 @pytest.mark.parametrize("make", [lambda: ReusePolicy(6, tune=False),
-                                  lambda: AdaptivePolicy(6, scale=2.0, tune=False),
-                                  lambda: _small_queue(0)],
-                         ids=["reuse", "adaptive", "adaptive-small-queue-over-its-cap"])
+                                  lambda: AdaptivePolicy(6, scale=2.0, tune=False)],
+                         ids=["reuse", "adaptive"])
 def test_touched_chain_keeps_children_before_parents(make, ops):
     p = make()
     drive(p, ops)

@@ -97,38 +97,10 @@ def test_probation_shadow_evicts_new_keys_first_and_admits_returning_ones():
     assert s._uses["b"] == 1 and "b" not in s._prob
 
 
-def test_small_queue_shadow_keeps_new_keys_while_under_its_share():
-    """The small-queue candidate (S3-FIFO's shape): new keys go first only while they are more
-    than ``small`` x slots; under that, the main part's oldest goes, so a new key gets that
-    share of the turnover to be used again."""
-    s = ReuseShadow(10, 0.0, probation=True, small=0.3, ghosts=4)  # a small queue of 3
-    main = [f"m{i}" for i in range(7)]
-    for k in main:
-        s.refer(k)
-        s.refer(k)  # lifted into the main part
-    for k in "xyz":
-        assert not s.refer(k)  # full: 7 in the main part, 3 new ones in the small queue
-    assert not s.refer("w")  # the queue is at its share, not over it: the main part pays
-    assert "m0" not in s._uses and "x" in s._prob
-    assert s.refer("x")  # ... so "x" was still there for its second use
-    assert not s.refer("v")  # "x" left the queue: at its share again, the main part pays
-    assert "m1" not in s._uses and "y" in s._prob
-    assert not s.refer("u")  # now over its share: the queue goes first, oldest first
-    assert "y" not in s._uses and "m2" in s._uses
-    fifo = ReuseShadow(10, 0.0, probation=True, ghosts=4)  # second-hit: new keys always first
-    for k in main:
-        fifo.refer(k)
-        fifo.refer(k)
-    for k in "xyzw":
-        fifo.refer(k)
-    assert not fifo.refer("x")  # gone before its second use
-
-
 def test_make_shadow_gives_lru_only_without_probation():
     assert isinstance(make_shadow(8, 0.0), LRUShadow)
     p = make_shadow(8, 0.0, True)
-    assert isinstance(p, ReuseShadow) and p._prob is not None and p._small == 0
-    assert make_shadow(10, 0.0, True, 0.3)._small == 3
+    assert isinstance(p, ReuseShadow) and p._prob is not None
 
 
 class Scripted:
@@ -144,7 +116,7 @@ class Scripted:
 def _guarded(hits_of, n_cands=3):
     cands = tuning.SCALE_CANDIDATES[:n_cands - 1] + ((0.0, True),)
     shadows = iter(hits_of)
-    return ScaleTuner(4_096, 0.0, lambda n, *cand: Scripted(next(shadows)),
+    return ScaleTuner(4_096, 0.0, lambda n, s, p: Scripted(next(shadows)),
                       guard=tuning.ADAPTIVE_GUARD, candidates=cands, mask=0)
 
 
@@ -177,17 +149,6 @@ def test_guarded_tuner_falls_back_to_lru_when_the_evidence_fades():
     for i in range(t._period * 3):
         t.reference(i)
     assert (t.scale, t.probation) == (0.0, False)
-
-
-def test_guarded_tuner_takes_the_small_queue_candidate_on_evidence():
-    cands = tuning.ADAPTIVE_CANDIDATES + (tuning.SMALL_QUEUE,)
-    small = len(cands) - 1
-    shadows = iter([lambda k, i=i: i == small and k % 3 == 0 for i in range(len(cands))])
-    t = ScaleTuner(4_096, 0.0, lambda n, *c: Scripted(next(shadows)),
-                   guard=tuning.ADAPTIVE_GUARD, candidates=cands, mask=0)
-    for i in range(t._period):
-        t.reference(i)
-    assert (t.scale, t.probation, t.small) == (0.0, True, tuning.SMALL_SHARE)
 
 
 def test_candidates_must_start_with_lru():
