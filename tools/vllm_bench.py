@@ -826,13 +826,23 @@ def main_serve_ab(argv: list[str]) -> int:
                     help="comma-separated CASE[:NAME], e.g. alone,embedded:before,"
                          "embedded:after,shared:after,shared:before,alone")
     ap.add_argument("--workdir", required=True)
+    ap.add_argument("--prompts", type=int, default=None,
+                    help="prompts per run (default: the serve section's full scale, 24)")
+    ap.add_argument("--rate", type=float, default=None,
+                    help="requests per second (default: the full scale's, 1.0); issue 29's "
+                         "measurement used --prompts 32 --rate 2")
     args = ap.parse_args(argv)
-    from dataclasses import asdict
+    from dataclasses import asdict, replace
 
     import kvstore.bench.serve as serve
     from kvstore.bench.serve_commands import vllm_python
     from kvstore.bench.serve_scale import FULL
 
+    scale = FULL
+    if args.prompts is not None:
+        scale = replace(scale, num_prompts=args.prompts)
+    if args.rate is not None:
+        scale = replace(scale, request_rate=args.rate)
     trees = dict(t.split("=", 1) for t in args.tree)
     serve.WORKLOADS = ("prefix_repetition",)
     cases = {c.key: c for c in serve.plan()}
@@ -849,7 +859,7 @@ def main_serve_ab(argv: list[str]) -> int:
         work.mkdir(exist_ok=True)
         if model is not None and not (work / "model").exists():
             (work / "model").symlink_to(model)
-        b = serve.Bench(py, work, FULL, sys.stderr)
+        b = serve.Bench(py, work, scale, sys.stderr)
         b.say(f"== {item}: load average {os.getloadavg()[0]:.1f}")
         b.prepare()
         model = model or (work / "model").resolve()
