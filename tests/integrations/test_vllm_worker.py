@@ -581,3 +581,99 @@ def test_a_whole_prompt_hit_claims_one_token_less_and_loads_every_block(tmp_path
         # a prompt a token longer than whole blocks: the hit is every block, as before
         longer = _req("l", tokens + [5])
         assert side.get_num_new_matched_tokens(longer, 0) == (n * BS, False)
+
+
+def test_load_cost_answers_only_when_measured_and_weighs_every_request_held_up():
+    """kvstore/integrations/vllm/load_cost.py: a load before the step is cheaper than the step
+    a background load costs its request when blocks x time per block x requests held up is
+    within MARGIN of a step; no answer (False) before MIN_STEPS steps and one load are seen."""
+    from kvstore.integrations.vllm.load_cost import MARGIN, MIN_STEPS, LoadCost
+
+    c = LoadCost()
+    assert not c.cheaper_now(1, 1)
+    c.note_load(0.004, 40)  # 0.1 ms a block
+    for _ in range(MIN_STEPS - 1):
+        c.note_step(0.020)
+    assert c.step_s() is None and not c.cheaper_now(1, 1)
+    c.note_step(0.020)
+    assert c.step_s() == 0.020 and c.block_s() == 0.0001
+    fits = int(MARGIN * 0.020 / 0.0001)  # 100 blocks with one request held up
+    assert c.cheaper_now(fits - 1, 1) and c.cheaper_now(fits - 1, 0)
+    assert not c.cheaper_now(fits + 1, 1)
+    assert not c.cheaper_now(fits // 2 + 1, 2) and c.cheaper_now(fits // 2 - 1, 2)
+    assert not c.cheaper_now(0, 1)
+    c.note_load(0.0, 0)  # a load of memory blocks only: not a sample
+    c.note_step(-1.0)
+    assert c.block_s() == 0.0001 and c.step_s() == 0.020
+
+
+def test_a_busy_engine_loads_a_disk_hit_now_once_the_worker_measured_it_cheaper_than_a_step(
+        tmp_path):
+    """docs/vllm.md "How a hit loads": a hit below memory while another request runs loads in
+    the background (one engine step more for it) unless the worker's measured disk loads say
+    the load takes less than half a step per request it holds up ("cheap_loads"). The steps
+    are timed by the scheduler between schedulings, only while a request runs on; the
+    worker's samples reach it as vLLM's worker metadata (another process in vLLM serve)."""
+    import pickle
+    import time
+    from types import SimpleNamespace
+
+    from kvstore.integrations.vllm.load_cost import LoadCost
+    from kvstore.integrations.vllm.metadata import (
+        BlockRun,
+        KVStoreConnectorMetadata,
+        KVStoreWorkerMetadata,
+    )
+    from kvstore.integrations.vllm.scheduler import SchedulerSide
+    from kvstore.integrations.vllm.stats import ConnectorStats
+    from kvstore.integrations.vllm.worker import WorkerSide
+
+    src = _pages(4)
+    tokens = _tokens(4, len(IDS))
+    cost = LoadCost()
+    with _open(tmp_path) as s:
+        keys = _saved(s, src, tokens)[:len(IDS)]
+        side = SchedulerSide(s, block_size=BS, namespace_id=bytes(s.namespace_id),
+                             stats=ConnectorStats("scheduler", "embedded", None), load_cost=cost)
+        side.get_num_new_matched_tokens(_req("busy", [1, 2, 3]), 0)
+        n = len(IDS) * BS
+        assert _match(side, _req("a", tokens)) == (n, True)  # nothing measured yet
+
+        def step(running):
+            cached = SimpleNamespace(req_ids=running, resumed_req_ids=set(),
+                                     new_block_ids=[None] * len(running),
+                                     num_computed_tokens=[0] * len(running))
+            side.build_connector_meta(SimpleNamespace(
+                scheduled_new_reqs=[], scheduled_cached_reqs=cached, num_scheduled_tokens={},
+                new_block_ids_to_zero=None, total_num_scheduled_tokens=len(running)))
+
+        step([])
+        for _ in range(5):  # 60 ms steps, the engine never idle in between
+            time.sleep(0.06)
+            step(["busy"])
+        time.sleep(0.5)
+        step([])  # after an idle gap with nobody running on: not a step
+        assert 0.055 <= cost.step_s() < 0.3
+        # the worker reads the blocks from disk (into other pages): its time per block
+        w = WorkerSide(s, layout=_layout(), namespace_id=bytes(s.namespace_id), page_kind="cpu",
+                       layerwise=False, max_model_len=1024,
+                       stats=ConnectorStats("worker", "embedded", None))
+        w.register_kv_caches(dict(zip(LAYERS, _pages(), strict=True)))
+        meta = KVStoreConnectorMetadata(namespace_id=bytes(s.namespace_id),
+                                        loads=[BlockRun("w", keys, None, DST)])
+        assert _loaded(w, meta) == set()
+        ((seconds, blocks),) = w.load_samples  # read from disk: one sample
+        assert blocks == len(IDS) and 0 < seconds < 0.03
+        sent = KVStoreWorkerMetadata([w.load_samples.popleft()])
+        # two TP ranks' metadata aggregate side by side; it crosses processes pickled
+        both = pickle.loads(pickle.dumps(sent.aggregate(KVStoreWorkerMetadata([(1.0, 0)]))))
+        side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=both,
+                                                     invalid_block_ids=set()))
+        assert cost.block_s() == seconds / blocks
+        assert _match(side, _req("b", tokens)) == (n, False)
+        assert side.stats.counters["cheap_loads"] == 1
+        # a load measured slower than half a step per request held up stays in the background
+        for _ in range(40):
+            cost.note_load(1.0, 1)
+        assert _match(side, _req("c", tokens)) == (n, True)
+        assert (side.stats.counters["cheap_loads"], side.stats.counters["async_loads"]) == (1, 2)

@@ -23,7 +23,7 @@ from kvstore.errors import ConfigError
 from kvstore.namespace import Namespace
 
 from .config import ConnectorConfig, engine_layout, model_identity, tp_rank_size
-from .metadata import KVStoreConnectorMetadata
+from .metadata import KVStoreConnectorMetadata, KVStoreWorkerMetadata
 from .scheduler import SchedulerSide
 from .stats import ConnectorStats
 from .store_registry import open_connector_store, release_store
@@ -200,6 +200,14 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker_side.get_block_ids_with_load_errors()
+
+    def build_connector_worker_meta(self) -> KVStoreWorkerMetadata | None:
+        # this step's loads from below memory, for the scheduler's LoadCost (load_cost.py)
+        samples = self.worker_side.load_samples
+        if not samples:
+            return None
+        out = [samples.popleft() for _ in range(len(samples))]  # the loader thread appends
+        return KVStoreWorkerMetadata(out)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         # saves finish within the step (nothing to report); background loads that are done

@@ -8,14 +8,21 @@ from typing import TYPE_CHECKING
 from kvstore.hints import PutHint, hint_of
 
 if TYPE_CHECKING:
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorMetadata,
+        KVConnectorWorkerMetadata,
+    )
 else:
     try:
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
     except ImportError:  # no vLLM (the main test interpreter): the plan is plain data still
         KVConnectorMetadata = object
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
+    except ImportError:  # no vLLM, or one without the worker -> scheduler channel
+        KVConnectorWorkerMetadata = object
 
-__all__ = ["BlockRun", "KVStoreConnectorMetadata", "Located"]
+__all__ = ["BlockRun", "KVStoreConnectorMetadata", "KVStoreWorkerMetadata", "Located"]
 
 
 #: where the scheduler found a load's blocks below memory, relative to ``BlockRun.keys``:
@@ -57,3 +64,16 @@ class KVStoreConnectorMetadata(KVConnectorMetadata):
     saves: list[BlockRun] = field(default_factory=list)
     async_loads: list[BlockRun] = field(default_factory=list)
     idle: bool = False
+
+
+@dataclass
+class KVStoreWorkerMetadata(KVConnectorWorkerMetadata):
+    """What the worker side sends the scheduler side after a step: ``loads``, the step's
+    loads that read blocks below memory as (seconds, such blocks), which the scheduler's
+    :class:`~kvstore.integrations.vllm.load_cost.LoadCost` weighs the next hits with. vLLM
+    aggregates the TP ranks' metadata into one (their samples, side by side)."""
+
+    loads: list[tuple[float, int]] = field(default_factory=list)
+
+    def aggregate(self, other: KVStoreWorkerMetadata) -> KVStoreWorkerMetadata:
+        return KVStoreWorkerMetadata(self.loads + list(getattr(other, "loads", ())))

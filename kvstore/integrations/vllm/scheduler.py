@@ -24,7 +24,8 @@ from kvstore.hints import PutHint, hint_of
 from kvstore.keys import KeyChain
 from kvstore.store import Store
 
-from .metadata import BlockRun, KVStoreConnectorMetadata, Located
+from .load_cost import LoadCost
+from .metadata import BlockRun, KVStoreConnectorMetadata, KVStoreWorkerMetadata, Located
 from .stats import ConnectorStats
 
 if TYPE_CHECKING:
@@ -84,8 +85,12 @@ class SchedulerSide:
 
     def __init__(self, store: KVCache, *, block_size: int, namespace_id: bytes,
                  stats: ConnectorStats, save_decode_blocks: bool = True,
-                 load_async: bool = True) -> None:
+                 load_async: bool = True, load_cost: LoadCost | None = None) -> None:
         self.store = store
+        # the engine step (timed here) and the worker's loads below memory (its samples come
+        # in update_connector_output): whether a hit below memory is cheaper loaded now
+        self.load_cost = load_cost or LoadCost()
+        self._last_step: float | None = None
         self.block_size = block_size
         self.namespace_id = namespace_id
         self.stats = stats
@@ -195,8 +200,11 @@ class SchedulerSide:
         assert st.keys is not None
         if self._in_memory(st.keys[st.local_blocks:n]):
             return "memory_loads"
-        if all(other is st for other in self._reqs.values()):
+        others = sum(1 for other in self._reqs.values() if other is not st)
+        if not others:
             return "idle_loads"
+        if self.load_cost.cheaper_now(n - st.local_blocks, others):
+            return "cheap_loads"
         return ""
 
     def _lookup(self, st: _ReqState, keys: list[bytes]) -> int:
@@ -265,6 +273,7 @@ class SchedulerSide:
         meta = KVStoreConnectorMetadata(namespace_id=self.namespace_id)
         meta.async_loads, self._async_loads = self._async_loads, []
         meta.idle = not getattr(scheduler_output, "total_num_scheduled_tokens", 1)
+        self._time_step(scheduler_output)
         nsched = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             st = self._reqs.get(new.req_id)
@@ -294,6 +303,14 @@ class SchedulerSide:
         self.stats.write()
         return meta
 
+    def _time_step(self, scheduler_output: SchedulerOutput) -> None:
+        """One engine step's time, from the previous scheduling to this one: counted only
+        when a request runs on from the previous step (else the engine may have idled)."""
+        now = time.perf_counter()
+        if self._last_step is not None and scheduler_output.scheduled_cached_reqs.req_ids:
+            self.load_cost.note_step(now - self._last_step)
+        self._last_step = now
+
     def _plan_save(self, meta: KVStoreConnectorMetadata, req_id: str, st: _ReqState,
                    done_tokens: int) -> None:
         assert st.keys is not None
@@ -315,6 +332,10 @@ class SchedulerSide:
 
     # -- what the worker reported, requests leaving ----------------------------------------------
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        worker_meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(worker_meta, KVStoreWorkerMetadata):
+            for seconds, blocks in worker_meta.loads:
+                self.load_cost.note_load(seconds, blocks)
         bad = getattr(connector_output, "invalid_block_ids", None)
         if not bad:
             return

@@ -57,6 +57,7 @@ COUNTERS = (
     "async_loads",  # hits loaded in the background (load_kv_async)
     "memory_loads",  # hits loaded before the step: every block in a memory tier
     "idle_loads",  # hits below memory loaded before the step: the engine ran nothing else
+    "cheap_loads",  # hits below memory loaded before the step: cheaper than a step (load_cost)
     "saves", "save_blocks", "save_errors", "skipped_saves",
     "layer_waits",
     # microseconds spent on the engine's critical path

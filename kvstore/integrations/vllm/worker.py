@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
@@ -37,6 +38,7 @@ from kvstore.store import Store
 from kvstore.tiers.slab import paired_runs
 
 from .config import layer_order, rank_keys
+from .load_cost import WINDOW
 from .openmp import log_openmp_spin_hint
 from .stats import ConnectorStats
 
@@ -94,6 +96,7 @@ class WorkerSide:
                  stats: ConnectorStats, plan_namespace_id: bytes | None = None,
                  tp_rank: int = 0) -> None:
         self.store = store
+        self.load_samples: deque[tuple[float, int]] = deque(maxlen=WINDOW)  # for the scheduler
         self.layout = layout
         self.block_size = layout.block_tokens
         self.namespace_id = namespace_id  # this rank's store namespace
@@ -154,8 +157,7 @@ class WorkerSide:
             else:
                 self._lease = self._lease_warm
             return
-        # fault the staging buffer in now, not on the first load: up to max_model_len tokens
-        # of blocks, at most 256 MiB (it grows on demand past that)
+        # fault the staging buffer in now: max_model_len tokens, at most 256 MiB (grows later)
         blocks = min(self._max_model_len // self.block_size,
                      (256 << 20) // self.layout.block_nbytes)
         if blocks > 0:
@@ -279,13 +281,11 @@ class WorkerSide:
                     self._scatter(ld, layer)
 
     # -- direct path: an embedded store and vLLM's CPU pages ---------------------------------------
-    # The store's warm slab and vLLM's pages are both host memory: a load leases the blocks'
-    # warm slots (disk blocks are read into them first) and copies each layer straight into
-    # the pages; a save reserves warm slots (grant_put), gathers the pages into them and
-    # commits. One copy each way, all on this thread: the store's copy threads stay idle, so
-    # they never compete with the forward's OpenMP threads (on 2 cores a torch copy on a second
-    # thread gives OpenMP a second thread pool, and every parallel region of the forward then
-    # pays for waking its threads: measured ~4 ms per step here).
+    # Both host memory: a load leases the blocks' warm slots (disk blocks are read into them
+    # first) and copies each layer into the pages; a save reserves warm slots (grant_put),
+    # gathers the pages into them and commits. One copy each way, all on this thread, so no
+    # copy thread competes with the forward's OpenMP threads (on 2 cores a torch copy on a
+    # second thread made every parallel region pay for waking a second pool: ~4 ms a step).
     def _copy_blocks(self, slots: Sequence[int], page_ids: Sequence[int], *, load: bool) -> None:
         blocks, pages, L = self._blocks, self._pages, self.layout.num_layers
         assert pages is not None and blocks is not None
@@ -469,13 +469,11 @@ class WorkerSide:
         self._puts = keep
 
     # -- background loads (vLLM's load_kv_async) ----------------------------------------------
-    # The scheduler asks for them when a hit must come from below memory (disk, the daemon,
-    # Redis): the request waits while the engine runs the others. Direct path: lease_into on
-    # one loader thread (the disk tier's reading threads read and verify the blocks straight
-    # into the request's pages; no torch op off the engine's thread, so the forward's OpenMP
-    # pool is not disturbed), blocks held in memory copied on the engine's thread when it
-    # is reported. Fetch path (daemon, CUDA): the fetch runs into the load's own staging rows
-    # and is scattered on the engine's thread when done.
+    # For a hit below memory while others run (the request waits meanwhile). Direct path:
+    # lease_into on one loader thread (the disk tier's threads read and verify the blocks into
+    # the request's pages; no torch op off the engine's thread to disturb the forward's OpenMP
+    # pool), memory blocks copied on the engine's thread when reported. Fetch path (daemon,
+    # CUDA): the fetch runs into the load's own staging rows, scattered when done.
     def _start_async(self, run: BlockRun) -> None:
         n = len(run.keys)
         try:
@@ -510,11 +508,13 @@ class WorkerSide:
         ids = run.block_ids
         store = self._embedded
         assert store is not None
-        # the blocks the scheduler located below memory are read with what it found (no
-        # second locate; the store re-checks one block per stretch); its keys are rank 0's
+        # read with what the scheduler located (the store re-checks a block per stretch)
         located = run.located if self.namespace_id == self.plan_namespace_id else None
+        t0 = time.perf_counter()
         lease = store.zero_copy.lease_into(self._chain(run), lambda p: self._page_pieces(ids[p]),
                                            fill=False, located=located or None)
+        if lease.n > len(lease.copies):  # read some from disk: a sample for LoadCost
+            self.load_samples.append((time.perf_counter() - t0, lease.n - len(lease.copies)))
         return lease.n, lease.pinned, lease.copies
 
     def _lease_warm(self, run: BlockRun) -> _Leased:
