@@ -345,3 +345,63 @@ def test_gated_mlp_runs_fused_and_matches(model):
     assert "forward" not in mlp.__dict__
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert not linear._gated_silu(torch.nn.Linear(4, 4))
+
+
+def test_gated_mlp_in_row_chunks_matches(model, monkeypatch):
+    """A fused MLP over more rows than ``_MLP_WHOLE`` runs in chunks (the last one short)."""
+    from kvstore.integrations.batch.engines import linear
+
+    if not linear.packing_available():
+        pytest.skip("no oneDNN in this torch")
+    monkeypatch.setattr(linear, "_MLP_WHOLE", 8)
+    monkeypatch.setattr(linear, "_MLP_CHUNK", 5)
+    mlp = model.model.layers[0].mlp
+    x = torch.randn(1, 23, model.config.hidden_size)
+    with torch.no_grad():
+        want = mlp(x)
+        with linear.PackedLinears(model).active():
+            got = mlp(x)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_small_forwards_split_threads(model, monkeypatch):
+    """A decode step's element-wise operations run on one thread, its linear layers on the
+    run's threads; a forward over SMALL_FORWARD tokens runs wholly on them; greedy outputs
+    as HF's; the threads are restored after."""
+    from kvstore.integrations.batch.engines import linear, split
+    from kvstore.integrations.batch.engines import transformers as tf
+
+    if not linear.packing_available():
+        pytest.skip("no oneDNN in this torch")
+    seen = {"norm": set(), "linear": set()}
+    op = torch.ops.mkldnn._linear_pointwise
+    real_wide = split.wide
+
+    def spy_wide(fn, *a, **kw):
+        def call(*a, **kw):
+            if fn is op:
+                seen["linear"].add(torch.get_num_threads())
+            return fn(*a, **kw)
+        return real_wide(call, *a, **kw)
+
+    monkeypatch.setattr(linear, "wide", spy_wide)
+    monkeypatch.setattr(tf, "SMALL_FORWARD", 8)
+    norm = model.model.layers[1].input_layernorm
+    def hook(mod, args):
+        seen["norm"].add((args[0].shape[1], torch.get_num_threads()))
+
+    engine = TransformersEngine(model, eos_token_id=(), threads=2)  # (its probe forward)
+    h = norm.register_forward_pre_hook(hook)
+    prompt = list(range(5, 25))
+    try:
+        before = torch.get_num_threads()
+        out, _ = run(engine, [prompt], SamplingParams(max_tokens=3))
+    finally:
+        h.remove()
+    assert torch.get_num_threads() == before and split.wide_threads() == 0
+    assert seen["norm"] == {(20, 2), (1, 1)}  # the prefill on 2 threads, decode steps on 1
+    assert seen["linear"] == {2}
+    assert list(out[0].token_ids) == hf_generate(model, prompt, 3)
+    with split.small_ops(1) as on:  # one thread: nothing to split
+        assert not on and split.wide(lambda: torch.get_num_threads()) == torch.get_num_threads()

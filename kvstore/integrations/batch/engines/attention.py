@@ -34,11 +34,15 @@ from typing import Any
 import torch
 
 from kvstore.errors import ConfigError
+from kvstore.integrations.batch.engines.split import wide
 
 ATTENTION_NAME = "kvstore_shared_prefix"
 
 #: score elements per chunk of one matrix product (bounds the memory of long prefills)
 _CHUNK_ELEMENTS = 1 << 24
+#: an attention call of at least this many score elements runs on the run's threads inside
+#: :func:`~.split.small_ops` (below it, on one: waking the others costs more)
+_WIDE_SCORES = 1 << 16
 
 _ACTIVE: contextvars.ContextVar[ForwardPlan | None] = contextvars.ContextVar(
     "kvstore_batch_forward", default=None)
@@ -177,7 +181,11 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
         if mask is not None:
             add = torch.zeros(mask.shape, dtype=q.dtype, device=q.device)
             add.masked_fill_(~mask, float("-inf"))
-        o, lse = _FLASH_CPU(q, k, v, 0.0, causal, attn_mask=add, scale=scale)
+        scores = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2]
+        if scores >= _WIDE_SCORES:
+            o, lse = wide(_FLASH_CPU, q, k, v, 0.0, causal, attn_mask=add, scale=scale)
+        else:
+            o, lse = _FLASH_CPU(q, k, v, 0.0, causal, attn_mask=add, scale=scale)
         o, lse = o.float(), lse.float()
         if mask is not None:  # a query that sees no key (a window past the prefix): weight 0
             dead = ~mask.any(-1).expand(lse.shape)

@@ -30,6 +30,7 @@ from kvstore.integrations.batch.engines.attention import GroupSlice, SuffixKV, m
 from kvstore.integrations.batch.engines.linear import PackedLinears, packing_available
 from kvstore.integrations.batch.engines.sampling import RowState, Tokenizer, choose_tokens
 from kvstore.integrations.batch.engines.schedule import Batch, PrefixNode, Row, pack, schedule
+from kvstore.integrations.batch.engines.split import small_ops
 from kvstore.integrations.batch.engines.threads import set_threads
 from kvstore.integrations.batch.plan import BatchPlan, plan_batch
 from kvstore.integrations.batch.requests import BatchRequest
@@ -40,6 +41,11 @@ from kvstore.transfer import Transfer
 __all__ = ["TransformersEngine"]
 
 LayerKV = tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per layer (K, V), each [H, P, D]
+
+#: a forward of at most this many tokens runs its element-wise operations on one thread and
+#: its linear layers and large attention calls on all (:mod:`.split`), where the linear
+#: layers are packed (all of them then go through :func:`~.split.wide`)
+SMALL_FORWARD = 512
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +107,7 @@ class TransformersEngine:
         params = inspect.signature(model.forward).parameters
         self._cache_kw = cache_kwarg(model)
         self._keep_rows = "logits_to_keep" in params  # takes a tensor of positions
+        self._split = False  # during run: small forwards split threads (.split)
 
     def plan(self, requests: Sequence[BatchRequest]) -> BatchPlan:
         """The batch's plan (prefix tree, groups); the store is not simulated."""
@@ -133,7 +140,10 @@ class TransformersEngine:
                               "use_cache": True}
         if self._keep_rows:
             kw["logits_to_keep"] = ends.to(self.device)
-        with running(self.model, plan) as cache, torch.no_grad():
+        split = (small_ops(torch.get_num_threads())
+                 if self._split and len(plan.positions) <= SMALL_FORWARD
+                 else contextlib.nullcontext())
+        with running(self.model, plan) as cache, torch.no_grad(), split:
             logits = self.model(**kw, **{self._cache_kw: cache}).logits[0]
         return logits if self._keep_rows else logits[ends.to(self.device)]
 
@@ -251,9 +261,15 @@ class TransformersEngine:
         plan = plan or self.plan(requests)
         before = set_threads(self.threads) if self.device.type == "cpu" else None
         try:
-            with self._linears.active() if self._linears else contextlib.nullcontext(), \
+            with self._linears.active() if self._linears else contextlib.nullcontext() as n, \
                     heap_reuse() if self.device.type == "cpu" else contextlib.nullcontext():
-                return self._run(requests, lengths, plan, on_done, t0)
+                # one thread for small ops only where every linear layer is packed (wide)
+                self._split = bool(n) and self._linears is not None \
+                    and n == self._linears.linear_count
+                try:
+                    return self._run(requests, lengths, plan, on_done, t0)
+                finally:
+                    self._split = False
         finally:
             if before is not None:
                 torch.set_num_threads(before)
