@@ -1,5 +1,6 @@
 import importlib.util
 import itertools
+import threading
 from pathlib import Path
 
 import pytest
@@ -202,3 +203,32 @@ def redis_server():
     yield p
     p.stop()
     p.cleanup()
+
+
+def fetch_exact(s, keys, timeout: float = 20) -> int:
+    """Fetch ``keys`` from ``s`` (blocks put as :func:`keyed_kv`); the blocks returned must be
+    exactly their own keys' bytes. The number returned."""
+    got = s.fetch(keys).wait(timeout)
+    n = got.shape[0]
+    assert n <= len(keys)
+    assert bit_equal(got, keyed_kv(s.layout, keys[:n])), "wrong KV served"
+    return n
+
+
+def run_bounded(fn, timeout: float):
+    """``fn()`` in a thread; fails the test (instead of hanging it) past ``timeout``."""
+    box: dict[str, object] = {}
+
+    def target():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # handed to the caller
+            box["error"] = e
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), f"hung for more than {timeout} s"
+    if "error" in box:
+        raise box["error"]  # type: ignore[misc]
+    return box.get("value")

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TESTS, bit_equal, keyed_kv
+from conftest import REPO, TESTS, bit_equal, fetch_exact, keyed_kv, run_bounded
 
 from kvstore import KVLayout, connect, open_store
 from kvstore.cli import main as cli_main
@@ -53,34 +53,6 @@ def opened(path, *, warm=64, hot=0, model=MODEL, disk="64MiB", **kw):
 
 def chain(s, i: int, n: int = 6, salt=None):
     return s.block_keys([i * 100_000 + t for t in range(n * T)], salt=salt)
-
-
-def fetch_exact(s, keys, timeout: float = 20) -> int:
-    """Fetch ``keys``; the blocks returned must be exactly their own keys' bytes."""
-    got = s.fetch(keys).wait(timeout)
-    n = got.shape[0]
-    assert n <= len(keys)
-    assert bit_equal(got, keyed_kv(LAY, keys[:n])), "wrong KV served"
-    return n
-
-
-def run_bounded(fn, timeout: float):
-    """``fn()`` in a thread; fails the test (instead of hanging it) past ``timeout``."""
-    box: dict[str, object] = {}
-
-    def target():
-        try:
-            box["value"] = fn()
-        except BaseException as e:  # handed to the caller
-            box["error"] = e
-
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    t.join(timeout)
-    assert not t.is_alive(), f"hung for more than {timeout} s"
-    if "error" in box:
-        raise box["error"]  # type: ignore[misc]
-    return box.get("value")
 
 
 # -- tensors and keys the caller should not have passed ---------------------------------------
