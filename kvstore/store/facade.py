@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -76,6 +77,12 @@ class Store:
         st = self.state
         with st.lock:
             if st.closed or st.closing:
+                return
+            if st.pid != os.getpid():
+                # a forked child's copy: the threads, files and memory are the parent's to
+                # flush and release (its dirty blocks written twice, its shared slab removed)
+                st.closed = True
+                untrack(self)
                 return
             st.closing = True  # new calls now fail; what is queued still completes
         untrack(self)

@@ -8,6 +8,7 @@ module of :mod:`kvstore.store` holding this state, never a mixin reaching into a
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import deque
 from collections.abc import Sequence
@@ -55,6 +56,7 @@ class StoreState:
     counters: Counters = field(default_factory=Counters)
     closed: bool = False
     closing: bool = False
+    pid: int = field(default_factory=os.getpid)  # the process that opened it
     # dirty blocks read from a lower tier below the first: the index of that tier (write-back
     # copies them to the tiers above it, not back to where they came from)
     came_from: dict[BlockKey, int] = field(default_factory=dict)
@@ -111,6 +113,15 @@ class StoreState:
     def check_open(self) -> None:
         if self.closed or self.closing:
             raise StoreClosedError("the store is closed; open a new one with open_store()")
+        if self.pid != os.getpid():
+            # after fork() the child has the store's memory but none of its copy and
+            # write-back threads: a put waited forever on a copy no thread would run
+            raise StoreClosedError(
+                f"this store was opened in process {self.pid}, before a fork; it cannot be "
+                f"used in this process ({os.getpid()}): open a store here with open_store() "
+                "after the fork (processes share a store directory safely), or use "
+                "multiprocessing's 'spawn' or 'forkserver' start method"
+            )
 
     def keys(self, keys: Sequence[bytes]) -> list[BlockKey]:
         """``keys`` checked: 32-byte keys, not of another namespace."""

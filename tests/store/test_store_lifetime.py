@@ -70,3 +70,42 @@ def test_forked_child_does_not_close_the_parents_store(tmp_path):
     done = run(tmp_path, body)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["64", "False"]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_store_used_in_a_forked_child_says_so_and_the_parent_keeps_its_blocks(tmp_path):
+    """A store opened, then the process forked (a multiprocessing 'fork' worker): the child has
+    its memory but none of its copy and write-back threads, so a put there waited forever (a
+    hang found by the round-4 attacks). Every call in the child now raises StoreClosedError
+    naming the fork and what to do; the child's close() leaves the parent's dirty blocks,
+    files and memory alone; the parent flushes them itself."""
+    body = """
+    import signal
+    from kvstore.errors import StoreClosedError
+    s.put(keys[:32], kv[:32])  # dirty: written back by the parent only
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(20)  # a hang fails the test instead of stalling it
+        msgs = []
+        for call in (lambda: s.put(keys[32:], kv[32:]), lambda: s.lookup(keys),
+                     lambda: s.fetch(keys), s.flush, lambda: s.block_keys([1, 2, 3, 4])):
+            try:
+                call()
+            except StoreClosedError as e:
+                msgs.append(str(e))
+        s.close()
+        ok = len(msgs) == 5 and all("before a fork" in m and "open_store()" in m for m in msgs)
+        os._exit(0 if ok and s.closed else 3)
+    _, status = os.waitpid(pid, 0)
+    print(os.waitstatus_to_exitcode(status))
+    s.put(keys[32:], kv[32:])
+    s.flush()
+    s.close()
+    s = op()
+    got = s.fetch(keys).wait()
+    print(s.lookup(keys), torch.equal(got.view(torch.int16), kv.view(torch.int16)))
+    s.close()
+    """
+    done = run(tmp_path, body)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["0", "64", "True"], (done.stdout, done.stderr)
