@@ -153,14 +153,30 @@ def rewrite(ctx: DiskContext,
     (sid,) = alloc_segment_ids(ctx, 1)
     entries = [_entry_for(ctx, k, r, p) for k, r, p in pending]
     try:
-        path, fsize, offsets = _seg.write_segment(
-            ctx.segdir, sid, entries,
-            ctx.namespaces.records(r.namespace_id for _k, r, _p in pending))
+        # locked as a write in flight until its index commit (release_segment below): a
+        # prune or check with a short grace unlinked it while the records moved into it
+        seg = _seg.create_segment(ctx.segdir, sid, entries, ctx.namespaces.records(
+            r.namespace_id for _k, r, _p in pending))
+        _seg.finish_segment(seg)
+    except OSError as e:
+        raise DiskError(e.errno, f"compaction cannot write a segment in {ctx.segdir}: "
+                        f"{e.strerror or e}" + hint(e)) from e
+    try:
+        return _commit(ctx, pending, seg, sum(e.nbytes for e in entries), sid)
+    finally:
+        _seg.release_segment(seg)
+
+
+def _commit(ctx: DiskContext, pending: list[tuple[bytes, Rec, bytearray]],
+            seg: _seg.OpenSegment, dbytes: int, sid: int) -> tuple[int, int, list[int]]:
+    """:func:`rewrite`'s second half: the new segment's directory entry made durable, the
+    records moved to it in one index commit, the emptied segments unlinked."""
+    path, fsize, offsets = seg.final, seg.size, seg.offsets
+    try:
         _seg.fsync_dir(ctx.segdir)
     except OSError as e:
         raise DiskError(e.errno, f"compaction cannot write a segment in {ctx.segdir}: "
                         f"{e.strerror or e}" + hint(e)) from e
-    dbytes = sum(e.nbytes for e in entries)
     now = ctx.now_us()
 
     def fn(ops: WriteOps) -> int:

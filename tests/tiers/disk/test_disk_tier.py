@@ -871,3 +871,32 @@ def test_the_calling_thread_reads_and_never_waits_behind_a_busy_pool(tmp_path, m
         dsts = [torch.zeros(BF16.block_nbytes, dtype=torch.uint8) for _ in keys]
         assert t.read_many(keys, dsts) == [ReadStatus.OK] * len(keys)
         assert threading.get_ident() in readers
+
+
+def test_a_compactions_new_segment_is_left_alone_by_a_prune_before_its_index_commit(
+        tmp_path, monkeypatch):
+    """Round-4 attacks, left open then: compaction's new segment was unlocked between its
+    write and the index commit that moves the records into it, so `prune --grace 0` (or a
+    forward clock jump) in that window unlinked it, and the moved blocks, durable before the
+    compaction, became misses. It is now locked as a write in flight until the commit."""
+    from kvstore.tiers.disk import compaction
+
+    ns = namespace(BF16)
+    real = compaction.write_ops
+    pruned: list[list] = []
+    with open_tier(tmp_path) as t:
+        keys = chain("cp", 6)
+        t.write_blocks(writes(keys, ns))
+        t.delete(keys[4:])
+
+        def prune_first(ctx, fn):  # the prune racing in, right before the index commit
+            pruned.append(t.check(fix=True, grace_s=0, verify_data=False))
+            return real(ctx, fn)
+
+        monkeypatch.setattr(compaction, "write_ops", prune_first)
+        assert t.compact(threshold=0.9).blocks_moved == 4
+        monkeypatch.undo()
+        assert pruned == [[]]  # nothing was an orphan: the new segment was in flight
+        ok, bad = verify_all(t, BF16)
+        assert ok == 4 and not bad
+        assert t.leading_run(keys) == 4 and t.check() == []
