@@ -100,7 +100,7 @@ def run_check(ctx: DiskContext, *, fix: bool, grace_s: float, verify_data: bool,
     # 4. segment files against the index
     by_seg, flagged, orphans = _check_segment_files(ctx, good, files, snap, now, grace_s)
     # a file a writer holds is in flight whatever its mtime says (the clock may have jumped)
-    stale_temps = [p for p, mt in temps if now - mt >= grace_s and not _seg.in_flight(p)]
+    stale_temps = [p for p, mt in temps if _aged(now, mt, grace_s) and not _seg.in_flight(p)]
     # 5. data: every remaining block read back and verified (plus its header entry)
     header_bad = _verify_data(ctx, by_seg, flagged, snap.bad_keys) if verify_data else []
 
@@ -271,7 +271,7 @@ def _check_segment_files(ctx: DiskContext, good: list[tuple[bytes, Rec]],
             continue
         path = os.path.join(segdir, _seg.segment_name(sid))
         # in flight first: a writer releases its file only after the index references it
-        if (now - st.st_mtime >= grace_s and not _seg.in_flight(path)
+        if (_aged(now, st.st_mtime, grace_s) and not _seg.in_flight(path)
                 and _unreferenced(ctx.sh, sid)):
             orphans.append(path)
     return by_seg, flagged, orphans
@@ -448,6 +448,14 @@ def rewrite_unlisted(ctx: DiskContext, keys: Sequence[bytes],
     flush()
     return RewriteResult(tuple(rewritten), tuple(dropped), tuple(unchanged), tuple(failed),
                          segments)
+
+
+def _aged(now: float, mtime: float, grace_s: float) -> bool:
+    """Whether a file last written at ``mtime`` is past the grace period. A time in the future
+    counts by its distance too: the clock went back since (a file from before the jump was
+    otherwise never old enough, a leak until the clock caught up); what is in flight is
+    told by its lock, not its mtime."""
+    return abs(now - mtime) >= grace_s
 
 
 def _unreferenced(sh: SharedEnv, sid: int) -> bool:
