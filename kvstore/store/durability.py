@@ -76,9 +76,14 @@ class Durability:
         reason = self.reason or "the disk tier could not write them"
         kept = len(self.unwritten)
         self.lost = 0
+        # the advice follows the cause: "free space" for a file that vanished or a directory
+        # made read-only sent operators to the wrong fix
+        full = any(s in reason for s in ("No space left", "disk full", "ENOSPC"))
+        todo = ("free space on the disk (or lower --disk-capacity)" if full
+                else "fix what the reason above says")
         return NotDurableError(
             f"flush: {n} block(s) put before this flush are not on disk: {reason}. "
             f"{kept} of them are still served from memory and are written again by the next "
-            "flush; free space on the disk (or lower --disk-capacity) and flush again; the "
-            "rest left memory and must be put again if they matter",
+            f"flush; {todo} and flush again; the rest left memory and must be put again if "
+            "they matter",
             n, reason)

@@ -65,7 +65,7 @@ def test_flush_raises_for_blocks_the_disk_refused_and_succeeds_once_it_takes_the
             s.flush()
         assert isinstance(ei.value, KVStoreError)
         assert ei.value.blocks == 4 and "No space left" in ei.value.reason
-        assert "4 block(s)" in str(ei.value)
+        assert "4 block(s)" in str(ei.value) and "free space on the disk" in str(ei.value)
         # still served from memory, bit-exact
         assert s.lookup(bad) == 4
         assert torch.equal(s.fetch(bad).wait().view(torch.uint8), keyed_kv(LAY, bad).view(torch.uint8))
@@ -318,3 +318,24 @@ def test_the_writer_never_takes_a_block_whose_copy_is_still_in_flight(tmp_path):
             finally:
                 del st.pending[keys[0]]
         assert res.take_dirty(8) == [keys[0]]
+
+
+def test_a_flush_failure_not_about_space_does_not_advise_freeing_space(tmp_path, monkeypatch):
+    """Round-4 attacks: a segment's temp file removed under the writer failed the flush with
+    advice to free disk space. The advice now follows the reason."""
+    def vanish(self, *a, **kw):
+        raise DiskError(errno.ENOENT, "cannot write to the disk tier: [Errno 2] No such file "
+                        "or directory: 'segments/0000000000000007.safetensors.tmp'")
+    with open_(tmp_path) as s:
+        for name in ("stage", "commit", "write"):
+            monkeypatch.setattr(BoundDisk, name, vanish)
+        keys = s.block_keys(tokens(2, 4))
+        s.put(keys, keyed_kv(LAY, keys))
+        with pytest.raises(NotDurableError) as ei:
+            s.flush()
+        msg = str(ei.value)
+        assert "No such file" in msg and "free space" not in msg
+        assert "fix what the reason above says and flush again" in msg
+        monkeypatch.undo()
+        s.flush()  # the cause gone: written and vouched for
+    assert on_disk(tmp_path, {0: keys}) == {0}
