@@ -617,9 +617,9 @@ def main_async(argv: list[str]) -> int:
             if own is not None and not args.workdir:
                 shutil.rmtree(own, ignore_errors=True)
     hits = sum(r["id"].startswith("hit") for r in reqs)
-    # a hit of a whole-blocks prompt is claimed less one token (the connector loads all its
-    # blocks; vLLM computes the last token): scheduler._match
-    expected = hits * min(n // BS * BS, n - 1)
+    # whole blocks short of the prompt's end: vLLM computes at least the last token, and the
+    # connector claims whole blocks only (scheduler._match)
+    expected = hits * ((n - 1) // BS * BS)
     table = {}
     for name, results in runs.items():
         itl = [x for res in results for r in res["requests"].values() for x in r["itl"]]

@@ -71,10 +71,9 @@ def counter_delta(before: Mapping[str, float], after: Mapping[str, float]) -> di
 
 
 def unservable_tail(lengths: Sequence[int], block: int = BLOCK) -> int:
-    """Tokens no external cache can serve: a cache loads whole blocks and vLLM computes at
-    least the last token, so of a ``n``-token prompt at most its whole blocks, and at most
-    ``n - 1`` tokens, can be loaded (a prompt of whole blocks loads them all, a token short)."""
-    return sum(n - min(n // block * block, n - 1) for n in lengths)
+    """Tokens no external cache can serve: vLLM computes at least the last token, in whole
+    blocks, so of a ``n``-token prompt at most ``(n - 1) // block * block`` can be loaded."""
+    return sum(n - (n - 1) // block * block for n in lengths)
 
 
 def hit_rates(delta: Mapping[str, float], lengths: Sequence[int]) -> dict[str, float]:

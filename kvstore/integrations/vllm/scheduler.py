@@ -160,11 +160,8 @@ class SchedulerSide:
         if st.keys is None:
             return 0, False
         bs = self.block_size
-        # every full block of the prompt, its last one too: vLLM must compute at least the
-        # last token, so a hit of the whole prompt claims one token less (the load still
-        # writes that block whole; the forward rewrites the token's slot). Claiming only
-        # up to the block before would prefill a whole block on every full hit.
-        claimable = st.prompt_len // bs
+        # never the whole prompt: vLLM must compute at least its last token
+        claimable = max(0, (st.prompt_len - 1) // bs)
         st.located = []
         try:
             n = self._lookup(st, st.keys[:claimable]) if claimable else 0
@@ -182,7 +179,7 @@ class SchedulerSide:
         self.stats.count(lookups=1, lookup_tokens=st.prompt_len)
         if num_computed_tokens % bs:
             return 0, False
-        ext = min(n * bs, st.prompt_len - 1) - num_computed_tokens
+        ext = n * bs - num_computed_tokens
         if ext <= 0:
             return 0, False
         st.load_now = self._load_now(st, n) if self.load_async else ""
@@ -244,11 +241,8 @@ class SchedulerSide:
         bs = self.block_size
         block_ids = list(blocks.get_block_ids()[0])
         first = st.local_blocks  # vLLM's own hit, as passed to get_num_new_matched_tokens
-        count = -(-num_external_tokens // bs)
-        # whole blocks, or every block of a whole-prompt hit (a token short: see _match)
-        whole = not num_external_tokens % bs or ((first + count) * bs == st.prompt_len
-            and first * bs + num_external_tokens == st.prompt_len - 1)
-        if not whole or first + count > min(len(block_ids), len(st.keys)):
+        count = num_external_tokens // bs
+        if num_external_tokens % bs or first + count > min(len(block_ids), len(st.keys)):
             log.warning("kvstore: request %s: load plan does not fit its blocks; skipped",
                         request.request_id)
             return
