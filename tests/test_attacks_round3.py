@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO, TESTS, bit_equal, fetch_exact, keyed_kv, run_bounded
+from support.attacks import BN, LAY, T, attack_store
 
 from kvstore import KVLayout, connect, open_store
 from kvstore.cli import main as cli_main
@@ -40,15 +41,11 @@ from kvstore.errors import (
     TokenError,
 )
 
-LAY = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16, block_tokens=4)
-BN = LAY.block_nbytes  # 512 B
-T = LAY.block_tokens
 MODEL = "attacks/round3"
 
 
-def opened(path, *, warm=64, hot=0, model=MODEL, disk="64MiB", **kw):
-    return open_store(path, layout=LAY, model_id=model, device="cpu", gpu_capacity=hot * BN,
-                      cpu_capacity=warm * BN, disk_capacity=disk, **kw)
+def opened(path, *, model=MODEL, **kw):
+    return attack_store(path, model=model, **kw)
 
 
 def chain(s, i: int, n: int = 6, salt=None):

@@ -19,26 +19,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import bit_equal, fetch_exact, keyed_kv, run_bounded
+from conftest import REPO, TESTS, bit_equal, fetch_exact, keyed_kv, run_bounded
+from support.attacks import BN, LAY, T, attack_store
 
-from kvstore import KVLayout, connect, open_store
+from kvstore import connect
 from kvstore.errors import DaemonUnavailableError, TokenError
 from kvstore.keys import tokens_to_u32le
 
-# conftest's constants are not imported at call time: by then the module named
-# ``conftest`` may be tests/vllm/conftest.py (CI's whole-suite run).
-TESTS = Path(__file__).resolve().parent
-REPO = TESTS.parent
-
-LAY = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16, block_tokens=4)
-BN = LAY.block_nbytes  # 512 B
-T = LAY.block_tokens
 MODEL = "attacks/round4"
 
 
-def opened(path, *, warm=64, hot=0, model=MODEL, disk="64MiB", **kw):
-    return open_store(path, layout=LAY, model_id=model, device="cpu", gpu_capacity=hot * BN,
-                      cpu_capacity=warm * BN, disk_capacity=disk, **kw)
+def opened(path, *, model=MODEL, **kw):
+    return attack_store(path, model=model, **kw)
 
 
 def chain(s, i: int, n: int = 6):
@@ -325,15 +317,21 @@ def test_prune_with_no_grace_while_another_process_writes_loses_nothing_vouched(
         pass  # the store exists before the writer and prune race on it
     p = subprocess.Popen([sys.executable, "-c", _WRITER, str(TESTS), str(tmp_path)],
                          stdout=subprocess.PIPE, text=True, cwd=REPO)
+    lines: list[str] = []
     try:
         assert p.stdout.readline().strip() == "ready"
-        t_end = time.monotonic() + 1.0
-        while time.monotonic() < t_end:
+        reader = threading.Thread(target=lambda: lines.extend(p.stdout), daemon=True)
+        reader.start()
+        # at least a second of prunes, and on until the writer vouched for 3 chains (on a
+        # loaded machine a second was not always enough for 3 flushes)
+        t_min, t_max = time.monotonic() + 1.0, time.monotonic() + 30.0
+        while time.monotonic() < t_max and (
+                time.monotonic() < t_min or sum(x.startswith("flushed") for x in lines) < 3):
             prune(tmp_path, grace_s=0)
     finally:
         p.kill()
-        out = p.communicate(timeout=30)[0]
-    lines = out.splitlines()
+        p.wait(timeout=30)
+    reader.join(10)
     vouched = [int(x.split()[1]) for x in lines if x.startswith("flushed")]
     failed = [x for x in lines if x.startswith("not durable")]
     assert len(vouched) >= 3 and not failed, failed[:3]

@@ -1,0 +1,18 @@
+"""What the attack rounds (tests/test_attacks_round*.py) share: a small layout and a store
+opened on it with a few warm slots, so that eviction and the disk are in play at once."""
+
+from __future__ import annotations
+
+import torch
+
+from kvstore import KVLayout, open_store
+
+LAY = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16, block_tokens=4)
+BN = LAY.block_nbytes  # 512 B
+T = LAY.block_tokens
+
+
+def attack_store(path, *, model: str, warm: int = 64, hot: int = 0, disk: str = "64MiB", **kw):
+    """A store on ``LAY``: ``warm`` / ``hot`` slots of memory, ``disk`` of disk."""
+    return open_store(path, layout=LAY, model_id=model, device="cpu", gpu_capacity=hot * BN,
+                      cpu_capacity=warm * BN, disk_capacity=disk, **kw)
