@@ -145,9 +145,9 @@ def test_remote_lookup_is_one_round_trip_and_a_fetch_two(server, tmp_path, monke
     calls: list[list[str]] = []
     real = remote_tier._pipeline
 
-    def counted(client, cmds):
+    def counted(client, cmds, deadline):
         calls.append([args[0] for args, _ in cmds])
-        return real(client, cmds)
+        return real(client, cmds, deadline)
 
     monkeypatch.setattr(remote_tier, "_pipeline", counted)
     with host(None, server.url) as b:

@@ -186,12 +186,56 @@ class Node:
             with contextlib.suppress(Exception):  # best effort at close
                 c.connection_pool.disconnect()
 
+    def abort(self, write: bool) -> None:
+        """Cut the sockets of a call that missed its deadline (and any other call on them):
+        a server that trickles its reply stays within every socket timeout and held a worker
+        thread for as long as it liked. The worker's read fails; no retry follows past the
+        deadline (:class:`BudgetRetry`)."""
+        with contextlib.suppress(Exception):  # best effort: the call is given up already
+            (self.write if write else self.read).connection_pool.disconnect(
+                inuse_connections=True)
+
+
+#: the deadline of the call running on this thread (``call_deadline``), for BudgetRetry
+_CALL = threading.local()
+
+
+@contextlib.contextmanager
+def call_deadline(deadline: float):
+    """Run the block with ``deadline`` (``time.monotonic()``) as this thread's call deadline."""
+    _CALL.deadline = deadline
+    try:
+        yield
+    finally:
+        _CALL.deadline = None
+
+
+class PastDeadline(redis.TimeoutError):
+    """A retry (or first try) the call's deadline has passed: not tried."""
+
+
+class BudgetRetry(Retry):
+    """redis-py's retry, never past the running call's deadline: after :meth:`Node.abort` cut
+    a late call's socket, a retry would reconnect and send it again."""
+
+    def call_with_retry(self, do, fail, *args, **kwargs):  # type: ignore[override]
+        deadline = getattr(_CALL, "deadline", None)
+        if deadline is None:
+            return super().call_with_retry(do, fail, *args, **kwargs)
+
+        def within():
+            if time.monotonic() >= deadline:
+                raise PastDeadline("the call's deadline passed")
+            return do()
+
+        return super().call_with_retry(within, fail, *args, **kwargs)
+
 
 def _client(host: str, port: int, kw: Mapping[str, Any], timeout: float) -> redis.Redis:
     args = {k: v for k, v in kw.items() if k not in _OWNED}
     # one immediate retry on a connection error (a pooled socket the server closed: restart,
     # idle timeout), none on a timeout: a slow server must not cost the budget twice
-    retry = Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,))
+    retry = BudgetRetry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,))
     pool = redis.ConnectionPool(host=host, port=port, socket_timeout=timeout,
                                 socket_connect_timeout=timeout, retry=retry, **args)
     return redis.Redis(connection_pool=pool)

@@ -58,6 +58,7 @@ from kvstore.tiers.remote.conn import (
     Node,
     SingleTopology,
     Topology,
+    call_deadline,
     parse_remote_url,
     redact,
 )
@@ -93,12 +94,14 @@ class _Counters:
                 self.v[k] += n
 
 
-def _pipeline(client: redis.Redis, cmds: list[tuple]) -> list:
-    """Run ``cmds`` as one non-transactional pipeline (one write, then the replies)."""
+def _pipeline(client: redis.Redis, cmds: list[tuple], deadline: float) -> list:
+    """Run ``cmds`` as one non-transactional pipeline (one write, then the replies), with no
+    retry past ``deadline``."""
     pipe = client.pipeline(transaction=False)
     for args, opts in cmds:
         pipe.execute_command(*args, **opts)
-    return pipe.execute(raise_on_error=False)
+    with call_deadline(deadline):
+        return pipe.execute(raise_on_error=False)
 
 
 def _as_array(t: torch.Tensor, what: str) -> np.ndarray:
@@ -255,7 +258,7 @@ class RemoteTier:
                 continue
             client = node.write if write else node.read
             try:
-                futs[self._pool.submit(_pipeline, client, build(idx))] = (node, idx)
+                futs[self._pool.submit(_pipeline, client, build(idx), deadline)] = (node, idx)
             except RuntimeError:  # pool shut down by a concurrent close()
                 skipped += len(idx)
         if skipped:
@@ -278,8 +281,9 @@ class RemoteTier:
                     moved = True
                 out[i] = r
         for f in late:
-            f.cancel()
             node, _idx = futs[f]
+            if not f.cancel():  # running: a server still trickling its reply keeps the thread
+                node.abort(write)
             self._fail(node, what, f"no reply within {deadline_budget(what, self.config)}",
                        timeout=True)
         if moved and isinstance(self._topo, ClusterTopology):
@@ -393,7 +397,8 @@ class RemoteTier:
                 if node is None or not node.breaker.allow():
                     continue
                 try:
-                    _pipeline(node.write, [(("DEL", rkeys[i]), {}) for i in idx])
+                    _pipeline(node.write, [(("DEL", rkeys[i]), {}) for i in idx],
+                              time.monotonic() + self.config.write_budget_s)
                 except Exception as e:  # best effort
                     log.debug("remote tier %s: deleting corrupt values on %s failed: %s",
                               self._url, node.name, e)

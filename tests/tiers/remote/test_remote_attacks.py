@@ -354,3 +354,72 @@ def test_a_port_that_is_not_redis_is_a_bounded_miss_never_a_raise(reply):
             assert fetch_exact(s, keys) == 4
             other = s.block_keys(list(range(51_000, 51_016)))
             assert bounded(lambda: fetch_exact(s, other), 2) == 0
+
+
+_HELLO_REPLY = (b"%7\r\n+server\r\n+redis\r\n+version\r\n+7.0.0\r\n+proto\r\n:3\r\n+id\r\n"
+                b":1\r\n+mode\r\n+standalone\r\n+role\r\n+master\r\n+modules\r\n*0\r\n")
+
+
+class _Trickler(_Impostor):
+    """A server that answers the connection's handshake and then trickles every other reply:
+    a 1 MB bulk string header, then a byte every 50 ms, inside any socket timeout. It notes
+    each connection it accepts and when the client cut it."""
+
+    def __init__(self) -> None:
+        self.accepted = 0
+        self.cut: list[float] = []
+        super().__init__(b"")
+
+    def _serve(self, c: socket.socket) -> None:
+        self.accepted += 1
+        c.settimeout(0.05)
+        with c:
+            while not self.stop.is_set():
+                try:
+                    data = c.recv(65536)
+                except TimeoutError:
+                    continue
+                except OSError:
+                    break
+                if not data:
+                    break
+                if b"HELLO" in data:  # redis-py's connect (RESP3 in redis-py 8)
+                    c.sendall(_HELLO_REPLY)
+                    continue
+                if b"CLIENT" in data:
+                    c.sendall(b"+OK\r\n" * max(1, data.count(b"*")))
+                    continue
+                try:
+                    c.sendall(b"$1000000\r\n")
+                    while not self.stop.is_set():
+                        c.sendall(b"x")
+                        time.sleep(0.05)
+                except OSError:  # the client cut the connection
+                    break
+            self.cut.append(time.monotonic())
+
+
+def test_a_server_trickling_its_reply_loses_the_connection_at_the_deadline():
+    """A hostile or broken server answers a read one byte at a time, each inside the socket
+    timeout: the read was a miss at its deadline, but the worker thread kept reading for as
+    long as the server trickled (and redis-py's retry would send it again). The late call's
+    socket is now cut at the deadline, with no retry past it: the thread is free again."""
+    with _Trickler() as srv:
+        t = RemoteTier(RemoteConfig(srv.url, budget_s=BUDGET, backoff_s=0.01,
+                                    backoff_max_s=0.02))
+        try:
+            keys = [hashlib.sha256(b"t%d" % i).digest() for i in range(3)]
+            dsts = [torch.empty(BN, dtype=torch.uint8) for _ in keys]
+            st = bounded(lambda: t.read_many(keys, dsts, namespace_id=bytes(32)),
+                         BUDGET + SLACK)
+            assert ReadStatus.OK not in st
+            t_read = time.monotonic()
+            deadline = t_read + 3
+            while not srv.cut and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert srv.cut, "the trickling read still holds its connection"
+            assert srv.cut[0] - t_read < 2
+            time.sleep(0.3)
+            assert srv.accepted == 1, "the read was sent again after its deadline"
+        finally:
+            t.close()
