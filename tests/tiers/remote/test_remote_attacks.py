@@ -298,14 +298,16 @@ class _Impostor:
                     continue
                 except OSError:
                     return
-                if not data:
+                if not data or not self._answer(c, data):
                     return
-                # one reply per command sent (a pipeline sends several in one chunk)
-                n = max(1, data.count(b"\r\n*") + data.startswith(b"*") - 1 + 1)
-                with contextlib.suppress(OSError):
-                    c.sendall(self.reply * n)
-                if self.close_after:
-                    return
+
+    def _answer(self, c: socket.socket, data: bytes) -> bool:
+        """Answer one chunk of commands; False: close the connection."""
+        # one reply per command sent (a pipeline sends several in one chunk)
+        n = max(1, data.count(b"\r\n*") + data.startswith(b"*") - 1 + 1)
+        with contextlib.suppress(OSError):
+            c.sendall(self.reply * n)
+        return not self.close_after
 
     def __enter__(self) -> _Impostor:
         return self
@@ -372,31 +374,23 @@ class _Trickler(_Impostor):
 
     def _serve(self, c: socket.socket) -> None:
         self.accepted += 1
-        c.settimeout(0.05)
-        with c:
-            while not self.stop.is_set():
-                try:
-                    data = c.recv(65536)
-                except TimeoutError:
-                    continue
-                except OSError:
-                    break
-                if not data:
-                    break
-                if b"HELLO" in data:  # redis-py's connect (RESP3 in redis-py 8)
-                    c.sendall(_HELLO_REPLY)
-                    continue
-                if b"CLIENT" in data:
-                    c.sendall(b"+OK\r\n" * max(1, data.count(b"*")))
-                    continue
-                try:
-                    c.sendall(b"$1000000\r\n")
-                    while not self.stop.is_set():
-                        c.sendall(b"x")
-                        time.sleep(0.05)
-                except OSError:  # the client cut the connection
-                    break
-            self.cut.append(time.monotonic())
+        super()._serve(c)
+        self.cut.append(time.monotonic())
+
+    def _answer(self, c: socket.socket, data: bytes) -> bool:
+        try:
+            if b"HELLO" in data:  # redis-py's connect (RESP3 in redis-py 8)
+                c.sendall(_HELLO_REPLY)
+            elif b"CLIENT" in data:
+                c.sendall(b"+OK\r\n" * max(1, data.count(b"*")))
+            else:
+                c.sendall(b"$1000000\r\n")
+                while not self.stop.is_set():
+                    c.sendall(b"x")
+                    time.sleep(0.05)
+        except OSError:  # the client cut the connection
+            return False
+        return True
 
 
 def test_a_server_trickling_its_reply_loses_the_connection_at_the_deadline():
