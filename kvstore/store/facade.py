@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -78,7 +77,7 @@ class Store:
         with st.lock:
             if st.closed or st.closing:
                 return
-            if st.pid != os.getpid():
+            if st.forked():
                 # a forked child's copy: the threads, files and memory are the parent's to
                 # flush and release (its dirty blocks written twice, its shared slab removed)
                 st.closed = True
