@@ -152,49 +152,41 @@ def rewrite(ctx: DiskContext,
     segment (0 when it ended up empty), segments emptied and unlinked)."""
     (sid,) = alloc_segment_ids(ctx, 1)
     entries = [_entry_for(ctx, k, r, p) for k, r, p in pending]
+    seg: _seg.OpenSegment | None = None
     try:
-        # locked as a write in flight until its index commit (release_segment below): a
-        # prune or check with a short grace unlinked it while the records moved into it
-        seg = _seg.create_segment(ctx.segdir, sid, entries, ctx.namespaces.records(
-            r.namespace_id for _k, r, _p in pending))
-        _seg.finish_segment(seg)
-    except OSError as e:
-        raise DiskError(e.errno, f"compaction cannot write a segment in {ctx.segdir}: "
-                        f"{e.strerror or e}" + hint(e)) from e
-    try:
-        return _commit(ctx, pending, seg, sum(e.nbytes for e in entries), sid)
+        try:
+            # locked as a write in flight until its index commit (released below): a prune
+            # or check with a short grace unlinked it while the records moved into it
+            seg = _seg.create_segment(ctx.segdir, sid, entries, ctx.namespaces.records(
+                r.namespace_id for _k, r, _p in pending))
+            _seg.finish_segment(seg)
+            _seg.fsync_dir(ctx.segdir)
+        except OSError as e:
+            raise DiskError(e.errno, f"compaction cannot write a segment in {ctx.segdir}: "
+                            f"{e.strerror or e}" + hint(e)) from e
+        path, fsize, offsets = seg.final, seg.size, seg.offsets
+        dbytes = sum(e.nbytes for e in entries)
+        now = ctx.now_us()
+
+        def fn(ops: WriteOps) -> int:
+            ops.add_segment(sid, fsize, dbytes, now)
+            m = 0
+            for (key, rec, _p), off in zip(pending, offsets, strict=True):
+                cur = ops.get(key)
+                if cur is None or (cur.segment, cur.offset) != (rec.segment, rec.offset):
+                    continue  # deleted or moved meanwhile
+                ops.move(key, cur, sid, off)
+                m += 1
+            return m
+
+        try:
+            m, emptied = write_ops(ctx, fn)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            raise
     finally:
-        _seg.release_segment(seg)
-
-
-def _commit(ctx: DiskContext, pending: list[tuple[bytes, Rec, bytearray]],
-            seg: _seg.OpenSegment, dbytes: int, sid: int) -> tuple[int, int, list[int]]:
-    """:func:`rewrite`'s second half: the new segment's directory entry made durable, the
-    records moved to it in one index commit, the emptied segments unlinked."""
-    path, fsize, offsets = seg.final, seg.size, seg.offsets
-    try:
-        _seg.fsync_dir(ctx.segdir)
-    except OSError as e:
-        raise DiskError(e.errno, f"compaction cannot write a segment in {ctx.segdir}: "
-                        f"{e.strerror or e}" + hint(e)) from e
-    now = ctx.now_us()
-
-    def fn(ops: WriteOps) -> int:
-        ops.add_segment(sid, fsize, dbytes, now)
-        m = 0
-        for (key, rec, _p), off in zip(pending, offsets, strict=True):
-            cur = ops.get(key)
-            if cur is None or (cur.segment, cur.offset) != (rec.segment, rec.offset):
-                continue  # deleted or moved meanwhile
-            ops.move(key, cur, sid, off)
-            m += 1
-        return m
-
-    try:
-        m, emptied = write_ops(ctx, fn)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-        raise
+        if seg is not None:
+            _seg.release_segment(seg)
     unlink_segments(ctx, emptied)
     return m, (0 if sid in emptied else fsize), emptied
