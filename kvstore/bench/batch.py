@@ -172,16 +172,13 @@ class VLLMWorker:
 
 class EngineWorker(VLLMWorker):
     """The transformers engine in its own process (``python -m kvstore.bench.batch MODEL_DIR``),
-    started as ``kvstore batch run`` starts it: OpenMP threads that sleep while they wait
-    (:mod:`kvstore.integrations.batch.engines.threads`), as many as the cores it may use."""
+    started as ``kvstore batch run`` starts it: OpenMP's own waits, on as many threads as the
+    cores other processes leave it, chosen as it runs
+    (:class:`kvstore.integrations.batch.engines.threads.CoreShare`)."""
 
     def __init__(self, model_dir: str, *, threads: int | None = None,
                  tree: str | None = None) -> None:
-        from kvstore.integrations.batch.engines.threads import PASSIVE_ENV
-
         env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
-        for k, v in PASSIVE_ENV.items():
-            env.setdefault(k, v)
         if threads:
             env["OMP_NUM_THREADS"] = str(threads)
         # tree: run that checkout's engine (``-m`` imports from the working directory first)

@@ -193,11 +193,7 @@ def _print_summary(s: Any, out_path: str, warm: WarmSizing | None) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvstore.integrations.batch.engines.threads import prefer_passive_waits
     from kvstore.integrations.batch.jobs import read_requests
-
-    if args.engine == "transformers":  # before torch loads OpenMP (engines/threads.py)
-        prefer_passive_waits()
 
     if not Path(args.model).is_dir():
         return error("batch", f"--model {args.model}: not a model directory")

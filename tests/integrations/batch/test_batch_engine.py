@@ -219,15 +219,42 @@ def test_store_layout_mismatch_is_refused(model):
         TransformersEngine(model, store=store)
 
 
-def test_threads_and_wait_policy(monkeypatch):
-    from kvstore.integrations.batch.engines import threads
+def test_run_follows_the_cores_left_to_it(model):
+    """Threads not fixed: each run starts on the cores other processes leave it (a fresh
+    look), and a forward switches when the share changes; restored after the run."""
+    from support.cores import FakeCores
 
-    env = {}
-    assert threads.prefer_passive_waits(env) and env["OMP_WAIT_POLICY"] == "PASSIVE"
-    mine = {"OMP_WAIT_POLICY": "ACTIVE"}  # the user's choice stays
-    assert not threads.prefer_passive_waits(mine) and mine["OMP_WAIT_POLICY"] == "ACTIVE"
-    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: {0, 3, 5}, raising=False)
-    assert threads.usable_cores() == 3
+    from kvstore.integrations.batch.engines.split import wide_threads
+
+    m = FakeCores()
+    engine = TransformersEngine(model, eos_token_id=())
+    engine._share = m.share(2)
+    seen = []
+    h = model.model.layers[0].register_forward_pre_hook(
+        lambda mod, args: seen.append(wide_threads() or torch.get_num_threads()))
+    before = torch.get_num_threads()
+    try:
+        m.advance(1.0, others=1.0, own=0.0)  # another process keeps one core busy
+        run(engine, [[5, 6, 7]], SamplingParams(max_tokens=2))
+        assert set(seen) == {1} and torch.get_num_threads() == before
+        seen.clear()
+        m.advance(1.0, others=0.0, own=0.5)  # it stopped
+        run(engine, [[5, 6, 7]], SamplingParams(max_tokens=2))
+        assert set(seen) == {2}
+        seen.clear()
+        # it comes back during the run: the next forward (a second on) runs on one thread
+        busy = model.model.layers[1].register_forward_pre_hook(
+            lambda mod, args: m.advance(1.0, others=1.0, own=1.0))
+        try:
+            run(engine, [[5, 6, 7]], SamplingParams(max_tokens=3))
+        finally:
+            busy.remove()
+        assert seen == [2, 1, 1]
+    finally:
+        h.remove()
+        torch.set_num_threads(before)
+    fixed = TransformersEngine(model, eos_token_id=(), threads=1)
+    assert fixed._share is None  # threads= fixes the count: no looks
 
 
 def test_run_sets_threads_and_packs_linears_then_restores(model):

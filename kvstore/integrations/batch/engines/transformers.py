@@ -31,7 +31,7 @@ from kvstore.integrations.batch.engines.linear import PackedLinears, packing_ava
 from kvstore.integrations.batch.engines.sampling import RowState, Tokenizer, choose_tokens
 from kvstore.integrations.batch.engines.schedule import Batch, PrefixNode, Row, pack, schedule
 from kvstore.integrations.batch.engines.split import small_ops
-from kvstore.integrations.batch.engines.threads import set_threads
+from kvstore.integrations.batch.engines.threads import CoreShare, set_threads
 from kvstore.integrations.batch.plan import BatchPlan, plan_batch
 from kvstore.integrations.batch.requests import BatchRequest
 from kvstore.integrations.transformers import cache_kwarg, eos_token_ids, layout_for
@@ -67,8 +67,9 @@ class TransformersEngine:
     ``max_batch_rows`` the rows decoding together, ``max_prefix_tokens`` the shared-prefix
     tokens a batch holds at once (default: 32 x ``max_batch_tokens``). ``eos_token_id``: an
     int or a list; by default the model's ``generation_config.eos_token_id``. ``threads``:
-    torch's intra-op threads during :meth:`run` (default: the cores this process may use,
-    :func:`~.threads.usable_cores`; restored after). ``prepack``: run the model's float32
+    torch's intra-op threads during :meth:`run` (default: the cores this process may use
+    less those other processes keep busy, looked at again every half second as it runs,
+    :class:`~.threads.CoreShare`; restored after). ``prepack``: run the model's float32
     CPU linear layers on oneDNN-prepacked weights during :meth:`run` (:mod:`.linear`;
     default: where this torch has it), packed here (a weight changed in place is packed
     again at the next run), gated SiLU MLPs on fused oneDNN calls. On glibc, large freed
@@ -108,6 +109,9 @@ class TransformersEngine:
         self._cache_kw = cache_kwarg(model)
         self._keep_rows = "logits_to_keep" in params  # takes a tensor of positions
         self._split = False  # during run: small forwards split threads (.split)
+        # threads not fixed: the cores other processes leave us, looked at from here on
+        self._share = CoreShare() if self.device.type == "cpu" and not threads else None
+        self._shared = False  # during run: threads follow self._share
 
     def plan(self, requests: Sequence[BatchRequest]) -> BatchPlan:
         """The batch's plan (prefix tree, groups); the store is not simulated."""
@@ -140,6 +144,10 @@ class TransformersEngine:
                               "use_cache": True}
         if self._keep_rows:
             kw["logits_to_keep"] = ends.to(self.device)
+        if self._shared and self._share is not None:
+            n = self._share.threads()
+            if n != torch.get_num_threads():
+                torch.set_num_threads(n)
         split = (small_ops(torch.get_num_threads())
                  if self._split and len(plan.positions) <= SMALL_FORWARD
                  else contextlib.nullcontext())
@@ -259,7 +267,11 @@ class TransformersEngine:
         if not requests:
             return EngineReport(0, 0, 0, 0, 0, 0, 0.0, "engine")
         plan = plan or self.plan(requests)
-        before = set_threads(self.threads) if self.device.type == "cpu" else None
+        before = None
+        if self.device.type == "cpu":
+            before = set_threads(self._share.threads(now=True) if self._share and not self.threads
+                                 else self.threads)
+        self._shared = self._share is not None and not self.threads
         try:
             with self._linears.active() if self._linears else contextlib.nullcontext() as n, \
                     heap_reuse() if self.device.type == "cpu" else contextlib.nullcontext():
@@ -271,6 +283,7 @@ class TransformersEngine:
                 finally:
                     self._split = False
         finally:
+            self._shared = False
             if before is not None:
                 torch.set_num_threads(before)
 
