@@ -57,6 +57,16 @@ class Trace:
         return Trace(self.requests[:n], self.source, self.trace_block_tokens)
 
 
+#: bounds of a line's integers: timestamps and lengths are used as floats (pacing, routing),
+#: hash ids as uint64 (:func:`block_tokens_of`); anything past them is a damaged line
+_MAX_FIELD = 1 << 63
+_MAX_HASH_ID = 1 << 64
+
+
+def _int_below(v: object, bound: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < bound
+
+
 def _request(obj: object, where: str) -> Request:
     if not isinstance(obj, dict):
         raise TraceError(f"{where}: expected a JSON object per line, got {type(obj).__name__}")
@@ -67,12 +77,12 @@ def _request(obj: object, where: str) -> Request:
                          "timestamp, input_length, output_length, hash_ids)") from None
     inp, out = obj.get("input_length", 0), obj.get("output_length", 0)
     ints = (ts, inp, out)
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ints):
+    if not all(_int_below(v, _MAX_FIELD) for v in ints):
         raise TraceError(f"{where}: timestamp, input_length and output_length must be "
-                         "non-negative integers")
-    if not isinstance(ids, list) or not all(
-            isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in ids):
-        raise TraceError(f"{where}: hash_ids must be a list of non-negative integers")
+                         "non-negative integers below 2**63")
+    if not isinstance(ids, list) or not all(_int_below(h, _MAX_HASH_ID) for h in ids):
+        raise TraceError(f"{where}: hash_ids must be a list of non-negative integers below "
+                         "2**64")
     sess = obj.get("session")
     if sess is not None and not (isinstance(sess, int) and not isinstance(sess, bool)):
         raise TraceError(f"{where}: session must be an integer when given")
@@ -83,17 +93,29 @@ def iter_requests(path: str | os.PathLike[str]) -> Iterator[Request]:
     """The requests of a trace file in file order; blank lines are skipped."""
     p = Path(path)
     try:
-        f = p.open("r", encoding="utf-8")
+        # surrogateescape: a byte that is not UTF-8 reaches its line, which names it
+        f = p.open("r", encoding="utf-8", errors="surrogateescape")
     except OSError as e:
         raise TraceError(f"cannot read trace {p}: {e.strerror or e}") from e
     with f:
         for lineno, line in enumerate(f, 1):
+            try:
+                line.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise TraceError(f"{p}:{lineno}: not UTF-8 text (character {e.start + 1}); a "
+                                 "trace is JSON lines") from None
             if not line.strip():
                 continue
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
                 raise TraceError(f"{p}:{lineno}: not JSON ({e.msg})") from None
+            except RecursionError:
+                raise TraceError(f"{p}:{lineno}: not a trace request (JSON nested thousands "
+                                 "of levels deep)") from None
+            except ValueError:  # json.loads' int() of a number of 4300+ digits
+                raise TraceError(f"{p}:{lineno}: not a trace request (a number with thousands "
+                                 "of digits)") from None
             yield _request(obj, f"{p}:{lineno}")
 
 

@@ -1,0 +1,54 @@
+"""Adversarial reliability pass, round 5: the files operators hand to the CLI (``kvstore
+replay`` traces, ``kvstore explain`` prompts), prefix packs, the daemon's requests after
+hello, and namespaces crossing.
+
+Every attack checks the promise: hostile input is a clear error (exit status 2, the message
+naming the line or the field) or a counted miss, never a traceback, never wrong KV.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstore.cli import main
+
+MODEL = "attacks/round5"
+
+
+def _line(body: bytes) -> bytes:
+    return b'{"timestamp":1,"input_length":8,"output_length":1,"hash_ids":[1,2]}\n' + body + b"\n"
+
+
+# -- kvstore replay: trace files ---------------------------------------------------------------
+@pytest.mark.parametrize("body,msg", [
+    (b'{"timestamp":2,"hash_ids":[1]}\xff\xfe', ":2: not UTF-8 text"),
+    (b'{"timestamp":2,"hash_ids":[18446744073709551616]}', ":2: hash_ids must be a list of "
+     "non-negative integers below 2**64"),
+    (b'{"timestamp":2,"hash_ids":[-1]}', ":2: hash_ids must be a list of non-negative"),
+    (b'{"timestamp":' + b"9" * 5000 + b',"hash_ids":[1]}', ":2: not a trace request (a number "
+     "with thousands of digits)"),
+    (b'{"timestamp":' + b"9" * 400 + b',"hash_ids":[1]}', ":2: timestamp, input_length and "
+     "output_length must be non-negative integers below 2**63"),
+    (b"[" * 100_000 + b"]" * 100_000, ":2: not a trace request (JSON nested thousands"),
+    (b'{"timestamp":2,"hash_ids":[1],"input_length":1e999}', ":2: timestamp, input_length"),
+], ids=["not_utf8", "hash_id_2_64", "hash_id_negative", "5000_digits", "timestamp_1e400",
+        "nested_100k", "length_inf"])
+def test_a_hostile_trace_line_is_a_usage_error_naming_its_line(tmp_path, capsys, body, msg):
+    """A trace line with a byte that is not UTF-8, a hash id past uint64, an int of 5000
+    digits, a timestamp no float holds, or 100k nested brackets: exit status 2 and a message
+    naming the file and line. Before, each was a traceback (exit 1): UnicodeDecodeError,
+    OverflowError in numpy, ValueError of int() and RecursionError out of json."""
+    p = tmp_path / "t.jsonl"
+    p.write_bytes(_line(body))
+    assert main(["replay", str(p), "--simulate-only"]) == 2
+    err = capsys.readouterr().err
+    assert f"{p}{msg}" in err and "Traceback" not in err, err
+
+
+def test_hash_ids_at_the_top_of_uint64_replay(tmp_path, capsys):
+    """The largest hash id a trace may hold is replayed (its tokens wrap modulo 2**32)."""
+    p = tmp_path / "t.jsonl"
+    p.write_text('{"timestamp":1,"input_length":8,"output_length":1,"hash_ids":[18446744073709551615]}\n'
+                 '{"timestamp":2,"input_length":8,"output_length":1,"hash_ids":[18446744073709551615]}\n')
+    assert main(["replay", str(p), "--simulate-only", "--format", "json"]) == 0
+    assert '"requests": 2' in capsys.readouterr().out
