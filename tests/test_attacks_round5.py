@@ -52,3 +52,20 @@ def test_hash_ids_at_the_top_of_uint64_replay(tmp_path, capsys):
                  '{"timestamp":2,"input_length":8,"output_length":1,"hash_ids":[18446744073709551615]}\n')
     assert main(["replay", str(p), "--simulate-only", "--format", "json"]) == 0
     assert '"requests": 2' in capsys.readouterr().out
+
+
+# -- kvstore explain: prompts -----------------------------------------------------------------
+@pytest.mark.parametrize("how", ["file", "inline"])
+def test_a_prompt_nested_100k_deep_is_a_usage_error(tmp_path, capsys, how):
+    """``kvstore explain --tokens '[[[[...'`` (or a file of it): exit 2 naming the problem.
+    Before: a RecursionError traceback out of json.loads (only ValueError was caught)."""
+    deep = "[" * 100_000 + "]" * 100_000
+    if how == "file":
+        (tmp_path / "p.json").write_text(deep)
+        src = ["--tokens-file", str(tmp_path / "p.json")]
+    else:
+        src = ["--tokens", '{"tokens":' + deep + "}"]
+    assert main(["explain", "--store", str(tmp_path / "s"), "--model", MODEL, "--layout",
+                 "bfloat16 L2 P2 T4 H2 D8", *src]) == 2
+    err = capsys.readouterr().err
+    assert "nested thousands of levels deep" in err and "Traceback" not in err, err

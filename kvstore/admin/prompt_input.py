@@ -37,6 +37,9 @@ def parse_tokens(text: str, where: str = "the prompt") -> list[int]:
         except ValueError as e:
             raise PromptError(f"{where} is not valid JSON ({e}); give a JSON array of token "
                               "ids, e.g. [1, 2, 3]") from None
+        except RecursionError:
+            raise PromptError(f"{where} is JSON nested thousands of levels deep; give a JSON "
+                              "array of token ids, e.g. [1, 2, 3]") from None
         return _from_json(obj, where)
     try:
         return _checked(array("q", (int(w) for w in s.replace(",", " ").split())).tolist(), where)
