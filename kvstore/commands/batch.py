@@ -189,6 +189,10 @@ def _print_summary(s: Any, out_path: str, warm: WarmSizing | None) -> None:
     if warm is not None:
         rows.append(("store warm tier", _warm_text(warm)))
     rows.append(("peak memory (RSS)", format_size(s.peak_rss_bytes)))
+    few, most = s.threads
+    if most:
+        rows.append(("CPU threads", str(most) if few == most else
+                     f"{few}-{most} (fewer while other processes kept cores busy)"))
     out_console().print(kv_grid(rows, right=False))
 
 

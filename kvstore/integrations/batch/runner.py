@@ -39,6 +39,7 @@ class JobSummary:
     seconds: float  # the engine's wall time
     token_source: str
     peak_rss_bytes: int = 0  # this process's peak resident set size at the end of the job
+    threads: tuple[int, int] = (0, 0)  # fewest and most CPU threads a forward ran on (0: not known)
 
     @property
     def tokens_per_s(self) -> float:
@@ -110,5 +111,6 @@ def _summary(engine: Engine, job: JobInput, resumed: int, completed: int,
         seconds=report.seconds if report else 0.0,
         token_source=report.token_source if report else "",
         peak_rss_bytes=peak_rss(),
+        threads=report.threads if report else (0, 0),
     )
 

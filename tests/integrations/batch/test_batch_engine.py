@@ -235,21 +235,22 @@ def test_run_follows_the_cores_left_to_it(model):
     before = torch.get_num_threads()
     try:
         m.advance(1.0, others=1.0, own=0.0)  # another process keeps one core busy
-        run(engine, [[5, 6, 7]], SamplingParams(max_tokens=2))
+        _, rep = run(engine, [[5, 6, 7]], SamplingParams(max_tokens=2))
         assert set(seen) == {1} and torch.get_num_threads() == before
+        assert rep.threads == (1, 1)
         seen.clear()
         m.advance(1.0, others=0.0, own=0.5)  # it stopped
-        run(engine, [[5, 6, 7]], SamplingParams(max_tokens=2))
-        assert set(seen) == {2}
+        _, rep = run(engine, [[5, 6, 7]], SamplingParams(max_tokens=2))
+        assert set(seen) == {2} and rep.threads == (2, 2)
         seen.clear()
         # it comes back during the run: the next forward (a second on) runs on one thread
         busy = model.model.layers[1].register_forward_pre_hook(
             lambda mod, args: m.advance(1.0, others=1.0, own=1.0))
         try:
-            run(engine, [[5, 6, 7]], SamplingParams(max_tokens=3))
+            _, rep = run(engine, [[5, 6, 7]], SamplingParams(max_tokens=3))
         finally:
             busy.remove()
-        assert seen == [2, 1, 1]
+        assert seen == [2, 1, 1] and rep.threads == (1, 2)
     finally:
         h.remove()
         torch.set_num_threads(before)

@@ -386,6 +386,18 @@ def test_warm_tier_is_sized_from_the_job_and_peak_rss_is_reported(model_dir, tmp
     assert "peak memory (RSS)" in text and "store warm tier" not in text
 
 
+def test_summary_names_the_cpu_threads(model_dir, tmp_path, capsys):
+    from kvstore.integrations.batch.engines.threads import usable_cores
+
+    job = tmp_path / "in.jsonl"
+    write_job(job, bad=False)
+    assert run_cli(job, tmp_path / "a.out", "--model", model_dir, "--format", "json") == 0
+    few, most = json.loads(capsys.readouterr().out)["summary"]["threads"]
+    assert 1 <= few <= most <= usable_cores()
+    assert run_cli(job, tmp_path / "b.out", "--model", model_dir) == 0
+    assert re.search(r"CPU threads\s+\d", capsys.readouterr().out)
+
+
 def test_cpu_capacity_and_max_prefix_tokens_override(model_dir, tmp_path, capsys, monkeypatch):
     seen = record_store(monkeypatch)
     src = tmp_path / "in.jsonl"

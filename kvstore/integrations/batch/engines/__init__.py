@@ -41,6 +41,7 @@ class EngineReport:
     forwards: int  # model forward passes (engine steps, for vLLM)
     seconds: float
     token_source: str  # where computed_tokens comes from ("engine", "vllm metrics")
+    threads: tuple[int, int] = (0, 0)  # fewest and most CPU threads a forward ran on (0: not known)
 
 
 class Engine(Protocol):

@@ -112,6 +112,7 @@ class TransformersEngine:
         # threads not fixed: the cores other processes leave us, looked at from here on
         self._share = CoreShare() if self.device.type == "cpu" and not threads else None
         self._shared = False  # during run: threads follow self._share
+        self._used: set[int] = set()  # during run: the thread counts forwards ran on
 
     def plan(self, requests: Sequence[BatchRequest]) -> BatchPlan:
         """The batch's plan (prefix tree, groups); the store is not simulated."""
@@ -148,6 +149,7 @@ class TransformersEngine:
             n = self._share.threads()
             if n != torch.get_num_threads():
                 torch.set_num_threads(n)
+        self._used.add(torch.get_num_threads())
         split = (small_ops(torch.get_num_threads())
                  if self._split and len(plan.positions) <= SMALL_FORWARD
                  else contextlib.nullcontext())
@@ -272,6 +274,7 @@ class TransformersEngine:
             before = set_threads(self._share.threads(now=True) if self._share and not self.threads
                                  else self.threads)
         self._shared = self._share is not None and not self.threads
+        self._used = set()
         try:
             with self._linears.active() if self._linears else contextlib.nullcontext() as n, \
                     heap_reuse() if self.device.type == "cpu" else contextlib.nullcontext():
@@ -308,7 +311,8 @@ class TransformersEngine:
         return EngineReport(
             requests=len(requests), prompt_tokens=sum(lengths), computed_tokens=counts.computed,
             stored_tokens=counts.stored, generated_tokens=generated, forwards=counts.forwards,
-            seconds=time.perf_counter() - t0, token_source="engine")
+            seconds=time.perf_counter() - t0, token_source="engine",
+            threads=(min(self._used), max(self._used)) if self._used else (0, 0))
 
     def _ensure(self, nodes: Sequence[PrefixNode], nid: int, requests: Sequence[BatchRequest],
                 prefixes: dict[int, LayerKV], pending: list[int], puts: list[Transfer[int]]) -> _Counts:
