@@ -8,7 +8,11 @@ naming the line or the field) or a counted miss, never a traceback, never wrong 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+from conftest import fetch_exact, keyed_kv
+from support.attacks import LAY, T, attack_store
 
 from kvstore.cli import main
 
@@ -69,3 +73,49 @@ def test_a_prompt_nested_100k_deep_is_a_usage_error(tmp_path, capsys, how):
                  "bfloat16 L2 P2 T4 H2 D8", *src]) == 2
     err = capsys.readouterr().err
     assert "nested thousands of levels deep" in err and "Traceback" not in err, err
+
+
+# -- the disk index: a damaged segment record ------------------------------------------------
+def _damage_segment_records(path: Path, how: str) -> None:
+    import lmdb
+
+    from kvstore.tiers.disk import index as di
+
+    env = lmdb.open(str(path / "index"), max_dbs=10, subdir=True)
+    try:
+        with env.begin(write=True) as txn:
+            db = env.open_db(di.DB_SEGS, txn=txn, create=False)
+            items = list(txn.cursor(db=db))
+            assert items
+            for k, v in items:
+                if how == "missing":
+                    txn.delete(k, db=db)
+                elif how == "garbage":
+                    txn.put(k, b"\xff" * len(v), db=db)
+                else:  # "count 1": decodes, but counts 1 live block of 6
+                    txn.put(k, v[:4] + (1).to_bytes(4, "little") + v[8:], db=db)
+    finally:
+        env.close()
+
+
+@pytest.mark.parametrize("how", ["missing", "garbage", "count_1"])
+def test_a_damaged_segment_record_never_gets_the_segments_other_blocks_unlinked(tmp_path, how):
+    """A segment's ``segs`` record in the index deleted, overwritten or counting 1 live
+    block of 6; then one block of that segment is evicted from disk. The other 5 flushed
+    blocks stay readable (the file is kept, and ``kvstore verify`` names the accounting).
+    Before, the count (taken as 0, or 1) fell to 0 and the segment file was unlinked under
+    the 5 blocks the index still held: acknowledged blocks lost."""
+    with attack_store(tmp_path, model=MODEL) as s:
+        ks = s.block_keys(list(range(6 * T)))
+        assert s.put(ks, keyed_kv(LAY, ks)).wait() == 6
+        s.flush()
+    _damage_segment_records(tmp_path, how)
+    with attack_store(tmp_path, model=MODEL) as s:
+        ks = s.block_keys(list(range(6 * T)))
+        assert s.evict([ks[-1]], tier="disk") == 1
+    assert len(list((tmp_path / "segments").glob("*.safetensors"))) == 1
+    with attack_store(tmp_path, model=MODEL) as s:
+        ks = s.block_keys(list(range(6 * T)))
+        assert s.lookup(ks) == 5
+        assert fetch_exact(s, ks) == 5
+        assert s.stats().damaged == 0

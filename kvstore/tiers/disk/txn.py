@@ -80,9 +80,41 @@ def write_ops(ctx: DiskContext, fn: Callable[[WriteOps], object]) -> tuple[objec
         ops = WriteOps(txn, sh.dbs)
         result = fn(ops)
         ops.finish()
-        return result, ops.emptied
+        return result, [sid for sid in ops.emptied if not _still_used(ctx, txn, sid)]
 
     return write_raw(ctx, run)  # type: ignore[return-value]
+
+
+def _still_used(ctx: DiskContext, txn, sid: int) -> bool:
+    """Whether a record still points into segment ``sid``, whose accounting says it is empty:
+    a damaged, missing or altered ``segs`` record counts wrong, and unlinking its file would
+    lose the blocks left in it. The records named by the segment's header are looked up (all
+    records when the header cannot be read); such a file is kept, with a warning."""
+    blocks = ctx.sh.dbs[DB_BLOCKS]
+    path = os.path.join(ctx.segdir, _seg.segment_name(sid))
+    try:
+        obj, _start, _size = _seg.read_header(path)
+        meta = obj["__metadata__"]
+        cks: list[bytes] | None = [bytes.fromhex(meta[k].split(";")[3]) + bytes.fromhex(k)
+                                   for k in obj if k != "__metadata__"]
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError, LookupError, TypeError, AttributeError):  # a damaged header
+        cks = None
+
+    def here(raw: bytes | None) -> bool:
+        try:
+            return raw is not None and decode_record(raw).segment == sid
+        except RecordError:
+            return False
+
+    used = (sum(here(txn.get(ck, db=blocks)) for ck in cks) if cks is not None
+            else sum(here(v) for _k, v in txn.cursor(db=blocks)))
+    if used:
+        log.warning("disk tier %s: segment %016x is counted empty but %d record(s) still point "
+                    "into it (its segment record is damaged); its file is kept ('kvstore check "
+                    "--fix' recounts)", ctx.path, sid, used)
+    return bool(used)
 
 
 def unlink_segments(ctx: DiskContext, sids: Sequence[int]) -> None:
