@@ -119,3 +119,42 @@ def test_a_damaged_segment_record_never_gets_the_segments_other_blocks_unlinked(
         assert s.lookup(ks) == 5
         assert fetch_exact(s, ks) == 5
         assert s.stats().damaged == 0
+
+
+# -- the daemon: requests after hello ---------------------------------------------------------
+_K = b"\x01" * 32
+_BAD_REQUESTS = [
+    ("lookup", [_K + b"x", None]), ("lookup", [_K, b"short"]), ("fetch", [[_K], None]),
+    ("put", [_K, None, "", 0]), ("put", [_K, None, "s", 1 << 40]), ("put", [_K, None, 5, 0]),
+    ("put", [_K]), ("commit", [0]), ("commit", [1 << 62]), ("commit", [-1]), ("abort", ["1"]),
+    ("release", [True]), ("evict", [_K, "cold"]), ("evict", [b"", 3]), ("flush", [-1]),
+    ("flush", [float("nan")]), ("flush", [True]), ("unpin", [None]), ("pin", {"a": 1}),
+    ("lookup_report", [1, 2]), ("lookup_report", [1 << 41, 0, 0]), ("remove", [_K, None]),
+    ("hello", []), ("nosuchop", []), ("stats", [1]), ("ping", [None]),
+]
+
+
+def test_malformed_requests_after_hello_get_error_codes_and_the_daemon_serves_on(serve):
+    """A connection that said hello sends requests with wrong types, out-of-range ids,
+    unknown grants and ops it may not send: each gets an error reply with a code other than
+    INTERNAL (and no traceback in the daemon's log), and another client is served throughout."""
+    from test_attacks_round3 import _raw, _raw_call
+
+    from kvstore import connect
+    from kvstore.wire import messages as m
+    from kvstore.wire import protocol
+    from kvstore.wire.errors import ErrorCode
+
+    d = serve("--cpu-capacity", "1MiB", "--disk-capacity", "0")
+    with connect(d.socket_path, layout=LAY, model_id=MODEL, device="cpu", timeout=10) as c:
+        keys = c.block_keys(list(range(4 * T)))
+        assert c.put(keys, keyed_kv(LAY, keys)).wait() == 4
+        for op, args in _BAD_REQUESTS:
+            with _raw(d.socket_path) as s:
+                r = _raw_call(s, "hello", 1, protocol.make_hello(LAY, MODEL + "/x").to_wire())
+                assert r is not None and r[1] == m.OK, r
+                r = _raw_call(s, op, 2, args)
+            assert r is not None and r[1] == m.ERROR, (op, args, r)
+            assert r[2][0] != ErrorCode.INTERNAL, (op, args, r)
+            assert fetch_exact(c, keys) == 4, (op, args)
+    assert "Traceback" not in d.log()
