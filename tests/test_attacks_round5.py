@@ -119,6 +119,16 @@ def test_a_damaged_segment_record_never_gets_the_segments_other_blocks_unlinked(
         assert s.lookup(ks) == 5
         assert fetch_exact(s, ks) == 5
         assert s.stats().damaged == 0
+    # what the warning says to run recounts it; then the store checks clean, blocks intact
+    from kvstore.cli import main
+
+    store = str(tmp_path)
+    assert main(["verify", "--store", store]) == 1
+    assert main(["verify", "--store", store, "--fix", "-y"]) == 0
+    assert main(["verify", "--store", store]) == 0
+    with attack_store(tmp_path, model=MODEL) as s:
+        ks = s.block_keys(list(range(6 * T)))
+        assert fetch_exact(s, ks) == 5
 
 
 # -- the daemon: requests after hello ---------------------------------------------------------

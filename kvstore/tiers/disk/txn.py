@@ -112,7 +112,7 @@ def _still_used(ctx: DiskContext, txn, sid: int) -> bool:
             else sum(here(v) for _k, v in txn.cursor(db=blocks)))
     if used:
         log.warning("disk tier %s: segment %016x is counted empty but %d record(s) still point "
-                    "into it (its segment record is damaged); its file is kept ('kvstore check "
+                    "into it (its segment record is damaged); its file is kept ('kvstore verify "
                     "--fix' recounts)", ctx.path, sid, used)
     return bool(used)
 
