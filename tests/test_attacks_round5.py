@@ -168,3 +168,64 @@ def test_malformed_requests_after_hello_get_error_codes_and_the_daemon_serves_on
             assert r[2][0] != ErrorCode.INTERNAL, (op, args, r)
             assert fetch_exact(c, keys) == 4, (op, args)
     assert "Traceback" not in d.log()
+
+
+# -- the client: a daemon naming slots no lease or grant can have -----------------------------
+def _until(fn, seconds: float = 10.0):
+    import time
+
+    end = time.monotonic() + seconds
+    while True:
+        got = fn()
+        if got or time.monotonic() > end:
+            return got
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("how", ["past_slab", "twice", "extra", "negative", "grant_position"])
+def test_a_daemon_naming_impossible_slots_is_a_miss_never_wrong_kv(serve, monkeypatch, how):
+    """A reply (of a daemon of another version, or an impostor on the socket) whose lease
+    names a slot past the shared slab, a slot twice, more slots than keys or a negative one,
+    or whose grant names a put position outside the put: the call is a miss (a fetch of 0
+    blocks, a put of 0), the connection is dropped, and the next calls are exact again.
+    Before, the client copied by those slots: other blocks' bytes returned as these keys'
+    (wrong KV), a torch error out of ``fetch`` or more rows than keys."""
+    from kvstore import connect
+    from kvstore.wire import channel as ch
+    from kvstore.wire import messages as m
+
+    d = serve("--cpu-capacity", "1MiB", "--disk-capacity", "0")
+    real = ch.Channel.call
+    armed = {"on": False}
+
+    def call(self, req, timeout=True):
+        r = real(self, req, timeout)
+        if not armed["on"]:
+            return r
+        if how != "grant_position" and isinstance(r, m.Lease) and r.slots:
+            armed["on"] = False
+            s = r.slots
+            bad = {"past_slab": [s[0] + 10**6, *s[1:]], "twice": [s[0]] * len(s),
+                   "extra": [*s, s[0] + 1], "negative": [-1, *s[1:]]}[how]
+            return m.Lease(r.lease_id, bad)
+        if how == "grant_position" and isinstance(r, m.Grant) and r.slots:
+            armed["on"] = False
+            return m.Grant(r.grant_id, [p + 100 for p in r.positions], r.slots, r.duplicates)
+        return r
+
+    monkeypatch.setattr(ch.Channel, "call", call)
+    with connect(d.socket_path, layout=LAY, model_id=MODEL, device="cpu", timeout=10) as c:
+        keys = c.block_keys(list(range(4 * T)))
+        assert c.put(keys, keyed_kv(LAY, keys)).wait() == 4
+        armed["on"] = True
+        if how == "grant_position":
+            other = c.block_keys(list(range(100, 100 + 4 * T)))
+            assert c.put(other, keyed_kv(LAY, other)).wait() == 0
+            assert not armed["on"]
+            assert _until(lambda: c.put(other, keyed_kv(LAY, other)).wait()) == 4
+            assert fetch_exact(c, other) == 4
+        else:
+            got = c.fetch(keys).wait()
+            assert got.shape[0] == 0 and not armed["on"]
+        assert _until(lambda: fetch_exact(c, keys)) == 4
+    assert "Traceback" not in d.log()

@@ -13,12 +13,13 @@ import time
 from collections.abc import Callable
 
 from kvstore.client.session import Session, SharedMemoryUnavailable
-from kvstore.errors import DaemonUnavailableError, StoreClosedError
+from kvstore.errors import DaemonUnavailableError, StoreClosedError, TransferError
+from kvstore.keys import KEY_BYTES
 from kvstore.wire import messages as m
 from kvstore.wire.channel import ChannelClosed
 from kvstore.wire.errors import ErrorCode, PermissionDeniedError, ProtocolVersionError, ServerError
 
-__all__ = ["CLOSED_MESSAGE", "Link"]
+__all__ = ["CLOSED_MESSAGE", "Link", "unsound_slots"]
 
 log = logging.getLogger("kvstore.client")
 
@@ -31,6 +32,26 @@ _WARN_EVERY = 10.0  # seconds between two warnings about the same error code
 
 CLOSED_MESSAGE = ("this client is closed; connect again with kvstore.connect() "
                   "(or use an embedded store from open_store())")
+
+
+def unsound_slots(s: Session, req: m.Request, reply: object) -> str:
+    """Why a lease or grant in ``reply`` cannot be right for ``req`` on ``s`` ("" when it
+    can): more slots than the request has keys, a slot outside the shared slab or named
+    twice, a put position outside the put or named twice."""
+    if not isinstance(reply, (m.Lease, m.Grant)) or not isinstance(req, (m.Fetch, m.Put)):
+        return ""
+    n = len(req.keys) // KEY_BYTES
+    slots, rows = reply.slots, int(s.slab.shape[0])
+    if len(slots) > n:
+        return f"{len(slots)} slots for {n} keys"
+    if slots and (min(slots) < 0 or max(slots) >= rows):
+        return f"a slot outside its {rows}-slot shared memory"
+    if len(set(slots)) != len(slots):
+        return "the same slot twice"
+    pos = reply.positions if isinstance(reply, m.Grant) else ()
+    if pos and (min(pos) < 0 or max(pos) >= n or len(set(pos)) != len(pos)):
+        return f"a position outside the put's {n} blocks, or one twice"
+    return ""
 
 
 class Link:
@@ -175,7 +196,7 @@ class Link:
         """A round trip on ``s``; ``None`` when it could not be answered (a miss for the
         caller). Only errors that are the caller's to fix raise (bad arguments)."""
         try:
-            return s.channel.call(req, timeout)
+            reply = s.channel.call(req, timeout)
         except ChannelClosed as e:
             self.lost(s, e)
             return None
@@ -191,6 +212,16 @@ class Link:
             if s.channel.broken:
                 self.lost(s, e)
             return None
+        bad = unsound_slots(s, req, reply)
+        if bad:
+            # copying by those slots would read other blocks (wrong KV) or write past the
+            # slab: the connection goes (the daemon frees a dead connection's slots)
+            log.error("kvstore daemon: its %s reply names %s; answered as a miss and the "
+                      "connection dropped (a daemon of another version, or not kvstore's?)",
+                      req.OP, bad)
+            self.lost(s, TransferError(f"the daemon's {req.OP} reply names {bad}"))
+            return None
+        return reply
 
     def mark_closed(self) -> bool:
         """Refuse every later :meth:`get`; False if it was closed already."""
