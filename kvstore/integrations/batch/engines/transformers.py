@@ -28,6 +28,7 @@ from kvstore.integrations.batch.engines import EngineReport, OnDone
 from kvstore.integrations.batch.engines.allocator import heap_reuse
 from kvstore.integrations.batch.engines.attention import GroupSlice, SuffixKV, make_plan, running
 from kvstore.integrations.batch.engines.linear import PackedLinears, packing_available
+from kvstore.integrations.batch.engines.norm import FusedNorms
 from kvstore.integrations.batch.engines.sampling import RowState, Tokenizer, choose_tokens
 from kvstore.integrations.batch.engines.schedule import Batch, PrefixNode, Row, pack, schedule
 from kvstore.integrations.batch.engines.split import small_ops
@@ -72,7 +73,8 @@ class TransformersEngine:
     :class:`~.threads.CoreShare`; restored after). ``prepack``: run the model's float32
     CPU linear layers on oneDNN-prepacked weights during :meth:`run` (:mod:`.linear`;
     default: where this torch has it), packed here (a weight changed in place is packed
-    again at the next run), gated SiLU MLPs on fused oneDNN calls. On glibc, large freed
+    again at the next run), gated SiLU MLPs on fused oneDNN calls, RMSNorms in one pass
+    (:mod:`.norm`, where ``kvstore._rmsnorm`` was built). On glibc, large freed
     tensors stay in the heap for reuse during :meth:`run` (:mod:`.allocator`).
     """
 
@@ -105,6 +107,7 @@ class TransformersEngine:
         self._linears = PackedLinears(model) if prepack and packing_available() else None
         if self._linears is not None:
             self._linears.pack_all()  # at load, not in the first run's time
+        self._norms = FusedNorms(model) if prepack else None  # one-pass RMSNorm (.norm)
         params = inspect.signature(model.forward).parameters
         self._cache_kw = cache_kwarg(model)
         self._keep_rows = "logits_to_keep" in params  # takes a tensor of positions
@@ -277,6 +280,7 @@ class TransformersEngine:
         self._used = set()
         try:
             with self._linears.active() if self._linears else contextlib.nullcontext() as n, \
+                    self._norms.active() if self._norms else contextlib.nullcontext(), \
                     heap_reuse() if self.device.type == "cpu" else contextlib.nullcontext():
                 # one thread for small ops only where every linear layer is packed (wide)
                 self._split = bool(n) and self._linears is not None \
