@@ -112,3 +112,15 @@ def test_usable_cores_affinity_and_cgroup_quota(monkeypatch, tmp_path: Path):
     assert threads.usable_cores(tmp_path) == 3
     (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")  # v1: no quota
     assert threads.usable_cores(tmp_path) == 4
+
+
+def test_under_a_cgroup_quota_the_count_is_the_quotas(monkeypatch, tmp_path: Path):
+    """A quota below the affinity: other containers' load on the host CPUs is not this
+    process's to give up; the count stays the quota's."""
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    monkeypatch.setattr(threads, "_cgroup_cores", lambda root=tmp_path: 2.0)
+    assert threads.quota_limited() and threads.usable_cores() == 2
+    s = threads.CoreShare()
+    assert s.cores == 2 and s.threads(now=True) == 2 and s.threads() == 2
+    monkeypatch.setattr(threads, "_cgroup_cores", lambda root=tmp_path: None)
+    assert not threads.quota_limited()

@@ -18,8 +18,8 @@ So the engine keeps OpenMP's default waits and chooses the thread count as it ru
 less what it used itself (``os.times``), and runs on the cores other processes leave it.
 Idle, every usable core spins; beside one busy process on 2 cores, one thread runs alone,
 which is as fast as two passive threads there, and the engine takes the core back once the
-other process stops. Where ``/proc/stat`` cannot be read the count stays
-:func:`usable_cores`.
+other process stops. Where ``/proc/stat`` cannot be read, or a cgroup quota (not the
+affinity) sets the cores, the count stays :func:`usable_cores`.
 
 This module imports no torch.
 """
@@ -33,7 +33,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["CoreShare", "CpuTimes", "proc_stat_reader", "set_threads", "usable_cores"]
+__all__ = ["CoreShare", "CpuTimes", "proc_stat_reader", "quota_limited", "set_threads",
+           "usable_cores"]
 
 #: a core counts as taken by other processes once they keep it busy this share of the time
 TAKEN = 0.4
@@ -59,17 +60,27 @@ def _cgroup_cores(root: Path = Path("/sys/fs/cgroup")) -> float | None:
         return None
 
 
+def _affinity_cores() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
 def usable_cores(cgroup_root: Path = Path("/sys/fs/cgroup")) -> int:
     """The cores this process may run on (its CPU affinity, capped by a cgroup CPU quota),
     at least 1."""
-    try:
-        n = max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):  # not Linux
-        n = max(1, os.cpu_count() or 1)
+    n = _affinity_cores()
     quota = _cgroup_cores(cgroup_root)
     if quota is not None:
         n = min(n, max(1, math.ceil(quota - 0.05)))
     return n
+
+
+def quota_limited(cgroup_root: Path = Path("/sys/fs/cgroup")) -> bool:
+    """Whether a cgroup CPU quota, not the affinity, sets :func:`usable_cores`: then other
+    processes' use of the CPUs (other containers') does not take this process's share."""
+    return usable_cores(cgroup_root) < _affinity_cores()
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,7 +144,8 @@ class CoreShare:
                  sleep: Callable[[float], None] = time.sleep) -> None:
         self.cores = cores or usable_cores()
         self.interval = interval
-        self._read = reader or proc_stat_reader()
+        # under a quota the CPUs' load is other containers', not a share of this one's
+        self._read = reader or ((lambda: None) if quota_limited() else proc_stat_reader())
         self._clock, self._sleep = clock, sleep
         self._at = clock()
         self._last = self._read()
