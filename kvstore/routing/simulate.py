@@ -41,17 +41,18 @@ class TraceRequest:
 def load_trace(path: str | Path) -> list[TraceRequest]:
     """A Mooncake-style JSONL trace: ``timestamp`` (ms), ``input_length``, ``hash_ids``."""
     out = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            if not raw.strip():
                 continue
-            try:
-                r = json.loads(line)
+            try:  # bytes decoded here: a line that is not UTF-8 names its line too
+                r = json.loads(raw.decode("utf-8"))
                 ids = tuple(int(h) for h in r["hash_ids"])
                 out.append(TraceRequest(float(r["timestamp"]) / 1000, int(r["input_length"]), ids))
-            except (ValueError, KeyError, TypeError) as e:
-                raise ConfigError(f"{path}:{n}: not a trace request ({e}); each line needs "
-                                  "timestamp, input_length and hash_ids") from None
+            except (ValueError, KeyError, TypeError, OverflowError, RecursionError) as e:
+                raise ConfigError(f"{path}:{n}: not a trace request ({type(e).__name__}: "
+                                  f"{str(e)[:120]}); each line needs timestamp, input_length "
+                                  "and hash_ids") from None
     return out
 
 

@@ -80,6 +80,21 @@ def test_trace_file_and_command_line(tmp_path, capsys):
         load_trace(bad)
 
 
+@pytest.mark.parametrize("line", [
+    b'{"timestamp": 0, "input_length": 1, "hash_ids": [1]}\n\xff\xfe\n',  # not UTF-8
+    b'{"timestamp": 0, "input_length": 1, "hash_ids": [1]}\n' + b"[" * 100_000 + b"\n",
+    b'{"timestamp": 0, "input_length": 1, "hash_ids": [1]}\n{"timestamp": 1' + b"0" * 400
+    + b', "input_length": 1, "hash_ids": [1]}\n',  # an int no float holds
+])
+def test_a_hostile_trace_line_names_its_line(tmp_path, line):
+    """Round 5 (left open there): these were a UnicodeDecodeError, RecursionError or
+    OverflowError traceback out of the routing bench's trace reader."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(line)
+    with pytest.raises(ConfigError, match="bad.jsonl:2: not a trace request"):
+        load_trace(bad)
+
+
 def test_bench_section_rows(tmp_path, monkeypatch):
     from kvstore.bench import BenchOptions
     from kvstore.bench import routing as section
