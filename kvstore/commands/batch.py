@@ -203,6 +203,12 @@ def run(args: argparse.Namespace) -> int:
         return error("batch", f"--model {args.model}: not a model directory")
     if args.output is None and not args.plan_only:
         return error("batch", "OUT is required (or give --plan-only)")
+    out = None if args.output is None or args.plan_only else Path(args.output)
+    if out is not None and out.is_dir():  # found before the model loads, not after the job
+        return error("batch", f"OUT {out} is a directory: give a file path for the results")
+    if out is not None and not out.parent.is_dir():
+        return error("batch", f"OUT {out}: the directory {out.parent} does not exist; create "
+                     "it or give another path")
     if args.cpu_capacity is not None and not args.store:
         return error("batch", "--cpu-capacity sizes the warm tier of the --store: give "
                      "--store PATH too, or leave --cpu-capacity out (without a store the "
