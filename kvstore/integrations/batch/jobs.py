@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -53,9 +54,18 @@ def read_requests(path: str | os.PathLike[str], *,
     """Parse every line of ``path`` (see :func:`~.requests.parse_request`)."""
     entries: list[Entry] = []
     seen: dict[str, int] = {}
-    with open(path, encoding="utf-8", errors="replace") as f:
+    # surrogateescape, then a check: a byte that is not UTF-8 is the line's error, not a
+    # U+FFFD silently put into its prompt or custom_id
+    with open(path, encoding="utf-8", errors="surrogateescape") as f:
         for no, text in enumerate(f, 1):
             if not text.strip():
+                continue
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as u:
+                entries.append(LineError(no, None, f"not UTF-8 text (a byte that is not UTF-8 "
+                                                   f"at character {u.start + 1}): re-encode "
+                                                   "the file as UTF-8"))
                 continue
             e = parse_request(text, no, tokenize=tokenize, vocab=vocab, context=context)
             if isinstance(e, BatchRequest):
@@ -94,6 +104,11 @@ def _completion(rec: Mapping[str, Any]) -> Completion:
         stop_reason=stop if isinstance(stop, (str, int)) else None)
 
 
+def _check(rec: Mapping[str, Any]) -> str:
+    """A digest of a partial line's record, so that a line altered on disk is not kept."""
+    return hashlib.sha256(json.dumps(rec).encode()).hexdigest()[:16]
+
+
 def partial_path(output: str | os.PathLike[str]) -> Path:
     return Path(f"{os.fspath(output)}.partial")
 
@@ -118,9 +133,12 @@ class PartialResults:
         for text in lines:
             try:
                 rec = json.loads(text)
+                check = rec.pop("check", None)
+                if check != _check(rec):
+                    continue  # altered on disk (a flipped digit is still JSON): runs again
                 if want.get(rec.get("custom_id")) == rec.get("request_digest"):
                     got[rec["custom_id"]] = _completion(rec)
-            except (ValueError, KeyError, TypeError, AttributeError):
+            except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
                 continue  # torn or foreign line: that request runs again
         return got
 
@@ -136,7 +154,7 @@ class PartialResults:
 
     def _line(self, r: BatchRequest, c: Completion) -> str:
         rec = completion_record(c) | {"request_digest": request_digest(r, self.job)}
-        return json.dumps(rec) + "\n"
+        return json.dumps(rec | {"check": _check(rec)}) + "\n"
 
     def add(self, r: BatchRequest, c: Completion) -> None:
         assert self._f is not None, "start() first"

@@ -94,21 +94,27 @@ class _Bad(Exception):
     pass
 
 
-def _int(obj: Mapping[str, Any], name: str, default: int | None, lo: int | None = None) -> int | None:
+def _int(obj: Mapping[str, Any], name: str, default: int | None, lo: int | None = None,
+         hi: int | None = None, bounds: str = "") -> int | None:
     v = obj.get(name, default)
     if v is None:
         return None
     if isinstance(v, bool) or not isinstance(v, int):
         raise _Bad(f"{name} must be a whole number, got {json.dumps(v)}")
-    if lo is not None and v < lo:
-        raise _Bad(f"{name} must be >= {lo}, got {v}")
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise _Bad(f"{name} must be {bounds or f'>= {lo}'}, got {v}")
     return v
 
 
 def _float(obj: Mapping[str, Any], name: str, default: float, lo: float, hi: float,
            lo_open: bool = False) -> float:
     v = obj.get(name, default)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise _Bad(f"{name} must be a number, got {json.dumps(v)}")
+    if isinstance(v, int) and not -1e300 < v < 1e300:  # no float holds it: math would raise
+        raise _Bad(f"{name} must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got a number "
+                   f"of {len(str(abs(v)))} digits")
+    if not math.isfinite(v):
         raise _Bad(f"{name} must be a number, got {json.dumps(v)}")
     if v < lo or v > hi or (lo_open and v == lo):
         raise _Bad(f"{name} must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {v:g}")
@@ -147,7 +153,8 @@ def _params(obj: Mapping[str, Any], *, vocab: int | None, has_tokenizer: bool) -
         temperature=_float(obj, "temperature", 0.0, 0.0, 100.0),
         top_p=_float(obj, "top_p", 1.0, 0.0, 1.0, lo_open=True),
         top_k=_int(obj, "top_k", 0, 0) or 0,
-        seed=_int(obj, "seed", None),
+        # what a torch.Generator takes (-2**63 .. 2**64 - 1); past it the engine raised mid-job
+        seed=_int(obj, "seed", None, -(2**63), 2**64 - 1, "in [-2**63, 2**64)"),
         stop=_stops(obj, has_tokenizer),
         stop_token_ids=_token_list(stop_ids, "stop_token_ids", vocab),
         ignore_eos=ignore_eos,
@@ -191,6 +198,8 @@ def parse_request(
         obj = json.loads(text)
     except ValueError as e:
         return LineError(line, None, f"not valid JSON ({e})")
+    except RecursionError:
+        return LineError(line, None, "not valid JSON (nested thousands of levels deep)")
     if not isinstance(obj, dict):
         return LineError(line, None, "a request must be a JSON object")
     cid = obj.get("custom_id")
