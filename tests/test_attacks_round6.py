@@ -10,9 +10,15 @@ bytes, and the retry holds every block of the pack exactly once.
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from conftest import REPO, fetch_exact, keyed_kv, run_bounded
+from support.attacks import BN, LAY, T, attack_store
 
 from kvstore.cli import main
 from kvstore.integrations.batch.jobs import PartialResults, partial_path, read_requests
@@ -324,3 +330,191 @@ def test_partial_lines_without_their_check_are_not_kept(tmp_path):
     assert sorted(got) == ["a", "b"] and got["b"].cached_tokens == 0
     partial_path(tmp_path / "out.jsonl").write_text(json.dumps(a) + "\n" + json.dumps(b) + "\n")
     assert PartialResults(tmp_path / "out.jsonl", "j").load(reqs) == {}
+
+
+# -- prefix packs: an import interrupted half way, then retried --------------------------------
+MODEL = "attacks/round6"
+CHAINS = 4  # of 6 blocks each; written 2 blocks a segment on import: 12 segments
+
+
+def _chain(s, i: int):
+    return s.block_keys([i * 100_000 + t for t in range(6 * T)])
+
+
+@pytest.fixture(scope="module")
+def pack(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("pack")
+    with attack_store(d / "src", model=MODEL) as s:
+        for i in range(CHAINS):
+            ks = _chain(s, i)
+            assert s.put(ks, keyed_kv(LAY, ks)).wait() == 6
+        s.flush()
+    out = d / "p.kvpack"
+    assert main(["export", "--store", str(d / "src"), "--namespace", MODEL, "-o", str(out)]) == 0
+    return out
+
+
+def _small_segments(monkeypatch) -> None:
+    """Imports write 2 blocks a segment, so an interruption can fall between segments."""
+    from kvstore.tiers.disk import tier, writes
+
+    monkeypatch.setattr(tier.DiskTier, "_write_options",
+                        lambda self: writes.WriteOptions(self.codec, self.zstd_level, 2 * BN))
+
+
+def _target(path: Path, present: int) -> None:
+    """A store at ``path`` holding the first ``present`` chains of the pack already."""
+    with attack_store(path, model=MODEL) as s:
+        for i in range(present):
+            ks = _chain(s, i)
+            assert s.put(ks, keyed_kv(LAY, ks)).wait() == 6
+        s.flush()
+
+
+def _check_store(path: Path, capsys) -> None:
+    """Every block of the pack exactly once, exact bytes, and ``kvstore verify`` clean."""
+    from kvstore.tiers.disk import DiskTier
+
+    t = DiskTier(path, capacity_bytes=0, readonly=True)
+    try:
+        keys = [r.key for r in t.records()]
+    finally:
+        t.close()
+    assert len(keys) == len(set(keys)) == 6 * CHAINS
+    with attack_store(path, model=MODEL, warm=8) as s:
+        for i in range(CHAINS):
+            assert fetch_exact(s, _chain(s, i)) == 6
+        assert s.stats().damaged == 0
+    capsys.readouterr()
+    assert main(["verify", "--store", str(path), "--grace", "0", "--format", "json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["findings"] == [], doc["findings"]
+
+
+def _served_exact_or_missed(path: Path) -> None:
+    """What an interrupted import left: every lookup a miss or exact bytes."""
+    with attack_store(path, model=MODEL, warm=8) as s:
+        for i in range(CHAINS):
+            fetch_exact(s, _chain(s, i))
+        assert s.stats().damaged == 0
+
+
+@pytest.mark.parametrize("where", ["staging", "publishing", "index_commit"])
+@pytest.mark.parametrize("present", [0, 1])
+def test_an_import_interrupted_in_process_then_retried_holds_each_block_once(
+        pack, tmp_path, monkeypatch, capsys, where, present):
+    """Interrupted (a BaseException, as a Ctrl-C or a kill unwinds) while writing segments,
+    after some were published, or in the index commit: nothing of it is visible, no file is
+    left behind, and the retry imports every block once."""
+    from kvstore.tiers.disk import segments, writes
+
+    _small_segments(monkeypatch)
+    q = tmp_path / "Q"
+    _target(q, present)
+    name, target = {"staging": ("create_segment", segments.create_segment),
+                    "publishing": ("finish_segment", segments.finish_segment),
+                    "index_commit": ("write_ops", writes.write_ops)}[where]
+    calls = []
+
+    def interrupted(*a, **k):
+        calls.append(1)
+        if len(calls) == (1 if where == "index_commit" else 3):
+            raise Killed
+        return target(*a, **k)
+
+    monkeypatch.setattr(segments if where != "index_commit" else writes, name, interrupted)
+    with pytest.raises(Killed):
+        main(["import", str(pack), "--store", str(q)])
+    monkeypatch.setattr(segments if where != "index_commit" else writes, name, target)
+    _served_exact_or_missed(q)
+    assert not list((q / "segments").glob("*.tmp"))
+    capsys.readouterr()
+    assert main(["import", str(pack), "--store", str(q), "--format", "json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert (res["imported"], res["present"]) == (6 * (CHAINS - present), 6 * present)
+    _check_store(q, capsys)
+
+
+_KILLER = """
+import os, signal, sys
+from kvstore.tiers.disk import segments, tier, writes
+tier.DiskTier._write_options = lambda self: writes.WriteOptions(
+    self.codec, self.zstd_level, {seg})
+real, calls = {module}.{name}, []
+def killed(*a, **k):
+    calls.append(1)
+    if len(calls) == {after}:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(*a, **k)
+{module}.{name} = killed
+from kvstore.cli import main
+sys.exit(main(["import", sys.argv[1], "--store", sys.argv[2], "--create"]))
+"""
+
+
+@pytest.mark.parametrize("where,after", [("create_segment", 3), ("finish_segment", 3),
+                                         ("write_ops", 1)])
+def test_an_import_killed_then_retried_holds_each_block_once(pack, tmp_path, capsys,
+                                                              where, after):
+    """SIGKILL half way through ``kvstore import`` (no cleanup runs): what it left is never
+    served with wrong bytes, the retry imports every block once, and once ``kvstore prune``
+    has removed the files the killed process left (``verify`` names them), the store is clean."""
+    q = tmp_path / "Q"
+    module = "writes" if where == "write_ops" else "segments"
+    script = _KILLER.format(seg=2 * BN, name=where, after=after, module=module)
+    p = subprocess.run([sys.executable, "-c", script, str(pack), str(q)], cwd=REPO,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == -signal.SIGKILL, p.stderr
+    _served_exact_or_missed(q)
+    capsys.readouterr()
+    assert run_bounded(lambda: main(["import", str(pack), "--store", str(q), "--format",
+                                     "json"]), 60) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert (res["imported"], res["present"]) == (6 * CHAINS, 0)
+    assert main(["verify", "--store", str(q), "--format", "json"]) == 0  # young: in flight?
+    capsys.readouterr()
+    assert main(["verify", "--store", str(q), "--grace", "0", "--format", "json"]) == 1
+    found = json.loads(capsys.readouterr().out)["findings"]
+    assert found and {(f["kind"], f["action"]) for f in found} <= {
+        ("temp_file", "remove"), ("orphan_segment", "remove")}, found
+    assert {f["path"] for f in found} == {str(q / "segments" / n)
+                                          for n in os.listdir(q / "segments")} - {
+        str(q / "segments" / f"{r:016x}.safetensors") for r in _live_segments(q)}
+    assert main(["prune", "--store", str(q), "--grace", "0", "-y"]) == 0
+    _check_store(q, capsys)
+
+
+def _live_segments(path: Path) -> set[int]:
+    from kvstore.tiers.disk import DiskTier
+
+    t = DiskTier(path, capacity_bytes=0, readonly=True)
+    try:
+        return {r.segment for r in t.records()}
+    finally:
+        t.close()
+
+
+def test_an_import_killed_while_creating_the_store_is_retried_with_the_same_command(
+        pack, tmp_path, capsys):
+    """Killed between making the store's directories and its index (``--create``): the
+    retry of the same command refused the path ("not a kvstore store: it has no
+    index/data.mdb") although it held nothing but the empty ``segments/`` and ``index/``."""
+    q = tmp_path / "Q"
+    script = ("import os, signal, sys, lmdb\n"
+              "lmdb.open = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)\n"
+              "from kvstore.cli import main\n"
+              "main(['import', sys.argv[1], '--store', sys.argv[2], '--create'])\n")
+    p = subprocess.run([sys.executable, "-c", script, str(pack), str(q)], cwd=REPO,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == -signal.SIGKILL, p.stderr
+    assert sorted(x.relative_to(q).as_posix() for x in q.rglob("*")) == ["index", "segments"]
+    assert main(["import", str(pack), "--store", str(q), "--create"]) == 0
+    _check_store(q, capsys)
+    # a directory holding any file is not taken for an empty one
+    other = tmp_path / "other"
+    (other / "index").mkdir(parents=True)
+    (other / "index" / "notes.txt").write_text("mine")
+    capsys.readouterr()
+    assert main(["import", str(pack), "--store", str(other), "--create"]) == 2
+    assert "is not a kvstore store" in capsys.readouterr().err
+    assert sorted(x.name for x in other.rglob("*")) == ["index", "notes.txt"]

@@ -82,7 +82,10 @@ def _check_target(path, *, create: bool, dry_run: bool) -> bool:
         check_store(path)
         return False
     except StoreNotFoundError:
-        empty = not path.exists() or (path.is_dir() and not any(path.iterdir()))
+        # empty directories only: none, or what a store creation killed before its index
+        # was made leaves (segments/, index/), so that the retry of the same import goes on
+        empty = not path.exists() or (path.is_dir() and not any(
+            not p.is_dir() or p.is_symlink() for p in path.rglob("*")))
         if not empty:
             raise
         if not create:
