@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, fetch_exact, keyed_kv, run_bounded
 from support.attacks import BN, LAY, T, attack_store
+from support.batch_jobs import Killed, dying_engine, save_llama
 
 from kvstore.cli import main
 from kvstore.integrations.batch.jobs import PartialResults, partial_path, read_requests
@@ -110,17 +111,9 @@ def test_duplicate_custom_ids_keep_the_first_line_only(tmp_path):
 # -- kvstore batch run end to end --------------------------------------------------------------
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    transformers = pytest.importorskip("transformers")
-    import torch
-
-    d = tmp_path_factory.mktemp("model")
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                                   num_hidden_layers=1, num_attention_heads=2,
-                                   num_key_value_heads=1, max_position_embeddings=256,
-                                   eos_token_id=None, bos_token_id=None)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(d)
-    return d
+    pytest.importorskip("transformers")
+    return save_llama(tmp_path_factory.mktemp("model"), VOCAB, hidden=32, layers=1, heads=2,
+                      kv_heads=1)
 
 
 def run_cli(*args) -> int:
@@ -200,10 +193,6 @@ def test_an_output_path_that_cannot_be_written_is_refused_before_the_model_loads
 
 
 # -- the partial file of an interrupted job ----------------------------------------------------
-class Killed(BaseException):  # not an Exception: nothing on the way may swallow it
-    pass
-
-
 def _job(path: Path, n: int = 6, salt: int = 0) -> None:
     path.write_text("".join(json.dumps({"custom_id": f"q{i}", "max_tokens": 3,
                                         "token_ids": [7, 8, 9, 10, 11 + i + salt]}) + "\n"
@@ -215,25 +204,7 @@ def _interrupted(monkeypatch, src, out, model_dir, after: int) -> None:
     from kvstore.commands import batch as cmd
 
     real = cmd._open_engine
-
-    def open_engine(args, tok, prompts=()):
-        engine, warm = real(args, tok, prompts)
-        inner = engine.run
-
-        def run(reqs, on_done=None):
-            seen = []
-
-            def done(i, c):
-                on_done(i, c)
-                seen.append(i)
-                if len(seen) == after:
-                    raise Killed
-            return inner(reqs, on_done=done)
-
-        engine.run = run
-        return engine, warm
-
-    monkeypatch.setattr(cmd, "_open_engine", open_engine)
+    monkeypatch.setattr(cmd, "_open_engine", dying_engine(real, after))
     with pytest.raises(Killed):
         run_cli(src, out, "--model", model_dir, "--max-batch-rows", "1")
     monkeypatch.setattr(cmd, "_open_engine", real)

@@ -98,21 +98,10 @@ transformers = pytest.importorskip("transformers")
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    import torch
+    from support.batch_jobs import save_llama
 
-    d = tmp_path_factory.mktemp("model")
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=256,
-                                   eos_token_id=None, bos_token_id=None)
-    m = transformers.LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if p.dim() == 2 and "embed" not in name:
-                p.normal_(0.0, 1.0 / p.shape[1] ** 0.5)
-    m.save_pretrained(d)
-    return d
+    return save_llama(tmp_path_factory.mktemp("model"), VOCAB, hidden=64, layers=2, heads=4,
+                      kv_heads=2, spread=True)
 
 
 def add_tokenizer(d):
@@ -191,32 +180,13 @@ def test_resume_after_interruption_recomputes_nothing_finished(model_dir, tmp_pa
     write_job(src, n=12, bad=False)
     assert run_cli(src, tmp_path / "ref.jsonl", "--model", model_dir, "--max-batch-rows", "3") == 0
 
-    class Killed(BaseException):  # not an Exception: nothing on the way may swallow it
-        pass
+    from support.batch_jobs import Killed, dying_engine
 
     real = cmd._open_engine
     ran: list[str] = []
 
     def wrapped(die_after):
-        def open_engine(args, tok, prompts=()):
-            engine, warm = real(args, tok, prompts)
-            inner = engine.run
-
-            def run(reqs, on_done=None):
-                ran.extend(r.custom_id for r in reqs)
-                seen = []
-
-                def done(i, c):
-                    on_done(i, c)
-                    seen.append(i)
-                    if len(seen) == die_after:
-                        raise Killed
-
-                return inner(reqs, on_done=done)
-
-            engine.run = run
-            return engine, warm
-        return open_engine
+        return dying_engine(real, die_after, ran)
 
     monkeypatch.setattr(cmd, "_open_engine", wrapped(5))  # dies after 5 results, as if killed
     with pytest.raises(Killed):

@@ -1,0 +1,62 @@
+"""A ``kvstore batch run`` whose engine dies after some results, as if the job were killed."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+
+class Killed(BaseException):  # not an Exception: nothing on the way may swallow it
+    pass
+
+
+def dying_engine(real_open: Callable[..., Any], die_after: int,
+                 ran: list[str] | None = None) -> Callable[..., Any]:
+    """A stand-in for ``kvstore.commands.batch._open_engine`` whose engine raises
+    :class:`Killed` after ``die_after`` results (never for -1); ``ran`` collects the ids of
+    the requests each run was given."""
+
+    def open_engine(args, tok, prompts=()):
+        engine, warm = real_open(args, tok, prompts)
+        inner = engine.run
+
+        def run(reqs, on_done=None):
+            if ran is not None:
+                ran.extend(r.custom_id for r in reqs)
+            seen = []
+
+            def done(i, c):
+                on_done(i, c)
+                seen.append(i)
+                if len(seen) == die_after:
+                    raise Killed
+
+            return inner(reqs, on_done=done)
+
+        engine.run = run
+        return engine, warm
+
+    return open_engine
+
+
+def save_llama(path: Any, vocab: int, *, hidden: int, layers: int, heads: int, kv_heads: int,
+               spread: bool = False) -> Any:
+    """A seeded random Llama without EOS/BOS for batch jobs, saved to ``path``; ``spread``:
+    weights wider than the default init, so greedy choices have clear margins."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden,
+                                   intermediate_size=2 * hidden, num_hidden_layers=layers,
+                                   num_attention_heads=heads, num_key_value_heads=kv_heads,
+                                   max_position_embeddings=256, eos_token_id=None,
+                                   bos_token_id=None)
+    m = transformers.LlamaForCausalLM(cfg)
+    if spread:
+        with torch.no_grad():
+            for name, p in m.named_parameters():
+                if p.dim() == 2 and "embed" not in name:
+                    p.normal_(0.0, 1.0 / p.shape[1] ** 0.5)
+    m.save_pretrained(path)
+    return path
