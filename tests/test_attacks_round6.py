@@ -41,7 +41,8 @@ HOSTILE = [
     (b'{"custom_id": "x", "token_ids": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None,
      "not valid JSON (nested thousands of levels deep)"),
     (b'{"custom_id": "x", "token_ids": [' + b"9" * 5000 + b"]}", None,
-     "not valid JSON (Exceeds the limit (4300 digits)"),
+     "not valid JSON here: an integer of more than 4,300 digits (no token id, count or seed "
+     "is that long)"),
     (b'{"custom_id": "x", "token_ids": [' + b"9" * 1000 + b"]}", "x",
      "token_ids has token id 999"),
     (b'{"custom_id": "x", "token_ids": [1], "temperature": ' + b"9" * 400 + b"}", "x",
@@ -87,6 +88,14 @@ def test_a_hostile_request_line_is_an_error_naming_its_line(tmp_path, line, cid,
     (err,) = job.errors
     assert isinstance(err, LineError) and err.line == 2 and err.custom_id == cid
     assert err.message.startswith(msg), err.message
+
+
+def test_a_byte_order_mark_before_line_1_is_not_part_of_it(tmp_path):
+    """Some editors start a UTF-8 file with a BOM: line 1 was "not valid JSON"."""
+    f = tmp_path / "in.jsonl"
+    f.write_bytes(b"\xef\xbb\xbf" + GOOD + b"\n" + GOOD.replace(b'"ok"', b'"ok2"') + b"\n")
+    job = read_requests(f, vocab=VOCAB, context=256)
+    assert not job.errors and [r.custom_id for r in job.requests] == ["ok", "ok2"]
 
 
 def test_seeds_at_the_ends_of_the_generator_range_are_requests(tmp_path):
@@ -190,6 +199,36 @@ def test_an_output_path_that_cannot_be_written_is_refused_before_the_model_loads
     assert capsys.readouterr().err.strip() == (
         f"kvstore batch: error: OUT {d} is a directory: give a file path for the results")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "outdir"]
+    out = tmp_path / "out.jsonl"
+    (tmp_path / "out.jsonl.partial").mkdir()
+    assert run_cli(src, out, "--model", model_dir) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"kvstore batch: error: {out}.partial (where an interrupted job's results go) is a "
+        "directory: move it away or give another OUT")
+
+
+def test_a_failed_final_write_leaves_no_tmp_and_keeps_the_partial(model_dir, tmp_path,
+                                                                   monkeypatch):
+    """The rename onto OUT failing (a full disk, a file system gone read-only) left OUT.tmp
+    behind; now it is removed, and OUT.partial keeps the results for the next run."""
+    from kvstore.integrations.batch import jobs
+
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _job(src, n=3)
+    real = jobs.os.replace
+
+    def failing(a, b):  # only the final rename onto OUT (os is one module for everyone)
+        if Path(b) == out:
+            raise OSError(28, "No space left on device")
+        return real(a, b)
+
+    monkeypatch.setattr(jobs.os, "replace", failing)
+    assert run_cli(src, out, "--model", model_dir) != 0  # said as "error: No space left ..."
+    assert not Path(f"{out}.tmp").exists() and not out.exists()
+    assert len(partial_path(out).read_text().splitlines()) == 3
+    monkeypatch.setattr(jobs.os, "replace", real)
+    assert run_cli(src, out, "--model", model_dir) == 0
+    assert len(out.read_text().splitlines()) == 3 and not partial_path(out).exists()
 
 
 # -- the partial file of an interrupted job ----------------------------------------------------

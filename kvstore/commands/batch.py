@@ -209,6 +209,9 @@ def run(args: argparse.Namespace) -> int:
     if out is not None and not out.parent.is_dir():
         return error("batch", f"OUT {out}: the directory {out.parent} does not exist; create "
                      "it or give another path")
+    if out is not None and Path(f"{out}.partial").is_dir():
+        return error("batch", f"{out}.partial (where an interrupted job's results go) is a "
+                     "directory: move it away or give another OUT")
     if args.cpu_capacity is not None and not args.store:
         return error("batch", "--cpu-capacity sizes the warm tier of the --store: give "
                      "--store PATH too, or leave --cpu-capacity out (without a store the "

@@ -56,7 +56,8 @@ def read_requests(path: str | os.PathLike[str], *,
     seen: dict[str, int] = {}
     # surrogateescape, then a check: a byte that is not UTF-8 is the line's error, not a
     # U+FFFD silently put into its prompt or custom_id
-    with open(path, encoding="utf-8", errors="surrogateescape") as f:
+    # utf-8-sig: a byte-order mark some editors write first is not part of line 1
+    with open(path, encoding="utf-8-sig", errors="surrogateescape") as f:
         for no, text in enumerate(f, 1):
             if not text.strip():
                 continue
@@ -175,17 +176,21 @@ def write_output(path: str | os.PathLike[str], entries: Sequence[Entry],
     job failed part way) gets none: its line is missing, as the summary says."""
     tmp = Path(f"{os.fspath(path)}.tmp")
     n = 0
-    with open(tmp, "w", encoding="utf-8") as f:
-        for e in entries:
-            if isinstance(e, LineError):
-                rec = error_record(e)
-            elif e.custom_id in results:
-                rec = completion_record(results[e.custom_id])
-            else:
-                continue
-            f.write(json.dumps(rec) + "\n")
-            n += 1
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            for e in entries:
+                if isinstance(e, LineError):
+                    rec = error_record(e)
+                elif e.custom_id in results:
+                    rec = completion_record(results[e.custom_id])
+                else:
+                    continue
+                f.write(json.dumps(rec) + "\n")
+                n += 1
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # the results stay in OUT.partial for the next run
+        raise
     return n

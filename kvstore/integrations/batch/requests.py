@@ -197,6 +197,9 @@ def parse_request(
     try:
         obj = json.loads(text)
     except ValueError as e:
+        if "integer string conversion" in str(e):  # Python's advice is no use to a job's author
+            return LineError(line, None, "not valid JSON here: an integer of more than 4,300 "
+                             "digits (no token id, count or seed is that long)")
         return LineError(line, None, f"not valid JSON ({e})")
     except RecursionError:
         return LineError(line, None, "not valid JSON (nested thousands of levels deep)")
