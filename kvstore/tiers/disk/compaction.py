@@ -108,24 +108,17 @@ def _live_records_of(ctx: DiskContext, sid: int) -> list[tuple[bytes, Rec]]:
     path = os.path.join(ctx.segdir, _seg.segment_name(sid))
     try:
         obj, start, _size = _seg.read_header(path)
-        names = _seg.header_tensors(obj, start)
+        keys = _seg.header_index_keys(obj, start)
     except (OSError, _seg.SegmentFormatError) as e:
         log.warning("disk tier %s: cannot read segment %016x for compaction: %s", ctx.path, sid, e)
         return []
     out = []
     sh = ctx.sh
     db = sh.dbs[DB_BLOCKS]
-    meta = obj.get("__metadata__") if isinstance(obj.get("__metadata__"), dict) else {}
     with sh.read() as txn:
-        for name in names:
-            try:
-                key = bytes.fromhex(name)
-                ns = bytes.fromhex(str(meta.get(name, "")).split(";")[3])
-            except (ValueError, IndexError):
+        for key in keys:
+            if key is None:
                 continue  # not a block of ours, or no namespace to find it under
-            if len(key) != KEY_BYTES or len(ns) != KEY_BYTES:
-                continue
-            key = ns + key  # the dbkey, as every helper below takes it
             rec = lookup_record(txn, db, key)
             if rec is not None and rec.segment == sid:
                 out.append((key, rec))

@@ -26,6 +26,7 @@ import xxhash
 from kvstore.errors import HeaderFormatError
 from kvstore.filemodes import create_file, file_mode_in
 from kvstore.header_json import load_header
+from kvstore.keys import KEY_BYTES
 
 SEGMENT_SUFFIX = ".safetensors"
 #: flags of every read-only open of a segment: O_NONBLOCK so that a path that is not a
@@ -183,6 +184,24 @@ def header_tensors(obj: dict, data_start: int) -> dict[str, tuple[int, int]]:
         if e < b or b < 0:
             raise SegmentFormatError(f"tensor {name!r} has invalid data_offsets")
         out[name] = (data_start + b, e - b)
+    return out
+
+
+def header_index_keys(obj: dict, data_start: int) -> list[bytes | None]:
+    """The index key (namespace id + block key) of each tensor of a parsed header, in
+    :func:`header_tensors` order; None for one whose name or metadata names no block
+    (SegmentFormatError for invalid offsets, as :func:`header_tensors`)."""
+    meta = obj.get("__metadata__")
+    meta = meta if isinstance(meta, dict) else {}
+    out: list[bytes | None] = []
+    for name in header_tensors(obj, data_start):
+        try:
+            key = bytes.fromhex(name)
+            ns = bytes.fromhex(str(meta.get(name, "")).split(";")[3])
+        except (ValueError, IndexError):
+            out.append(None)
+            continue
+        out.append(ns + key if len(key) == len(ns) == KEY_BYTES else None)
     return out
 
 

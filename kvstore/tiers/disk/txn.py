@@ -93,13 +93,12 @@ def _still_used(ctx: DiskContext, txn, sid: int) -> bool:
     blocks = ctx.sh.dbs[DB_BLOCKS]
     path = os.path.join(ctx.segdir, _seg.segment_name(sid))
     try:
-        obj, _start, _size = _seg.read_header(path)
-        meta = obj["__metadata__"]
-        cks: list[bytes] | None = [bytes.fromhex(meta[k].split(";")[3]) + bytes.fromhex(k)
-                                   for k in obj if k != "__metadata__"]
+        obj, start, _size = _seg.read_header(path)
+        keys = _seg.header_index_keys(obj, start)
+        cks = None if None in keys else keys
     except FileNotFoundError:
         return False
-    except (OSError, ValueError, LookupError, TypeError, AttributeError):  # a damaged header
+    except (OSError, _seg.SegmentFormatError):  # a damaged header: every record is looked at
         cks = None
 
     def here(raw: bytes | None) -> bool:
