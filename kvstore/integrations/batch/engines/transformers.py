@@ -114,7 +114,7 @@ class TransformersEngine:
         self._split = False  # during run: small forwards split threads (.split)
         # threads not fixed: the cores other processes leave us, looked at from here on
         self._share = CoreShare() if self.device.type == "cpu" and not threads else None
-        self._shared = False  # during run: threads follow self._share
+        self._following: CoreShare | None = None  # during run: the share threads follow
         self._used: set[int] = set()  # during run: the thread counts forwards ran on
 
     def plan(self, requests: Sequence[BatchRequest]) -> BatchPlan:
@@ -148,8 +148,8 @@ class TransformersEngine:
                               "use_cache": True}
         if self._keep_rows:
             kw["logits_to_keep"] = ends.to(self.device)
-        if self._shared and self._share is not None:
-            n = self._share.threads()
+        if self._following is not None:
+            n = self._following.threads()
             if n != torch.get_num_threads():
                 torch.set_num_threads(n)
         self._used.add(torch.get_num_threads())
@@ -274,9 +274,9 @@ class TransformersEngine:
         plan = plan or self.plan(requests)
         before = None
         if self.device.type == "cpu":
-            before = set_threads(self._share.threads(now=True) if self._share and not self.threads
+            self._following = None if self.threads else self._share
+            before = set_threads(self._following.threads(now=True) if self._following
                                  else self.threads)
-        self._shared = self._share is not None and not self.threads
         self._used = set()
         try:
             with self._linears.active() if self._linears else contextlib.nullcontext() as n, \
@@ -290,7 +290,7 @@ class TransformersEngine:
                 finally:
                     self._split = False
         finally:
-            self._shared = False
+            self._following = None
             if before is not None:
                 torch.set_num_threads(before)
 
