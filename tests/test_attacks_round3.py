@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO, TESTS, bit_equal, fetch_exact, keyed_kv, run_bounded
-from support.attacks import BN, LAY, T, attack_store
+from support.attacks import BN, LAY, T, attack_store, vouched_chains
 
 from kvstore import KVLayout, connect, open_store
 from kvstore.cli import main as cli_main
@@ -597,7 +597,8 @@ while True:
         s.evict(other[3:], tier="disk")
     if i % 3 == 2:
         s.flush()
-        print("flushed", i, flush=True)
+        sys.stdout.write(f"flushed {i}\n")
+        sys.stdout.flush()
     i += 1
     if mode == "mixed" and i >= base + 60:
         s.close()
@@ -627,7 +628,7 @@ def test_sigkill_at_random_moments_of_put_and_flush_loses_nothing_vouched(tmp_pa
         p.send_signal(signal.SIGKILL)
         out = first + p.stdout.read()
         p.wait(30)
-        flushed = [int(x.split()[1]) for x in out.splitlines() if x.startswith("flushed")]
+        flushed = vouched_chains(out.splitlines())
         vouched |= set(range(base, max(flushed) + 1))
         tried = range(base, max(flushed) + 6)
         with opened(tmp_path, warm=16) as s:

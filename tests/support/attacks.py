@@ -3,6 +3,9 @@ opened on it with a few warm slots, so that eviction and the disk are in play at
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable
+
 import torch
 
 from kvstore import KVLayout, open_store
@@ -16,3 +19,12 @@ def attack_store(path, *, model: str, warm: int = 64, hot: int = 0, disk: str = 
     """A store on ``LAY``: ``warm`` / ``hot`` slots of memory, ``disk`` of disk."""
     return open_store(path, layout=LAY, model_id=model, device="cpu", gpu_capacity=hot * BN,
                       cpu_capacity=warm * BN, disk_capacity=disk, **kw)
+
+
+def vouched_chains(lines: Iterable[str]) -> list[int]:
+    """The chain numbers a killed writer reported as flushed: whole ``flushed N`` lines only.
+
+    A writer killed -9 can leave its last line cut short ("flushed" with no number, when its
+    stdout is unbuffered, as under ``PYTHONUNBUFFERED``); a line it never finished vouched for
+    nothing, so it is skipped rather than parsed."""
+    return [int(m.group(1)) for x in lines if (m := re.fullmatch(r"flushed (\d+)\n?", x))]
