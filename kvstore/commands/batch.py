@@ -330,11 +330,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="recompute everything even if OUT.partial holds finished requests")
     r.add_argument("--plan-only", action="store_true", help="print the plan, run nothing")
     r.add_argument("--max-batch-tokens", type=integer(minimum=1), default=8192, metavar="N",
-                   help="suffix tokens per packed forward (default 8192)")
+                   help="tokens per packed forward: joining rows' suffixes, one per running "
+                   "row (default 8192)")
     r.add_argument("--max-batch-rows", type=integer(minimum=1), default=256, metavar="N",
-                   help="sequences decoding together (default 256)")
+                   help="sequences in flight (default 256)")
     r.add_argument("--max-prefix-tokens", type=integer(minimum=1), metavar="N",
-                   help="shared-prefix tokens whose K/V one batch holds (default 32 x "
+                   help="shared-prefix tokens whose K/V the engine holds at once (default 32 x "
                    "--max-batch-tokens; transformers engine): with --max-batch-tokens, what "
                    "bounds the engine's own memory")
     r.add_argument("--cpu-capacity", type=_warm_size, metavar="SIZE",

@@ -18,6 +18,10 @@ def test_workloads_have_the_issues_shapes():
     assert all(p[:400] == ws["chat"].prompts[0][:400] for p in ws["chat"].prompts)
     assert all(460 <= len(p) <= 600 for p in ws["chat"].prompts)
     assert all(len(p) >= 3800 for p in ws["long"].prompts) and ws["long"].new_tokens == 64
+    many = ws["many"]  # many batches, answers of different lengths (continuous batching)
+    assert len(many.prompts) == 192 and len({p[:400] for p in many.prompts}) == 6
+    assert len(many.new_tokens) == 192 and min(many.new_tokens) >= 4 and max(many.new_tokens) <= 48
+    assert len(set(many.new_tokens)) > 20
     assert bench.workloads() == bench.workloads()  # seeded
     for shape in ("110m", "0.5b"):  # every prompt's ids valid in every model
         assert bench.MODELS[shape]["vocab_size"] >= bench.VOCAB
@@ -27,7 +31,7 @@ def test_quick_section_without_vllm(monkeypatch, tmp_path):
     monkeypatch.setattr(bench, "vllm_python", lambda: None)
     rows = bench.run(BenchOptions(quick=True, workdir=str(tmp_path)))
     names = [r.name for r in rows]
-    assert len(rows) == 4 * 2  # per workload: tokens vs the bound, wall vs HF padded batch
+    assert len(rows) == 5 * 2  # per workload: tokens vs the bound, wall vs HF padded batch
     assert all("vLLM" not in r.ref_name for r in rows)
     tok = [r for r in rows if "prefill tokens" in r.name]
     assert all(r.ratio >= bench.TOKEN_GOAL and r.meets_goal for r in tok)
@@ -47,8 +51,20 @@ def test_baseline_engine_from_another_tree(monkeypatch, tmp_path):
     monkeypatch.setenv("KVSTORE_BENCH_BATCH_BASELINE", str(Path(bench.__file__).resolve().parents[2]))
     rows = bench.run(BenchOptions(quick=True, workdir=str(tmp_path)))
     base = [r for r in rows if r.ref_name == bench.BASELINE]
-    assert len(base) == 4 and all(r.name.endswith("wall, transformers engine") for r in base)
+    assert len(base) == 5 and all(r.name.endswith("wall, transformers engine") for r in base)
     for r in rows:
         if "prefill tokens" in r.name:
             k, n = re.search(r"baseline transformers engine (\d+)/(\d+)", r.note).groups()
             assert k == n
+
+
+def test_only_the_workloads_asked_for(monkeypatch, tmp_path):
+    monkeypatch.setattr(bench, "vllm_python", lambda: None)
+    monkeypatch.setenv("KVSTORE_BENCH_BATCH_WORKLOADS", "many")
+    rows = bench.run(BenchOptions(quick=True, workdir=str(tmp_path)))
+    assert {r.name.split(":")[0] for r in rows} == {"many"}
+    k, n = re.search(r"HF padded batch (\d+)/(\d+)", rows[0].note).groups()
+    assert k == n  # each prompt's own max_tokens, HF's answers cut to it
+    monkeypatch.setenv("KVSTORE_BENCH_BATCH_WORKLOADS", "many,chatt")
+    with pytest.raises(ValueError, match="names among doc, docs, chat, long, many"):
+        bench.run(BenchOptions(quick=True, workdir=str(tmp_path)))

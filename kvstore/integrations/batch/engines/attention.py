@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -66,7 +66,8 @@ class SuffixKV:
 
 @dataclass(frozen=True, eq=False)
 class GroupSlice:
-    """Tokens ``[start, stop)`` of the packed forward whose sequences share ``prefix``.
+    """Tokens ``[start, stop)`` of the packed forward whose sequences share ``prefix`` (or,
+    with ``index``, the tokens it lists: a group's decode steps spread over the forward).
 
     ``prefix[layer] = (K, V)``, each ``[H_kv, P, D]``; an empty tuple means no prefix.
     """
@@ -75,30 +76,60 @@ class GroupSlice:
     stop: int
     prefix: tuple[tuple[torch.Tensor, torch.Tensor], ...]
     prefix_len: int
+    index: torch.Tensor | None = None  # [n] the group's tokens (then start/stop are unused)
+
+
+@dataclass(frozen=True, eq=False)
+class SuffixPart:
+    """The tokens ``[start, stop)`` of a packed forward whose sequences live in one suffix
+    buffer ``kv`` (a forward of a continuous batch mixes rows of several buffers).
+
+    Indices below are local to the part: token ``0`` is the forward's token ``start``.
+    """
+
+    kv: SuffixKV
+    start: int
+    stop: int
+    write_rows: torch.Tensor  # [n] suffix-buffer row of each token
+    write_cols: torch.Tensor  # [n] its column in that row
+    rows: torch.Tensor  # [R] the rows that have tokens in this forward
+    q_index: torch.Tensor  # [R, S] token of (row, j) (padding repeats a valid token)
+    q_inverse: torch.Tensor  # [n] index of each token in the flattened [R, S]
+    mask: torch.Tensor  # [R, 1, 1, S, C] which suffix columns each query sees
+    key_len: int  # C: suffix columns in use among the rows
+    key_positions: torch.Tensor  # [R, C] absolute position of each suffix column
+    leading: bool  # rows == arange(R): the buffers' first R rows, read without a gather
+    #: every row's tokens start at column 0 (a prefill): per row (buffer row, first token,
+    #: count), each attended causally on its own (no padding to the longest row); else empty
+    fresh: tuple[tuple[int, int, int], ...] = ()
+    #: the additive mask of :attr:`mask` (0 / -inf) for the flash kernel, built at its first
+    #: use in a forward and shared by every layer without a sliding window
+    additive: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class PartSpec:
+    """Sequences of one suffix buffer in a forward: sequence ``i`` (buffer row ``rows[i]``,
+    prefix length ``prefix[i]``) adds ``counts[i]`` tokens at columns ``starts[i]``..."""
+
+    kv: SuffixKV
+    rows: tuple[int, ...]
+    starts: tuple[int, ...]
+    counts: tuple[int, ...]
+    prefix: tuple[int, ...]
 
 
 @dataclass(frozen=True, eq=False)
 class ForwardPlan:
     """Where the tokens of one packed forward go, shared by every layer of that forward.
 
-    Rows are suffix-buffer rows; tokens are ordered by group, and by row within a group.
+    Tokens are ordered by part, then (within a part) by group and by row within a group;
+    ``groups`` index the forward's tokens.
     """
 
-    kv: SuffixKV
     groups: tuple[GroupSlice, ...]
-    write_rows: torch.Tensor  # [N] suffix-buffer row of each token
-    write_cols: torch.Tensor  # [N] its column in that row
-    rows: torch.Tensor  # [R] the rows that have tokens in this forward
-    q_index: torch.Tensor  # [R, S] token of (row, j) (padding repeats a valid token)
-    q_inverse: torch.Tensor  # [N] index of each token in the flattened [R, S]
-    mask: torch.Tensor  # [R, 1, 1, S, C] which suffix columns each query sees
-    key_len: int  # C: suffix columns in use among the rows
+    parts: tuple[SuffixPart, ...]
     positions: torch.Tensor  # [N] absolute position of each token
-    key_positions: torch.Tensor  # [R, C] absolute position of each suffix column
-    all_rows: bool  # rows == arange(kv.rows): the buffers need no gather
-    #: every row's tokens start at column 0 (a prefill): per row (buffer row, first token,
-    #: count), each attended causally on its own (no padding to the longest row); else empty
-    fresh: tuple[tuple[int, int, int], ...] = ()
 
 
 def make_plan(kv: SuffixKV, groups: Sequence[GroupSlice], seq_rows: Sequence[int],
@@ -109,34 +140,61 @@ def make_plan(kv: SuffixKV, groups: Sequence[GroupSlice], seq_rows: Sequence[int
 
     Sequences must be listed in token order (grouped as ``groups`` say).
     """
-    R = len(seq_rows)
-    S = max(seq_counts)
-    C = max(s + c for s, c in zip(seq_starts, seq_counts, strict=True))
-    counts = torch.tensor(seq_counts, dtype=torch.long)
-    starts = torch.tensor(seq_starts, dtype=torch.long)
-    prefix = torch.tensor(seq_prefix, dtype=torch.long)
+    spec = PartSpec(kv, tuple(seq_rows), tuple(seq_starts), tuple(seq_counts), tuple(seq_prefix))
+    return make_parts_plan(groups, [spec], device=device)
+
+
+def make_parts_plan(groups: Sequence[GroupSlice], specs: Sequence[PartSpec], *,
+                    device: torch.device) -> ForwardPlan:
+    """The plan of a forward whose tokens are those of ``specs`` in order (each a suffix
+    buffer's sequences, listed in token order and grouped as ``groups`` say)."""
+    if not specs:
+        raise ValueError("a forward needs at least one sequence")
+    parts: list[SuffixPart] = []
+    positions: list[torch.Tensor] = []
+    at = 0
+    for sp in specs:
+        part, pos = _part(sp, at, device)
+        parts.append(part)
+        positions.append(pos)
+        at = part.stop
+    return ForwardPlan(groups=tuple(groups), parts=tuple(parts),
+                       positions=torch.cat(positions).to(device))
+
+
+def _part(sp: PartSpec, at: int, device: torch.device) -> tuple[SuffixPart, torch.Tensor]:
+    R = len(sp.rows)
+    if not R or len(sp.starts) != R or len(sp.counts) != R or len(sp.prefix) != R \
+            or min(sp.counts) < 1:
+        raise ValueError("each part needs rows, and each row one start, prefix and >= 1 token")
+    S = max(sp.counts)
+    C = max(s + c for s, c in zip(sp.starts, sp.counts, strict=True))
+    counts = torch.tensor(sp.counts, dtype=torch.long)
+    starts = torch.tensor(sp.starts, dtype=torch.long)
+    prefix = torch.tensor(sp.prefix, dtype=torch.long)
     first = torch.cumsum(counts, 0) - counts  # first token of each sequence
     j = torch.arange(S).unsqueeze(0)
     q_index = first.unsqueeze(1) + torch.minimum(j, (counts - 1).unsqueeze(1))
     seq_of_token = torch.repeat_interleave(torch.arange(R), counts)
-    j_of_token = torch.arange(int(counts.sum())) - first[seq_of_token]
+    n = int(counts.sum())
+    j_of_token = torch.arange(n) - first[seq_of_token]
     cols = starts[seq_of_token] + j_of_token
     c = torch.arange(C).unsqueeze(0)
     # query (row, j) sits at column starts + j; it sees columns up to its own
     q_cols = starts.unsqueeze(1) + torch.minimum(j, (counts - 1).unsqueeze(1))  # [R, S]
     mask = c.unsqueeze(1) <= q_cols.unsqueeze(2)  # [R, S, C]; padding repeats the last query
-    rows = torch.tensor(seq_rows, dtype=torch.long)
-    return ForwardPlan(
-        kv=kv, groups=tuple(groups), write_rows=rows[seq_of_token].to(device),
+    rows = torch.tensor(sp.rows, dtype=torch.long)
+    part = SuffixPart(
+        kv=sp.kv, start=at, stop=at + n, write_rows=rows[seq_of_token].to(device),
         write_cols=cols.to(device), rows=rows.to(device), q_index=q_index.to(device),
         q_inverse=(seq_of_token * S + j_of_token).to(device),
         mask=mask.view(R, 1, 1, S, C).to(device), key_len=C,
-        positions=(prefix[seq_of_token] + cols).to(device),
         key_positions=(prefix.unsqueeze(1) + c).to(device),
-        all_rows=list(seq_rows) == list(range(kv.rows)),
-        fresh=tuple(zip(seq_rows, (int(x) for x in first), seq_counts, strict=True))
-        if not any(seq_starts) else (),
+        leading=list(sp.rows) == list(range(R)),
+        fresh=tuple(zip(sp.rows, (int(x) for x in first), sp.counts, strict=True))
+        if not any(sp.starts) else (),
     )
+    return part, prefix[seq_of_token] + cols
 
 
 class PlanCache:
@@ -150,10 +208,11 @@ class PlanCache:
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        p = self.plan
-        # [1, H, N, D] -> [N, H, D] at (row, col) of each token
-        p.kv.k[layer_idx][p.write_rows, :, p.write_cols] = key_states[0].transpose(0, 1)
-        p.kv.v[layer_idx][p.write_rows, :, p.write_cols] = value_states[0].transpose(0, 1)
+        # [1, H, N, D] -> [n, H, D] at (row, col) of each token of each part
+        k, v = key_states[0].transpose(0, 1), value_states[0].transpose(0, 1)
+        for p in self.plan.parts:
+            p.kv.k[layer_idx][p.write_rows, :, p.write_cols] = k[p.start:p.stop]
+            p.kv.v[layer_idx][p.write_rows, :, p.write_cols] = v[p.start:p.stop]
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -168,26 +227,27 @@ _FLASH_CPU = getattr(getattr(torch.ops.aten, "_scaled_dot_product_flash_attentio
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-            softcap: float | None, mask: torch.Tensor | None, causal: bool = False
+            softcap: float | None, mask: torch.Tensor | None, causal: bool = False,
+            additive: torch.Tensor | None = None, sees_one: bool = False
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """``softmax(q k^T) v`` and its log-sum-exp (-inf where a query sees no key), in float32.
 
     ``q [B, H, M, D]``, ``k``/``v [B, H, K, D]``, ``mask`` boolean, broadcastable to
-    ``[B, H, M, K]``; ``causal``: query ``i`` sees keys ``<= i`` (``M == K``).
+    ``[B, H, M, K]``; ``causal``: query ``i`` sees keys ``<= i`` (``M == K``). ``additive``:
+    ``mask`` as 0 / -inf in ``q``'s dtype, if the caller has it. ``sees_one``: every query
+    sees at least one key (no check for those that see none).
     """
-    if (_FLASH_CPU is not None and q.device.type == "cpu" and not softcap
-            and q.dtype in (torch.float32, torch.bfloat16, torch.float16)):
-        add = None
-        if mask is not None:
-            add = torch.zeros(mask.shape, dtype=q.dtype, device=q.device)
-            add.masked_fill_(~mask, float("-inf"))
+    if _flash_ok(q, softcap):
+        add = additive
+        if mask is not None and add is None:
+            add = additive_mask(mask, q.dtype)
         scores = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2]
         if scores >= _WIDE_SCORES:
             o, lse = wide(_FLASH_CPU, q, k, v, 0.0, causal, attn_mask=add, scale=scale)
         else:
             o, lse = _FLASH_CPU(q, k, v, 0.0, causal, attn_mask=add, scale=scale)
         o, lse = o.float(), lse.float()
-        if mask is not None:  # a query that sees no key (a window past the prefix): weight 0
+        if mask is not None and not sees_one:  # a query that sees no key (a window past the prefix): weight 0
             dead = ~mask.any(-1).expand(lse.shape)
             if bool(dead.any()):
                 lse = lse.masked_fill(dead, float("-inf"))
@@ -211,6 +271,17 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     return o, (m + total.log()).squeeze(-1)
 
 
+def _flash_ok(q: torch.Tensor, softcap: float | None) -> bool:
+    return (_FLASH_CPU is not None and q.device.type == "cpu" and not softcap
+            and q.dtype in (torch.float32, torch.bfloat16, torch.float16))
+
+
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask as the 0 / -inf the flash kernel adds to the scores."""
+    add = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+    return add.masked_fill_(~mask, float("-inf"))
+
+
 def _chunks(rows: int, per_row: int) -> Iterator[tuple[int, int]]:
     step = max(1, _CHUNK_ELEMENTS // max(1, per_row))
     for a in range(0, rows, step):
@@ -226,13 +297,14 @@ def _prefix_part(plan: ForwardPlan, layer: int, q: torch.Tensor, scale: float,
     o = torch.zeros((Hkv, G, N, D), **f32)
     lse = torch.full((Hkv, G, N), float("-inf"), **f32)
     for g in plan.groups:
-        if not g.prefix or g.stop <= g.start:
+        sel: slice | torch.Tensor = g.index if g.index is not None else slice(g.start, g.stop)
+        n = len(g.index) if g.index is not None else g.stop - g.start
+        if not g.prefix or n <= 0:
             continue
         pk, pv = g.prefix[layer]
-        n = g.stop - g.start
         # the group's queries (all heads sharing a KV head) against the one prefix
-        qg = q[:, :, g.start:g.stop].reshape(1, Hkv, G * n, D)
-        pos = plan.positions[g.start:g.stop].repeat(G)
+        qg = q[:, :, sel].reshape(1, Hkv, G * n, D)
+        pos = plan.positions[sel].repeat(G)
         og = torch.empty((Hkv, G * n, D), **f32)
         lg = torch.empty((Hkv, G * n), **f32)
         for a, b in _chunks(G * n, Hkv * g.prefix_len):
@@ -242,8 +314,8 @@ def _prefix_part(plan: ForwardPlan, layer: int, q: torch.Tensor, scale: float,
                 mask = kpos.unsqueeze(0) > (pos[a:b].unsqueeze(1) - window)
             oc, lc = _attend(qg[:, :, a:b], pk.unsqueeze(0), pv.unsqueeze(0), scale, softcap, mask)
             og[:, a:b], lg[:, a:b] = oc[0], lc[0]
-        o[:, :, g.start:g.stop] = og.view(Hkv, G, n, D)
-        lse[:, :, g.start:g.stop] = lg.view(Hkv, G, n)
+        o[:, :, sel] = og.view(Hkv, G, n, D)
+        lse[:, :, sel] = lg.view(Hkv, G, n)
     return o, lse
 
 
@@ -251,6 +323,22 @@ def _suffix_part(plan: ForwardPlan, layer: int, q: torch.Tensor, scale: float,
                  softcap: float | None, window: int | None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every token against its own sequence's suffix so far (same shapes as the prefix part)."""
+    if len(plan.parts) == 1:
+        return _one_part(plan.parts[0], plan.positions, layer, q, scale, softcap, window)
+    Hkv, G, N, D = q.shape
+    o = torch.empty((Hkv, G, N, D), dtype=torch.float32, device=q.device)
+    lse = torch.empty((Hkv, G, N), dtype=torch.float32, device=q.device)
+    for p in plan.parts:
+        o[:, :, p.start:p.stop], lse[:, :, p.start:p.stop] = _one_part(
+            p, plan.positions[p.start:p.stop], layer, q[:, :, p.start:p.stop], scale, softcap,
+            window)
+    return o, lse
+
+
+def _one_part(plan: SuffixPart, positions: torch.Tensor, layer: int, q: torch.Tensor,
+              scale: float, softcap: float | None, window: int | None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens of one part (``q``, ``positions``: theirs) against their suffixes."""
     Hkv, G, N, D = q.shape
     R, S = plan.q_index.shape
     C = plan.key_len
@@ -269,22 +357,32 @@ def _suffix_part(plan: ForwardPlan, layer: int, q: torch.Tensor, scale: float,
             o[:, :, a:a + n] = oh.view(Hkv, G, n, D)
             lse[:, :, a:a + n] = lh.view(Hkv, G, n)
         return o, lse
-    if plan.all_rows:
-        k, v = k[:, :, :C], v[:, :, :C]
+    if plan.leading:
+        k, v = k[:R, :, :C], v[:R, :, :C]
     else:
         k, v = k[plan.rows, :, :C], v[plan.rows, :, :C]
     # [Hkv, G, R, S, D] -> [R, Hkv, G*S, D]: a KV head's queries side by side
     qp = q[:, :, plan.q_index].permute(2, 0, 1, 3, 4).reshape(R, Hkv, G * S, D)
     mask = plan.mask
+    additive = None
     if window is not None:
-        qpos = plan.positions[plan.q_index]  # [R, S]
+        qpos = positions[plan.q_index]  # [R, S]
         inside = plan.key_positions.unsqueeze(1) > (qpos.unsqueeze(2) - window)  # [R, S, C]
         mask = mask & inside.view(R, 1, 1, S, C)
+    elif S == 1 and _flash_ok(q, softcap):  # a decode step: one mask for all layers
+        additive = plan.additive.get(0)
+        if additive is None:
+            additive = plan.additive[0] = additive_mask(mask.view(R, 1, 1, C), q.dtype)
     o = torch.empty((R, Hkv, G * S, D), dtype=torch.float32, device=q.device)
     lse = torch.empty((R, Hkv, G * S), dtype=torch.float32, device=q.device)
     for a, b in _chunks(R, Hkv * G * S * C):
+        # every query sees its own token (a window always holds it)
+        if additive is not None:
+            o[a:b], lse[a:b] = _attend(qp[a:b], k[a:b], v[a:b], scale, softcap, None,
+                                       additive=additive[a:b], sees_one=True)
+            continue
         mk = mask[a:b].expand(b - a, 1, G, S, C).reshape(b - a, 1, G * S, C)
-        o[a:b], lse[a:b] = _attend(qp[a:b], k[a:b], v[a:b], scale, softcap, mk)
+        o[a:b], lse[a:b] = _attend(qp[a:b], k[a:b], v[a:b], scale, softcap, mk, sees_one=True)
 
     def packed(t: torch.Tensor) -> torch.Tensor:  # [R, Hkv, G*S, ...] -> [Hkv, G, N, ...]
         t = t.view(R, Hkv, G, S, *t.shape[3:]).movedim(0, 2).reshape(Hkv, G, R * S, *t.shape[3:])
@@ -309,7 +407,7 @@ def shared_prefix_attention(module: torch.nn.Module, query: torch.Tensor, key: t
     layer = int(module.layer_idx)
     window = sliding_window if sliding_window is not None else getattr(module, "sliding_window", None)
     B, Hq, N, D = query.shape
-    Hkv = plan.kv.k[layer].shape[1]
+    Hkv = plan.parts[0].kv.k[layer].shape[1]
     scale = float(scaling) if scaling is not None else D ** -0.5
     q = query[0].view(Hkv, Hq // Hkv, N, D)
     o_s, lse_s = _suffix_part(plan, layer, q, scale, softcap, window)

@@ -2,10 +2,11 @@
 
 For each shared prefix of the plan (:mod:`.schedule`), the prefix is computed once as one
 sequence (or loaded from a kvstore :class:`~kvstore.store.Store`, and the new full blocks put
-there), extending its parent's. Then batches of rows (each a prompt's suffix after its
-prefix), several groups per forward up to a token budget, run as *one* packed forward against
-their prefixes (:mod:`.attention`: the prefix K/V is never copied per sequence), and decode
-together, one token per row per forward, each row stopping on its own (:mod:`.sampling`).
+there), extending its parent's. Rows (each a prompt's suffix after its prefix) run in
+*continuous batches*: each forward is one packed forward (:mod:`.attention`: the prefix K/V is
+never copied per sequence) of one token per running row and the whole suffix of the rows that
+join, in plan order, as far as the token, row and prefix budgets allow; each row stops on its
+own (:mod:`.sampling`) and frees its place for the next.
 
 Greedy outputs equal ``model.generate`` run on each prompt alone (float32: the same tokens;
 the attention sums in another order). Works for decoder-only models whose attention layers
@@ -17,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,11 +28,17 @@ import torch
 from kvstore.errors import ConfigError
 from kvstore.integrations.batch.engines import EngineReport, OnDone
 from kvstore.integrations.batch.engines.allocator import heap_reuse
-from kvstore.integrations.batch.engines.attention import GroupSlice, SuffixKV, make_plan, running
+from kvstore.integrations.batch.engines.attention import (
+    GroupSlice,
+    PartSpec,
+    SuffixKV,
+    make_parts_plan,
+    running,
+)
 from kvstore.integrations.batch.engines.linear import PackedLinears, packing_available
 from kvstore.integrations.batch.engines.norm import FusedNorms
 from kvstore.integrations.batch.engines.sampling import RowState, Tokenizer, choose_tokens
-from kvstore.integrations.batch.engines.schedule import Batch, PrefixNode, Row, pack, schedule
+from kvstore.integrations.batch.engines.schedule import PrefixNode, Row, pack, schedule
 from kvstore.integrations.batch.engines.split import small_ops
 from kvstore.integrations.batch.engines.threads import CoreShare, set_threads
 from kvstore.integrations.batch.plan import BatchPlan, plan_batch
@@ -59,14 +67,64 @@ class _Counts:
         return _Counts(self.computed + o.computed, self.stored + o.stored, self.forwards + o.forwards)
 
 
+@dataclass(slots=True, eq=False)
+class _Live:
+    """A row between its prefill and its last token: ``length`` suffix columns filled, in
+    row ``slot`` of ``buf``."""
+
+    row: Row
+    state: RowState
+    buf: _Buffer
+    slot: int
+    length: int
+
+
+class _Buffer:
+    """A suffix buffer whose running rows fill its leading rows (``rows[i]`` at slot ``i``),
+    so that attention reads them as a slice, not a gather."""
+
+    __slots__ = ("kv", "rows")
+
+    def __init__(self, kv: SuffixKV) -> None:
+        self.kv = kv
+        self.rows: list[_Live] = []
+
+    def leave(self, lv: _Live) -> None:
+        """``lv`` stopped: the last running row moves into its slot (one row's copy)."""
+        last = self.rows.pop()
+        if last is lv:
+            return
+        s, n = lv.slot, last.length
+        for t in (*self.kv.k, *self.kv.v):
+            t[s, :, :n] = t[last.slot, :, :n]
+        last.slot = s
+        self.rows[s] = last
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _Part:
+    """Rows of one suffix buffer in a forward: row ``rows[i]`` (buffer row ``slots[i]``) adds
+    ``new[i]`` from column ``starts[i]``."""
+
+    kv: SuffixKV
+    rows: tuple[Row, ...]
+    slots: tuple[int, ...]
+    starts: tuple[int, ...]
+    new: tuple[Sequence[int], ...]
+    live: tuple[_Live, ...] = ()
+    stepping: bool = False  # running rows, one token each (else rows from their first token)
+
+
 class TransformersEngine:
     """Runs :class:`BatchRequest` s on ``model`` with token batching over shared prefixes.
 
     ``store`` (optional, its layout must match the model: ``open_store_for``) serves shared
     prefixes computed by earlier jobs and receives the new ones (their full blocks, salted
-    with ``salt``). ``max_batch_tokens`` bounds the suffix tokens of one packed forward,
-    ``max_batch_rows`` the rows decoding together, ``max_prefix_tokens`` the shared-prefix
-    tokens a batch holds at once (default: 32 x ``max_batch_tokens``). ``eos_token_id``: an
+    with ``salt``). ``max_batch_tokens`` bounds the tokens of one packed forward (joining
+    rows' suffixes, one per running row), ``max_batch_rows`` the rows in flight,
+    ``max_prefix_tokens`` the shared-prefix tokens held at once (default: 32 x
+    ``max_batch_tokens``). ``continuous=False``: static batches instead (each runs until its
+    last row stops before the next starts). ``eos_token_id``: an
     int or a list; by default the model's ``generation_config.eos_token_id``. ``threads``:
     torch's intra-op threads during :meth:`run` (default: the cores this process may use
     less those other processes keep busy, looked at again every half second as it runs,
@@ -85,7 +143,7 @@ class TransformersEngine:
                  eos_token_id: int | Sequence[int] | None = None, block_tokens: int = 16,
                  max_batch_tokens: int = 8192, max_batch_rows: int = 256,
                  max_prefix_tokens: int | None = None, threads: int | None = None,
-                 prepack: bool | None = None) -> None:
+                 prepack: bool | None = None, continuous: bool = True) -> None:
         p = next(model.parameters())
         self.model, self.tokenizer, self.store, self.salt = model, tokenizer, store, salt
         self.device, self.dtype = p.device, p.dtype
@@ -102,6 +160,7 @@ class TransformersEngine:
         self.max_batch_tokens, self.max_batch_rows = max_batch_tokens, max_batch_rows
         self.max_prefix_tokens = max_prefix_tokens or 32 * max_batch_tokens
         self.threads = threads
+        self.continuous = continuous
         if prepack is None:
             prepack = self.device.type == "cpu" and self.dtype == torch.float32
         self._linears = PackedLinears(model) if prepack and packing_available() else None
@@ -123,29 +182,45 @@ class TransformersEngine:
                           budget_blocks=None)
 
     # -- one packed forward -------------------------------------------------------------------
-    def _forward(self, kv: SuffixKV, rows: Sequence[Row], slots: Sequence[int],
-                 starts: Sequence[int], new: Sequence[Sequence[int]],
-                 prefixes: dict[int, LayerKV]) -> torch.Tensor:
-        """Tokens ``new[i]`` of ``rows[i]`` (suffix-buffer row ``slots[i]``, from column
-        ``starts[i]``) through the model; the logits of each row's last token ``[R, V]``."""
+    def _forward(self, parts: Sequence[_Part], prefixes: dict[int, LayerKV]) -> torch.Tensor:
+        """The tokens of ``parts`` (in order) through the model as one packed forward; the
+        logits of each row's last token ``[rows, V]``, rows in the parts' order."""
         groups: list[GroupSlice] = []
+        specs: list[PartSpec] = []
+        ids: list[int] = []
+        counts: list[int] = []
+        # node -> (prefix length, its running rows' tokens, wherever they sit in the forward)
+        stepping: dict[int, tuple[int, list[int]]] = {}
         t = 0
-        for i, r in enumerate(rows):
-            n = len(new[i])
-            if groups and i and rows[i - 1].node == r.node:
-                g = groups[-1]
-                groups[-1] = GroupSlice(g.start, t + n, g.prefix, g.prefix_len)
+        prev = None
+        for part in parts:
+            for r, x in zip(part.rows, part.new, strict=True):
+                n = len(x)
+                if part.stepping:  # one token of a running row
+                    stepping.setdefault(r.node, (r.prefix_len, []))[1].append(t)
+                elif groups and prev == r.node:
+                    g = groups[-1]
+                    groups[-1] = GroupSlice(g.start, t + n, g.prefix, g.prefix_len)
+                else:
+                    groups.append(GroupSlice(t, t + n, prefixes.get(r.node, ()), r.prefix_len))
+                prev = r.node
+                t += n
+                ids.extend(x)
+                counts.append(n)
+            specs.append(PartSpec(part.kv, tuple(part.slots), tuple(part.starts),
+                                  tuple(len(x) for x in part.new),
+                                  tuple(r.prefix_len for r in part.rows)))
+        for node, (plen, at) in stepping.items():
+            # a prefix's decode tokens are one group, read against it once per layer
+            if at[-1] - at[0] == len(at) - 1:
+                groups.append(GroupSlice(at[0], at[-1] + 1, prefixes.get(node, ()), plen))
             else:
-                groups.append(GroupSlice(t, t + n, prefixes.get(r.node, ()),
-                                         r.prefix_len))
-            t += n
-        counts = [len(x) for x in new]
-        plan = make_plan(kv, groups, slots, starts, counts, [r.prefix_len for r in rows],
-                         device=self.device)
-        ids = torch.tensor([[tok for x in new for tok in x]], dtype=torch.long, device=self.device)
+                groups.append(GroupSlice(0, 0, prefixes.get(node, ()), plen,
+                                         torch.tensor(at, device=self.device)))
+        plan = make_parts_plan(groups, specs, device=self.device)
         ends = torch.cumsum(torch.tensor(counts), 0) - 1
-        kw: dict[str, Any] = {"input_ids": ids, "position_ids": plan.positions.unsqueeze(0),
-                              "use_cache": True}
+        kw: dict[str, Any] = {"input_ids": torch.tensor([ids], dtype=torch.long, device=self.device),
+                              "position_ids": plan.positions.unsqueeze(0), "use_cache": True}
         if self._keep_rows:
             kw["logits_to_keep"] = ends.to(self.device)
         if self._following is not None:
@@ -178,7 +253,8 @@ class TransformersEngine:
         kv = SuffixKV(lay.num_layers, 1, lay.num_kv_heads, n, lay.head_dim, dtype=self.dtype,
                       device=self.device)
         row = Row(prompt=node.source, node=-2, prefix_len=base_len)  # -2: the base, below
-        self._forward(kv, [row], [0], [0], [tokens[base_len: node.prefix_len]], {-2: base})
+        self._forward([_Part(kv, (row,), (0,), (0,), (tokens[base_len: node.prefix_len],))],
+                      {-2: base})
         own = [kv.row(i, 0, n) for i in range(lay.num_layers)]
         if base:  # one copy per prefix (not per sequence): the node's own [H, P, D]
             own = [(torch.cat((bk, k), 1), torch.cat((bv, v), 1))
@@ -229,41 +305,6 @@ class TransformersEngine:
                 out[:, i, plane].copy_(t[:, first * T: last * T].view(H, m, T, D).permute(1, 2, 0, 3))
         puts.append(store.put(keys[first:last], out))
 
-    # -- a batch: prefill together, decode together ---------------------------------------
-    def _run_batch(self, batch: Batch, requests: Sequence[BatchRequest],
-                   prefixes: dict[int, LayerKV], on_done: OnDone | None) -> tuple[_Counts, int]:
-        rows = batch.rows
-        states = [RowState(requests[r.prompt], r.prompt, r.prefix_len, context=self.context,
-                           device=self.device) for r in rows]
-        suffixes = [requests[r.prompt].token_ids[r.prefix_len:] for r in rows]
-        # the last new token never goes through the model
-        cap = max(len(s) + st.max_new - 1 for s, st in zip(suffixes, states, strict=True))
-        kv = SuffixKV(self.layout.num_layers, len(rows), self.layout.num_kv_heads, cap,
-                      self.layout.head_dim, dtype=self.dtype, device=self.device)
-        live = list(range(len(rows)))
-        lengths = [len(s) for s in suffixes]
-        logits = self._forward(kv, rows, live, [0] * len(rows), suffixes, prefixes)
-        forwards, generated = 1, 0
-        while True:
-            toks = choose_tokens(logits, [states[i] for i in live])
-            still = []
-            for i, tok in zip(live, toks, strict=True):
-                generated += 1
-                if states[i].add(tok, self.eos, self.tokenizer):
-                    if on_done is not None:
-                        on_done(states[i].index, states[i].completion(self.tokenizer))
-                else:
-                    still.append(i)
-            live = still
-            if not live:
-                break
-            logits = self._forward(kv, [rows[i] for i in live], live, [lengths[i] for i in live],
-                                   [[states[i].tokens[-1]] for i in live], prefixes)
-            for i in live:
-                lengths[i] += 1
-            forwards += 1
-        return _Counts(computed=sum(len(s) for s in suffixes), forwards=forwards), generated
-
     def run(self, requests: Sequence[BatchRequest], *, on_done: OnDone | None = None,
             plan: BatchPlan | None = None) -> EngineReport:
         """Run ``requests`` (any order; ``plan``: theirs, default :meth:`plan`)."""
@@ -301,15 +342,43 @@ class TransformersEngine:
         pending = [n.rows + n.children for n in sched.nodes]
         puts: list[Transfer[int]] = []
         counts, generated = _Counts(), 0
-        for batch in pack(sched, lengths, max_tokens=self.max_batch_tokens,
-                          max_rows=self.max_batch_rows, max_prefix_tokens=self.max_prefix_tokens):
-            for nid in batch.nodes:
-                counts += self._ensure(sched.nodes, nid, requests, prefixes, pending, puts)
-            c, g = self._run_batch(batch, requests, prefixes, on_done)
-            counts, generated = counts + c, generated + g
-            for r in batch.rows:
-                if r.node >= 0:
-                    self._release(sched.nodes, r.node, prefixes, pending)
+        batches = pack(sched, lengths, max_tokens=self.max_batch_tokens,
+                       max_rows=self.max_batch_rows, max_prefix_tokens=self.max_prefix_tokens)
+        waiting = deque(sched.rows)  # plan order (continuous admission)
+        live: list[_Live] = []
+        while True:
+            if self.continuous:
+                new, c = self._admit(waiting, live, sched.nodes, requests, lengths, prefixes,
+                                     pending, puts)
+            else:  # static: the next packed batch once the last one has finished
+                batch = None if live else next(batches, None)
+                new, c = [], _Counts()
+                if batch is not None:
+                    for nid in batch.nodes:
+                        c += self._ensure(sched.nodes, nid, requests, prefixes, pending, puts)
+                    new = list(batch.rows)
+            counts += c
+            if not live and not new:
+                break
+            joined = self._joined(new, requests)
+            counts += _Counts(computed=sum(len(x) for x in joined.new), forwards=1)
+            stepping = self._stepping(live)
+            logits = self._forward([*stepping, joined] if joined.rows else stepping, prefixes)
+            order = [lv for part in stepping for lv in part.live] + list(joined.live)
+            for lv in live:
+                lv.length += 1
+            toks = choose_tokens(logits, [lv.state for lv in order])
+            live = []
+            for lv, tok in zip(order, toks, strict=True):
+                generated += 1
+                if lv.state.add(tok, self.eos, self.tokenizer):
+                    lv.buf.leave(lv)
+                    if on_done is not None:
+                        on_done(lv.state.index, lv.state.completion(self.tokenizer))
+                    if lv.row.node >= 0:
+                        self._release(sched.nodes, lv.row.node, prefixes, pending)
+                else:
+                    live.append(lv)
         for p in puts:
             p.wait()
         return EngineReport(
@@ -317,6 +386,61 @@ class TransformersEngine:
             stored_tokens=counts.stored, generated_tokens=generated, forwards=counts.forwards,
             seconds=time.perf_counter() - t0, token_source="engine",
             threads=(min(self._used), max(self._used)) if self._used else (0, 0))
+
+    def _admit(self, waiting: deque[Row], live: Sequence[_Live], nodes: Sequence[PrefixNode],
+               requests: Sequence[BatchRequest], lengths: Sequence[int],
+               prefixes: dict[int, LayerKV], pending: list[int], puts: list[Transfer[int]]
+               ) -> tuple[list[Row], _Counts]:
+        """Rows that join the next forward, in plan order, while it stays within the budgets:
+        ``max_batch_tokens`` (each running row's one token counts), ``max_batch_rows`` and
+        ``max_prefix_tokens`` of prefixes held. A row is taken regardless when nothing else
+        would run (a suffix over the token budget runs alone). Their prefixes are computed."""
+        taken: list[Row] = []
+        tokens, c = len(live), _Counts()
+        held = sum(nodes[i].prefix_len for i in prefixes)
+        while waiting:
+            r = waiting[0]
+            n = lengths[r.prompt] - r.prefix_len
+            new = r.node >= 0 and r.node not in prefixes
+            if (live or taken) and (tokens + n > self.max_batch_tokens
+                                    or len(live) + len(taken) + 1 > self.max_batch_rows
+                                    or held + (nodes[r.node].prefix_len if new else 0)
+                                    > self.max_prefix_tokens):
+                break
+            waiting.popleft()
+            if new:
+                c += self._ensure(nodes, r.node, requests, prefixes, pending, puts)
+                held = sum(nodes[i].prefix_len for i in prefixes)
+            taken.append(r)
+            tokens += n
+        return taken, c
+
+    def _joined(self, rows: Sequence[Row], requests: Sequence[BatchRequest]) -> _Part:
+        """Rows joining with their whole suffix, in a new suffix buffer (rows of a prefix side
+        by side, so that each prefix is one group of the forward)."""
+        order = {n: i for i, n in enumerate(dict.fromkeys(r.node for r in rows))}
+        rows = sorted(rows, key=lambda r: order[r.node])
+        states = [RowState(requests[r.prompt], r.prompt, r.prefix_len, context=self.context,
+                           device=self.device) for r in rows]
+        suffixes = tuple(requests[r.prompt].token_ids[r.prefix_len:] for r in rows)
+        # the last new token never goes through the model
+        cap = max((len(x) + st.max_new - 1 for x, st in zip(suffixes, states, strict=True)),
+                  default=0)
+        buf = _Buffer(SuffixKV(self.layout.num_layers, len(rows), self.layout.num_kv_heads, cap,
+                               self.layout.head_dim, dtype=self.dtype, device=self.device))
+        buf.rows = [_Live(r, st, buf, i, len(x))
+                    for i, (r, st, x) in enumerate(zip(rows, states, suffixes, strict=True))]
+        return _Part(buf.kv, tuple(rows), tuple(range(len(rows))), (0,) * len(rows), suffixes,
+                     tuple(buf.rows))
+
+    @staticmethod
+    def _stepping(live: Sequence[_Live]) -> list[_Part]:
+        """Running rows, one new token each: one part per suffix buffer, in slot order."""
+        bufs = {id(lv.buf): lv.buf for lv in live}.values()
+        return [_Part(b.kv, tuple(x.row for x in b.rows), tuple(range(len(b.rows))),
+                      tuple(x.length for x in b.rows), tuple([x.state.tokens[-1]] for x in b.rows),
+                      tuple(b.rows), stepping=True)
+                for b in bufs]
 
     def _ensure(self, nodes: Sequence[PrefixNode], nid: int, requests: Sequence[BatchRequest],
                 prefixes: dict[int, LayerKV], pending: list[int], puts: list[Transfer[int]]) -> _Counts:
