@@ -216,3 +216,23 @@ def test_a_stopped_row_gives_its_slot_to_the_last_running_row():
         assert (t[1] == 3).all() and (t[0] == 1).all()  # its 4 columns (length 4) moved
     buf.leave(last)  # the last row itself: nothing moves
     assert buf.rows == [first] and (kv.k[0][0] == 1).all()
+
+
+def test_a_buffer_mostly_stopped_moves_its_rows_to_one_of_their_size():
+    from kvstore.integrations.batch.engines import transformers as T
+
+    kv = A.SuffixKV(2, 8, 1, 4, 2, dtype=torch.float32, device=torch.device("cpu"))
+    for t in (*kv.k, *kv.v):
+        for i in range(8):
+            t[i] = i + 1
+    buf = T._Buffer(kv)
+    buf.rows = [T._Live(None, None, buf, i, 4) for i in range(8)]
+    for _ in range(5):
+        buf.leave(buf.rows[0])  # row 0's slot: the last row moves in each time
+    assert buf.kv is kv and len(buf.rows) == 3  # 3 of 8 still run: kept
+    buf.leave(buf.rows[0])
+    assert buf.kv is not kv and buf.kv.rows == 2 and buf.kv.capacity == 4
+    assert [lv.slot for lv in buf.rows] == [0, 1]
+    # the two running rows' K/V (the old buffer's leading rows) came along
+    for old, new in zip((*kv.k, *kv.v), (*buf.kv.k, *buf.kv.v), strict=True):
+        assert torch.equal(new, old[:2])

@@ -90,15 +90,23 @@ class _Buffer:
         self.rows: list[_Live] = []
 
     def leave(self, lv: _Live) -> None:
-        """``lv`` stopped: the last running row moves into its slot (one row's copy)."""
+        """``lv`` stopped: the last running row moves into its slot (one row's copy). Once
+        a quarter or less of the rows run, they move to a buffer of their size: a wave of
+        rows that left one long answer behind does not keep the whole wave's memory."""
         last = self.rows.pop()
-        if last is lv:
-            return
-        s, n = lv.slot, last.length
-        for t in (*self.kv.k, *self.kv.v):
-            t[s, :, :n] = t[last.slot, :, :n]
-        last.slot = s
-        self.rows[s] = last
+        if last is not lv:
+            s, n = lv.slot, last.length
+            for t in (*self.kv.k, *self.kv.v):
+                t[s, :, :n] = t[last.slot, :, :n]
+            last.slot = s
+            self.rows[s] = last
+        kv, n = self.kv, len(self.rows)
+        if n and n * 4 <= kv.rows:
+            small = SuffixKV(len(kv.k), n, kv.k[0].shape[1], kv.capacity, kv.k[0].shape[3],
+                             dtype=kv.k[0].dtype, device=kv.k[0].device)
+            for old, new in zip((*kv.k, *kv.v), (*small.k, *small.v), strict=True):
+                new.copy_(old[:n])
+            self.kv = small
 
 
 @dataclass(frozen=True, slots=True, eq=False)
