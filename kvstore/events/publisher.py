@@ -39,6 +39,9 @@ from kvstore.keys import BlockKey
 log = logging.getLogger("kvstore.events")
 
 _POLL_S = 0.05  # longest a replay request waits while nothing else happens
+#: replay/snapshot requests answered per pass: a peer sending requests as fast as they are
+#: answered kept the thread in that loop, so nothing was published, not even a heartbeat
+_REQUESTS_PER_PASS = 64
 _STOP = object()
 
 
@@ -197,8 +200,10 @@ class EventPublisher:
     # -- the thread ----------------------------------------------------------------------------
     def _run(self) -> None:
         get = self._queue.get
+        more = False  # requests were left waiting by the last pass
         while True:
-            wait = max(0.0, min(_POLL_S, self._last_sent + self.config.heartbeat_s - time.monotonic()))
+            wait = 0.0 if more else max(
+                0.0, min(_POLL_S, self._last_sent + self.config.heartbeat_s - time.monotonic()))
             try:
                 item = get(timeout=wait)
             except queue.Empty:
@@ -220,8 +225,9 @@ class EventPublisher:
             try:
                 if events or time.monotonic() - self._last_sent >= self.config.heartbeat_s:
                     self._publish(events)
-                self._serve_requests()
+                more = self._serve_requests()
             except Exception:  # never let a bad moment kill the stream
+                more = False
                 log.exception("publishing KV events failed")
             for w in waiters:
                 w.set()
@@ -266,10 +272,13 @@ class EventPublisher:
             self._counts["events"] += len(chunk)
         self._last_sent = time.monotonic()
 
-    def _serve_requests(self) -> None:
+    def _serve_requests(self) -> bool:
+        """Answer up to :data:`_REQUESTS_PER_PASS` requests; True if more may be waiting."""
         r = self._router
         assert r is not None
-        while r.poll(0):
+        for _ in range(_REQUESTS_PER_PASS):
+            if not r.poll(0):
+                return False
             try:
                 req = frames.parse_request(r.recv_multipart(zmq.NOBLOCK))
             except Exception as e:  # garbage from a peer: tell nobody, count it
@@ -284,6 +293,7 @@ class EventPublisher:
                 r.send_multipart(frames.end_of_reply(req.client))
             except zmq.ZMQError as e:  # the client left meanwhile
                 log.debug("replay client gone: %s", e)
+        return True
 
     def _send_replay(self, client: bytes, start: int) -> None:
         """Every buffered batch from number ``start`` on (vLLM's ``seq >= start``), "on"

@@ -183,6 +183,13 @@ class EngineFeed:
         return ask
 
     def _failed(self, now: float) -> Ask | None:
+        if self.snapshot_supported:
+            # a snapshot comes next, the state after everything published before it is asked
+            # for, so it covers whatever waits here. Kept, a message numbered ahead of what the
+            # publisher has (a garbled number, an earlier publisher's) was a gap after every
+            # snapshot, its replay came back empty, a snapshot again: a request loop, no end
+            self._pending.clear()
+            self._overflow = False
         self._failures += 1
         self._retry_at = now + min(5.0, 0.05 * 2 ** min(self._failures, 7))
         self.state = SYNCING

@@ -147,9 +147,15 @@ class PrefixIndex:
         mb = self._mbit(ev.medium)
         parent_of, children = self._parent, self._children
         n = 0
-        for h in ev.block_hashes:
+        for i, h in enumerate(ev.block_hashes):
             m = media.get(h)
             if m is None:
+                if parent_of.get(h, prev) != prev:
+                    # known under another parent (a hostile or colliding publisher): held here
+                    # it would not be among that parent's children, so this engine's removal
+                    # of ``prev`` would leave it behind and match() would claim the whole run
+                    rest = len(ev.block_hashes) - i
+                    return n, rest
                 media[h] = mb
                 held[h] = held.get(h, 0) | bit
                 if h not in parent_of:
