@@ -52,6 +52,26 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # stop tokens, kept in token_ids
     ignore_eos: bool = False
 
+    def __post_init__(self) -> None:
+        # parse_request checks a job's lines; these are the Python API's: before, max_tokens=0
+        # still generated one token, a negative temperature sampled the least likely tokens
+        # and a NaN one failed half way through the job, after other requests had finished
+        t, bad = self.temperature, None
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) \
+                or self.max_tokens < 1:
+            bad = f"max_tokens must be a whole number >= 1, got {self.max_tokens!r}"
+        elif not (isinstance(t, (int, float)) and math.isfinite(t) and t >= 0):
+            bad = f"temperature must be a finite number >= 0, got {t!r}"
+        elif not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            bad = f"top_p must be in (0, 1], got {self.top_p!r}"
+        elif isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            bad = f"top_k must be a whole number >= 0 (0: off), got {self.top_k!r}"
+        elif self.seed is not None and not (isinstance(self.seed, int)
+                                            and -(2**63) <= self.seed < 2**64):
+            bad = f"seed must be a whole number in [-2**63, 2**64) or None, got {self.seed!r}"
+        if bad is not None:
+            raise ValueError(bad)
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0

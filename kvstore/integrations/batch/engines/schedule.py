@@ -98,8 +98,10 @@ def pack(sched: Schedule, lengths: Sequence[int], *, max_tokens: int, max_rows: 
     for r in sched.rows:
         n = lengths[r.prompt] - r.prefix_len
         new_prefix = r.prefix_len if r.node >= 0 and r.node not in nodes else 0
+        # a row adding no prefix (its node's is in the batch, or it has none) fits any prefix
+        # budget: checking it too cut a batch per row once one prefix was over the budget
         full = (tokens + n > max_tokens or len(rows) + 1 > max_rows
-                or prefix + new_prefix > max_prefix_tokens)
+                or new_prefix > 0 and prefix + new_prefix > max_prefix_tokens)
         if rows and full:
             yield _batch(rows, nodes)
             rows, nodes, tokens, prefix = [], {}, 0, 0

@@ -165,8 +165,13 @@ class TransformersEngine:
         self.context: int | None = getattr(model.config, "max_position_embeddings", None)
         if max_batch_tokens < 1 or max_batch_rows < 1:
             raise ValueError("max_batch_tokens and max_batch_rows must be >= 1")
+        # 0 is no budget to fall back from: `or` turned it into the default without a word
+        if max_prefix_tokens is not None and max_prefix_tokens < 1:
+            raise ValueError(f"max_prefix_tokens must be >= 1 (or None), got {max_prefix_tokens}")
         self.max_batch_tokens, self.max_batch_rows = max_batch_tokens, max_batch_rows
         self.max_prefix_tokens = max_prefix_tokens or 32 * max_batch_tokens
+        emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        self.vocab: int | None = getattr(emb, "num_embeddings", None)
         self.threads = threads
         self.continuous = continuous
         if prepack is None:
@@ -320,6 +325,7 @@ class TransformersEngine:
         lengths = [len(r.token_ids) for r in requests]
         if not requests:
             return EngineReport(0, 0, 0, 0, 0, 0, 0.0, "engine")
+        self._check(requests, plan)
         plan = plan or self.plan(requests)
         before = None
         if self.device.type == "cpu":
@@ -342,6 +348,23 @@ class TransformersEngine:
             self._following = None
             if before is not None:
                 torch.set_num_threads(before)
+
+    def _check(self, requests: Sequence[BatchRequest], plan: BatchPlan | None) -> None:
+        """Refuse, before any forward, what would otherwise fail half way through the job
+        (after other requests' ``on_done``) or run silently wrong."""
+        for r in requests:
+            ids, n = r.token_ids, len(r.token_ids)
+            # the embedding raised an IndexError naming no request
+            if n and self.vocab is not None and not (min(ids) >= 0 and max(ids) < self.vocab):
+                bad = next(t for t in ids if not 0 <= t < self.vocab)
+                raise ValueError(f"request {r.custom_id!r} has token id {bad}, outside the "
+                                 f"model's vocabulary [0, {self.vocab})")
+            if self.context is not None and n >= self.context:  # it decoded past the context
+                raise ValueError(f"request {r.custom_id!r} has {n} prompt tokens; the model's "
+                                 f"context is {self.context} (it must leave room for one new "
+                                 "token)")
+        if plan is not None:
+            _check_plan(plan, [r.token_ids for r in requests])
 
     def _run(self, requests: Sequence[BatchRequest], lengths: list[int], plan: BatchPlan,
              on_done: OnDone | None, t0: float) -> EngineReport:
@@ -410,9 +433,11 @@ class TransformersEngine:
             r = waiting[0]
             n = lengths[r.prompt] - r.prefix_len
             new = r.node >= 0 and r.node not in prefixes
+            # only a new prefix meets the prefix budget: a row of a held one (or of none) adds
+            # no prefix K/V, and checking it too ran every row alone once one prefix was over
             if (live or taken) and (tokens + n > self.max_batch_tokens
                                     or len(live) + len(taken) + 1 > self.max_batch_rows
-                                    or held + (nodes[r.node].prefix_len if new else 0)
+                                    or new and held + nodes[r.node].prefix_len
                                     > self.max_prefix_tokens):
                 break
             waiting.popleft()
@@ -471,3 +496,20 @@ class TransformersEngine:
         pending[nid] -= 1
         if pending[nid] == 0:
             prefixes.pop(nid, None)
+
+
+def _check_plan(plan: BatchPlan, prompts: Sequence[Sequence[int]]) -> None:
+    """``plan`` is for ``prompts``: each runs once, and each row's prompt starts with every
+    prefix it is given. A plan for fewer prompts dropped the rest without a completion; one
+    for other prompts decoded rows against another prompt's K/V."""
+    if plan.num_prompts != len(prompts) or sorted(plan.order) != list(range(len(prompts))):
+        raise ValueError(f"the plan is for {plan.num_prompts} prompts, got {len(prompts)}")
+    for s in plan.steps:
+        g = s.group
+        while g >= 0:
+            grp = plan.groups[g]
+            n = grp.shared_tokens
+            if len(prompts[s.prompt]) <= n or prompts[s.prompt][:n] != prompts[grp.first][:n]:
+                raise ValueError(f"the plan is not for these prompts: prompt {s.prompt} does "
+                                 f"not start with the {n} tokens of its shared prefix")
+            g = grp.parent
