@@ -212,9 +212,6 @@ WRITER = textwrap.dedent("""
             s.put(ks, keyed_kv(LAY, ks)).wait(30)
             with lock:
                 landed.add(i)
-            # a pause, so the writer catches up: under puts without pause a flush waits for
-            # a pass that finds nothing left, which never comes (see the round's report)
-            time.sleep(0.01)
 
     for w in range(3):
         threading.Thread(target=putter, args=(w,), daemon=True).start()
@@ -258,6 +255,54 @@ def test_what_a_flush_vouched_for_amid_concurrent_puts_survives_kill_9(tmp_path)
             ks = s.block_keys([i * 100_000 + t for t in range(4 * T)])
             assert fetch_exact(s, ks) == len(ks), f"chain {i} vouched for, then lost"
         assert s.stats().damaged == 0
+
+
+def test_a_flush_under_puts_that_never_pause_returns(tmp_path):
+    """Three threads put without a pause while the main thread flushes: a flush waited for a
+    writer pass that found nothing left to do, which never came while the puts went on (the
+    first flush took 24 s, returning only when the putters ran out of work; flush() without
+    a timeout had no bound). Now it waits for the blocks and overflow put before it, then
+    returns; what it vouched for is on disk."""
+    s = attack_store(tmp_path, model=MODEL, warm=16)
+    stop = threading.Event()
+    landed: list[int] = []
+    errors: list[str] = []
+
+    def putter(w: int) -> None:
+        i = w
+        while not stop.is_set():
+            ks = s.block_keys([i * 100_000 + t for t in range(4 * T)])
+            try:
+                s.put(ks, keyed_kv(LAY, ks)).wait(30)
+            except BaseException as e:  # reported below
+                errors.append(f"{type(e).__name__}: {e}")
+                return
+            landed.append(i)
+            i += 3
+
+    threads = [threading.Thread(target=putter, args=(w,), daemon=True) for w in range(3)]
+    for t in threads:
+        t.start()
+    vouched: set[int] = set()
+    try:
+        for _ in range(3):
+            time.sleep(0.3)
+            before = list(landed)
+            t0 = time.monotonic()
+            s.flush(20)  # TimeoutError before the fix: the putters never stop on their own
+            assert time.monotonic() - t0 < 20
+            vouched |= set(before)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+    assert not errors, errors[:3]
+    assert len(landed) > len(vouched) > 0  # puts went on while the flushes ran
+    s.close()
+    with attack_store(tmp_path, model=MODEL, warm=16) as s:
+        for i in random.Random(5).sample(sorted(vouched), min(40, len(vouched))):
+            ks = s.block_keys([i * 100_000 + t for t in range(4 * T)])
+            assert fetch_exact(s, ks) == len(ks), f"chain {i} vouched for, then lost"
 
 
 # -- KV events: the index -------------------------------------------------------------------------

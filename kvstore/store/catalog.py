@@ -17,15 +17,18 @@ from kvstore.keys import BlockKey
 class Catalog:
     """Parent/children links of the blocks held in memory, and pin counts."""
 
-    __slots__ = ("_parent", "_children", "_pins", "_on_disk", "_dirty", "_uses")
+    __slots__ = ("_parent", "_children", "_pins", "_on_disk", "_dirty", "_uses", "_stamp")
 
     def __init__(self) -> None:
         self._parent: dict[BlockKey, BlockKey | None] = {}
         self._children: dict[BlockKey, set[BlockKey]] = {}
         self._pins: dict[BlockKey, int] = {}
         self._on_disk: set[BlockKey] = set()
-        self._dirty: OrderedDict[BlockKey, None] = OrderedDict()
+        #: dirty key -> the stamp it got when it became dirty (oldest first): a flush waits
+        #: for the stamps up to the last one given before it, not for the list to run dry
+        self._dirty: OrderedDict[BlockKey, int] = OrderedDict()
         self._uses: dict[BlockKey, int] = {}
+        self._stamp = 0
 
     def __contains__(self, key: object) -> bool:
         return key in self._parent
@@ -133,8 +136,22 @@ class Catalog:
         return key in self._on_disk
 
     def mark_dirty(self, key: BlockKey) -> None:
-        if key in self._parent and key not in self._on_disk:
-            self._dirty[key] = None
+        if key in self._parent and key not in self._on_disk and key not in self._dirty:
+            self._dirty[key] = self.next_stamp()
+
+    def next_stamp(self) -> int:
+        """A new stamp, later than every one given before (dirty blocks, overflow jobs)."""
+        self._stamp += 1
+        return self._stamp
+
+    @property
+    def stamp(self) -> int:
+        """The last stamp given."""
+        return self._stamp
+
+    def oldest_dirty_stamp(self) -> int | None:
+        """The stamp of the block that has waited longest for the writer (None: none waits)."""
+        return next(iter(self._dirty.values()), None)
 
     def discard_dirty(self, key: BlockKey) -> None:
         """``key`` no longer waits for the writer (its disk copy was evicted on purpose)."""

@@ -288,7 +288,8 @@ class Store:
             return
         with st.lock:  # blocks the disk refused before: write them again
             self.residency.retry_unwritten()
-        if not st.writer.flush(timeout):
+            ticket = st.catalog.stamp  # every block and overflow job stamped up to here
+        if not st.writer.flush(timeout, ticket):
             raise TimeoutError(f"flush did not finish within {timeout} s")
         with st.lock:
             error = st.durability.report()

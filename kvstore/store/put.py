@@ -36,6 +36,7 @@ class OverflowJob:
     base: int  # blocks of the same put stored in memory
     ready: Event | None = None  # recorded on the caller's stream after kv was produced
     streams: Streams | None = None
+    stamp: int = 0  # the catalog's stamp when it was queued (flush waits for it)
 
     def host_bytes(self, i: int) -> torch.Tensor:
         """Block ``positions[i]`` of ``kv`` as host bytes, for the writer thread: after the
@@ -133,7 +134,7 @@ class Putter:
             overflow: Transfer[int] = Transfer()
             self.st.overflow.append(OverflowJob(
                 [ks[p] for p in rest], [new_parents[new_pos.index(p)] for p in rest], kv, rest,
-                overflow, mem, stored, ready.ready, streams,
+                overflow, mem, stored, ready.ready, streams, self.st.catalog.next_stamp(),
             ))
             self.st.overflow_bytes += len(rest) * self.st.layout.block_nbytes
             c.put_blocks += len(rest)

@@ -4,8 +4,9 @@ The durable tier's writes are staged (:class:`~kvstore.tiers.base.StagedWrites`)
 writes one segment's bytes (the device starts writing them at once) and the pass that finds
 nothing more to do commits every staged segment together: one fsync per file, one directory
 fsync, one index commit. Staging the next batch overlaps the device writing the last one, and
-``flush`` (which waits for such an idle pass) still returns only once every block put before
-it is durable. A commit also happens once :data:`COMMIT_BYTES` (or a quarter of the warm
+``flush`` still returns only once every block put before it is durable: it waits for such an
+idle pass or, while puts go on, for the pass after which nothing stamped before it waits
+(:meth:`WriteBack._progress`). A commit also happens once :data:`COMMIT_BYTES` (or a quarter of the warm
 tier, whose slots stay pinned until then) is staged, or the oldest staged batch is
 :data:`COMMIT_AGE_S` old.
 """
@@ -63,7 +64,30 @@ class WriteBack:
         tier, else dirty blocks into every lower tier (one disk segment, one remote pipeline).
         Returns False, with everything staged committed, once there is nothing more."""
         with self.pass_lock:
-            return self._write_pass()
+            more = self._write_pass()
+            if more:
+                self._progress()
+            return more
+
+    def _progress(self) -> None:
+        """A flush waits for a stamp (the catalog's when it was called): once no block or
+        overflow job stamped up to it still waits, commit what is staged and report how far
+        every stamp is settled (durable, or refused and kept for flush to report). Without
+        this, a flush under puts that never pause waited for a pass with nothing left to
+        do, which never came."""
+        writer = self.st.writer
+        ticket = writer.waiting() if writer is not None else None
+        if ticket is None:
+            return
+        with self.st.lock:
+            cat, overflow = self.st.catalog, self.st.overflow
+            waiting = [s for s in (cat.oldest_dirty_stamp(), overflow[0].stamp if overflow else None)
+                       if s is not None]
+            done = min(waiting) - 1 if waiting else cat.stamp
+        if done >= ticket:
+            self.commit()
+            assert writer is not None
+            writer.reached(done)
 
     def revoke(self, keys: set[BlockKey] | None, *, memory: bool) -> int:
         """No write of ``keys`` (None: of any block) may land after this returns.
@@ -97,12 +121,20 @@ class WriteBack:
         with self.st.lock:
             if self.st.closed or not self.st.lower:
                 return False
-            job = self.st.overflow.popleft() if self.st.overflow else None
+            # the older of the two queues first: overflow always first starved the dirty
+            # blocks (and every flush) while puts kept overflowing
+            ov, oldest = self.st.overflow, self.st.catalog.oldest_dirty_stamp()
+            job = ov.popleft() if ov and (oldest is None or ov[0].stamp < oldest) else None
         if job is not None:
             self.write_overflow(job)
             return True
         jobs = self.take_dirty(per_batch)
-        if not jobs:
+        if not jobs:  # none, or all still being copied into memory: overflow may wait
+            with self.st.lock:
+                job = self.st.overflow.popleft() if self.st.overflow else None
+            if job is not None:
+                self.write_overflow(job)
+                return True
             self.commit()
             return False
         try:
