@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO, TESTS, bit_equal, fetch_exact, keyed_kv, run_bounded
-from support.attacks import BN, LAY, T, attack_store, vouched_chains
+from support.attacks import BN, LAY, T, attack_store, close_amid, stop_all, vouched_chains
 
 from kvstore import KVLayout, connect, open_store
 from kvstore.cli import main as cli_main
@@ -272,14 +272,7 @@ def test_threads_hammer_one_store_then_it_is_closed_under_them(tmp_path):
                 return
 
     threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(6)]
-    for t in threads:
-        t.start()
-    time.sleep(1.0)
-    run_bounded(s.close, 30)
-    stop.set()
-    for t in threads:
-        t.join(30)
-        assert not t.is_alive(), "a worker hung after close"
+    close_amid(s, threads, stop, after=1.0)
     assert not errors, errors
     assert not wrong, wrong
     with opened(tmp_path, warm=8) as s:
@@ -846,10 +839,7 @@ def test_client_threads_across_a_daemon_kill_and_restart(serve, tmp_path):
     time.sleep(0.5)
     d2 = serve(*args)
     time.sleep(1.5)
-    stop.set()
-    for t in threads:
-        t.join(30)
-        assert not t.is_alive(), "a client thread hung"
+    stop_all(threads, stop, "a client thread hung")
     run_bounded(c.close, 30)
     assert not errors, errors
     assert not wrong, wrong

@@ -28,7 +28,7 @@ import pytest
 import torch
 import zmq
 from conftest import REPO, TESTS, bit_equal, fetch_exact, keyed_kv, run_bounded, wait_until
-from support.attacks import LAY, T, attack_store, vouched_chains
+from support.attacks import LAY, T, attack_store, close_amid, stop_all, vouched_chains
 
 from kvstore.errors import StoreClosedError
 from kvstore.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, encode_batch
@@ -116,14 +116,7 @@ def test_every_call_racing_close_is_exact_or_store_closed(tmp_path):
 
         threads = [threading.Thread(target=worker, args=(op, rnd * 100 + op), daemon=True)
                    for op in range(12)]
-        for t in threads:
-            t.start()
-        time.sleep(0.1 + rng.random() * 0.3)
-        run_bounded(s.close, 30)
-        stop.set()
-        for t in threads:
-            t.join(20)
-            assert not t.is_alive(), "a call hung across close"
+        close_amid(s, threads, stop, after=0.1 + rng.random() * 0.3)
         assert not bad, bad
         for ks, tr in late[-50:]:
             try:
@@ -188,10 +181,7 @@ def test_fetches_racing_the_eviction_of_their_own_keys(tmp_path):
     for t in threads:
         t.start()
     time.sleep(2.0)
-    stop.set()
-    for t in threads:
-        t.join(30)
-        assert not t.is_alive(), "a fetch or an evict hung"
+    stop_all(threads, stop, "a fetch or an evict hung")
     run_bounded(s.close, 30)
     assert not bad, bad[:5]
     assert served[0] > 0

@@ -4,7 +4,9 @@ opened on it with a few warm slots, so that eviction and the disk are in play at
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+import threading
+import time
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -28,3 +30,24 @@ def vouched_chains(lines: Iterable[str]) -> list[int]:
     stdout is unbuffered, as under ``PYTHONUNBUFFERED``); a line it never finished vouched for
     nothing, so it is skipped rather than parsed."""
     return [int(m.group(1)) for x in lines if (m := re.fullmatch(r"flushed (\d+)\n?", x))]
+
+
+def close_amid(store, threads: Sequence[threading.Thread], stop: threading.Event, *,
+               after: float) -> None:
+    """Start ``threads`` (calls on ``store``), close the store ``after`` seconds into them, then
+    set ``stop`` and join them: each must end, none may hang across the close."""
+    from conftest import run_bounded
+
+    for t in threads:
+        t.start()
+    time.sleep(after)
+    run_bounded(store.close, 30)
+    stop_all(threads, stop, "a call hung across close")
+
+
+def stop_all(threads: Sequence[threading.Thread], stop: threading.Event, hung: str) -> None:
+    """Set ``stop`` and join ``threads``; one still running after 30 s fails with ``hung``."""
+    stop.set()
+    for t in threads:
+        t.join(30)
+        assert not t.is_alive(), hung
