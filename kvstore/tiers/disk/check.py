@@ -118,7 +118,9 @@ def run_check(ctx: DiskContext, *, fix: bool, grace_s: float, verify_data: bool,
         findings.append(Finding("bad_index", ctx.index_dir, None, p, index_fixed))
 
     def remove(path: str) -> bool:
-        return fix and (scope is None or path in scope.files) and _unlink(path)
+        # under the file's lock: a writer that created it after our look and locked it since
+        # keeps it
+        return fix and (scope is None or path in scope.files) and _seg.unlink_unless_in_flight(path)
 
     for path in stale_temps:
         findings.append(Finding("temp_file", path, None, "temporary file of an interrupted write",
@@ -461,16 +463,6 @@ def _aged(now: float, mtime: float, grace_s: float) -> bool:
 def _unreferenced(sh: SharedEnv, sid: int) -> bool:
     with sh.read() as txn:
         return txn.get(BE64.pack(sid), db=sh.dbs[DB_SEGS]) is None
-
-
-def _unlink(path: str) -> bool:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    except OSError:
-        return False
-    return True
 
 
 def rebuild_side_indexes(sh: SharedEnv, segdir: str,

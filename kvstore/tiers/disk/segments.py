@@ -335,20 +335,74 @@ def create_segment(segdir: str, segment_id: int, entries: Sequence[SegmentEntry]
     final = os.path.join(segdir, segment_name(segment_id))
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
     mode = file_mode_in(segdir)  # 0600, or 0640 in a store shared with a group, whatever the umask
-    try:
-        fd = create_file(tmp, flags, mode)
-    except FileExistsError:  # a leftover of a crashed writer holding the same id: not ours
-        os.unlink(tmp)
-        fd = create_file(tmp, flags, mode)
+    fd = _create_locked(tmp, flags, mode)
     seg = OpenSegment(fd, tmp, final, len(header) + sum(e.nbytes for e in entries), offsets)
     try:
-        with contextlib.suppress(OSError):  # a file system without flock: mtime alone judges
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         _write_all(fd, [header, *(e.payload for e in entries)])
     except BaseException:
         discard_segment(seg)
         raise
     return seg
+
+
+def _create_locked(tmp: str, flags: int, mode: int) -> int:
+    """Create ``tmp`` and hold its in-flight lock, with ``tmp`` still naming the file.
+
+    Between the create and the lock a ``prune --grace 0`` saw an unlocked temp file and
+    unlinked it (the flush then failed with ENOENT), and a non-blocking lock failed while a
+    prune's probe held the file for an instant, leaving the write unlocked for the next prune.
+    So the lock waits (a probe holds it only around one stat and unlink: :func:`unlink_unless_in_flight`)
+    and a file unlinked before we held it is created again."""
+    for _ in range(8):
+        try:
+            fd = create_file(tmp, flags, mode)
+        except FileExistsError:  # a leftover of a crashed writer holding the same id: not ours
+            os.unlink(tmp)
+            fd = create_file(tmp, flags, mode)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+        except OSError:  # a file system without flock: mtime alone judges
+            return fd
+        try:
+            if os.path.samestat(os.fstat(fd), os.stat(tmp)):
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)  # removed by a prune before our lock: not a file of ours any more
+    raise OSError(errno.EAGAIN, f"{tmp} was removed again and again as it was created "
+                  "(a prune with --grace 0 in a loop?)", tmp)
+
+
+def unlink_unless_in_flight(path: str) -> bool:
+    """Unlink ``path`` unless a writer holds it (:func:`in_flight`), holding the file's lock
+    across the unlink so that no writer can take it in between: judged first and unlinked
+    later, a temp file created just before the judgement and locked just after it was
+    removed under its writer. True when ``path`` is gone (or was already)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return True
+    except OSError:  # not a file we can open (a FIFO without O_NONBLOCK, a link): judged by name
+        fd = -1
+    try:
+        if fd >= 0:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False  # a write in flight
+            except OSError:
+                pass  # a file system without flock: mtime alone judges
+            if not os.path.samestat(os.fstat(fd), os.lstat(path)):
+                return False  # replaced meanwhile by another file: judged again next time
+        os.unlink(path)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    return True
 
 
 def finish_segment(seg: OpenSegment) -> None:
