@@ -18,7 +18,12 @@ from kvstore.admin.findings import (
     entry_block_id,
     file_sizes,
 )
-from kvstore.admin.reachability import find_unreachable, late_entries, remove_unreachable
+from kvstore.admin.reachability import (
+    find_unreachable,
+    late_entries,
+    remove_unreachable,
+    unreachable_grace,
+)
 
 __all__ = ["PruneResult", "prune"]
 
@@ -56,7 +61,8 @@ def prune(path: str | os.PathLike[str] | None = None, *, dry_run: bool = False,
         gone = {entry_block_id(e) for e in listed
                 if e.key is not None and e.action == "drop" and (dry_run or e.fixed)}
         unreach, young = find_unreachable(t.records(), gone, segdir, now=time.time(),
-                                          grace_s=grace_s, why_gone="dropped by this prune")
+                                          grace_s=unreachable_grace(t.path, grace_s),
+                                          why_gone="dropped by this prune")
         if not dry_run and unreach:
             done, late, _ = remove_unreachable(t, (entry_block_id(e) for e in unreach), gone)
             unreach = [dataclasses.replace(e, fixed=entry_block_id(e) in done)

@@ -15,10 +15,58 @@ from kvstore.tiers.disk import Detail, Reason
 if TYPE_CHECKING:
     from kvstore.tiers.disk import DiskRecord, DiskTier
 
-__all__ = ["find_unreachable", "late_entries", "remove_unreachable"]
+__all__ = ["find_unreachable", "late_entries", "remove_unreachable", "unreachable_grace"]
 
 #: rounds of "remove, then look for children committed meanwhile" before giving up
 _ROUNDS = 8
+
+
+def unreachable_grace(store: str, grace_s: float) -> float:
+    """The grace period for blocks whose parent is missing: ``grace_s``, but never under the
+    default while another process has the store open.
+
+    An engine whose put overflows its memory commits the overflowing tail of a chain before
+    the head it still holds dirty, and its ``flush`` vouches for the whole chain once the head
+    follows. ``prune --grace 0`` (or ``verify --fix --grace 0``) in between dropped that tail
+    as unreachable: chains a flush had vouched for came back cut after their first blocks.
+    Unlike a segment file, a parent still in another process's memory has no lock to see, so
+    only a store nobody else has open gets the grace asked for."""
+    from kvstore.admin.findings import DEFAULT_GRACE_S
+
+    if grace_s >= DEFAULT_GRACE_S or not _open_elsewhere(os.path.join(store, "index")):
+        return grace_s
+    return DEFAULT_GRACE_S
+
+
+def _open_elsewhere(index_dir: str) -> bool:
+    """Whether another process has the LMDB environment of ``index_dir`` open: each holds a
+    POSIX lock on ``lock.mdb``, listed in ``/proc/locks``. (Not asked with fcntl: closing an
+    fd of a file drops every lock this process holds on it, LMDB's own included when this
+    process has the store open, as prune and verify do.) True when that cannot be told."""
+    try:
+        ino = os.stat(os.path.join(index_dir, "lock.mdb")).st_ino
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    try:
+        with open("/proc/locks", encoding="ascii", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return True
+    me = os.getpid()
+    for line in lines:
+        # "1: POSIX  ADVISORY  READ 4242 fd:01:1234 0 0" ("->" before a waiter's fields)
+        parts = line.replace("->", "").split()
+        if len(parts) < 6 or parts[1] != "POSIX":
+            continue
+        try:
+            pid, lock_ino = int(parts[4]), int(parts[5].rsplit(":", 1)[1])
+        except (ValueError, IndexError):
+            continue
+        if lock_ino == ino and pid != me:  # the inode alone: st_dev differs under overlayfs
+            return True
+    return False
 
 
 def find_unreachable(recs: Iterable[DiskRecord], gone: set[bytes], segdir: str, *, now: float,

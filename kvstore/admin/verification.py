@@ -20,7 +20,7 @@ from kvstore.admin.findings import (
     entry_block_id,
     file_sizes,
 )
-from kvstore.admin.reachability import find_unreachable
+from kvstore.admin.reachability import find_unreachable, unreachable_grace
 from kvstore.admin.repairing import RepairPlan, plan_repair, repair
 
 if TYPE_CHECKING:
@@ -89,7 +89,8 @@ def verify(path: str | os.PathLike[str] | None = None, *, fix: bool = False,
         # 2. every remaining block: checksum, and header agreement
         findings += _read_back(ro, recs, segdir, progress)
         # 3. blocks below a missing block, or below one that fixing drops
-        findings, young = _add_unreachable(findings, snapshot, segdir, grace_s)
+        findings, young = _add_unreachable(findings, snapshot, segdir,
+                                           unreachable_grace(ro.path, grace_s))
         if only is not None:
             findings = [f for f in findings if f.namespace_id == only.hex()]
         else:  # 4. files and directories more open than the store promises (store-wide)

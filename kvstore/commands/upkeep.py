@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from kvstore.admin.findings import DEFAULT_GRACE_S
 from kvstore.commands.output import (
     EXIT_FINDINGS,
     EXIT_OK,
@@ -64,10 +65,17 @@ def findings_table(findings, *, show_fixed: bool, show_action: bool = False):
 
 
 def young_note(con, young: int, grace: float) -> None:
-    if young:
-        con.print(f"{young} unreachable block(s) written less than {grace:g} s ago are left "
-                  "alone (their parent may be a write in flight elsewhere); --grace 0 "
-                  "includes them.")
+    if not young:
+        return
+    if grace < DEFAULT_GRACE_S:  # kvstore.admin.reachability.unreachable_grace
+        con.print(f"{young} unreachable block(s) written less than {DEFAULT_GRACE_S:g} s ago "
+                  "are left alone: another process has the store open, and their parent may "
+                  "still be in its memory on its way to disk; stop the engines (or wait) and "
+                  "prune again to drop them.")
+        return
+    con.print(f"{young} unreachable block(s) written less than {grace:g} s ago are left "
+              "alone (their parent may be a write in flight elsewhere); --grace 0 "
+              "includes them.")
 
 
 # -- prune -------------------------------------------------------------------------------------
