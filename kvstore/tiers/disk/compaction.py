@@ -33,6 +33,7 @@ from kvstore.tiers.disk.txn import (
     alloc_segment_ids,
     drop_damaged,
     hint,
+    segment_in_index,
     unlink_segments,
     write_ops,
 )
@@ -175,8 +176,9 @@ def rewrite(ctx: DiskContext,
         try:
             m, emptied = write_ops(ctx, fn)
         except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
+            if not segment_in_index(ctx, sid):  # an interrupt may come after the commit
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
             raise
     finally:
         if seg is not None:

@@ -20,8 +20,10 @@ from kvstore.errors import DiskError
 from kvstore.tiers.disk import segments as _seg
 from kvstore.tiers.disk import tombstones as _tomb
 from kvstore.tiers.disk.index import (
+    BE64,
     DB_BLOCKS,
     DB_META,
+    DB_SEGS,
     META_NEXT_SEGMENT,
     U64,
     Rec,
@@ -69,6 +71,21 @@ def write_raw(ctx: DiskContext, fn: Callable) -> object:
         why = hint(OSError(code, "")) if code != errno.EIO else ""
         raise DiskError(code, f"the disk index at {ctx.index_dir} could not commit: {e}"
                         + why) from e
+
+
+def segment_in_index(ctx: DiskContext, sid: int) -> bool:
+    """Whether the index has a record of segment ``sid`` (True when that cannot be told).
+
+    For a writer whose commit raised: an interrupt (Ctrl-C in ``kvstore compact``, ``verify
+    --fix`` or ``import``) is raised at the first bytecode after LMDB's commit returns, most
+    likely while the commit's fsync ran, so a commit that raised may have happened. Unlinking
+    the new segment then turned every block just committed into it into a miss (a compaction
+    lost every block it moved). A file kept wrongly is only an orphan for ``prune``."""
+    try:
+        with ctx.sh.read() as txn:
+            return txn.get(BE64.pack(sid), db=ctx.sh.dbs[DB_SEGS]) is not None
+    except Exception:
+        return True
 
 
 def write_ops(ctx: DiskContext, fn: Callable[[WriteOps], object]) -> tuple[object, list[int]]:

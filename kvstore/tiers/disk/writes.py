@@ -34,6 +34,7 @@ from kvstore.tiers.disk.txn import (
     alloc_segment_ids,
     apply_touches,
     hint,
+    segment_in_index,
     unlink_segments,
     write_ops,
 )
@@ -268,7 +269,11 @@ def _commit(ctx: DiskContext, segs: list, parents: set[bytes]) -> tuple[list[byt
         try:
             new, emptied = write_ops(ctx, fn)
         except BaseException:
-            ctx.touches.restore(touches)
+            # one transaction adds every segment: the first one tells whether it committed
+            # (an interrupt may come after the commit; see txn.segment_in_index)
+            committed = bool(segs) and segment_in_index(ctx, segs[0][0])
+            if not committed:
+                ctx.touches.restore(touches)
             raise
         committed = True
     finally:
