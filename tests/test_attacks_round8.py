@@ -179,9 +179,9 @@ def test_a_temp_segment_pruned_before_its_writer_locked_it_is_written_again(tmp_
     Before: prune saw an unlocked temp file, removed it, and the engine's flush failed with
     NotDurableError (ENOENT at publish). Now the writer sees its file gone once it holds the
     lock and creates it again: the flush returns and the chain is exact."""
-    from kvstore.tiers.disk import segments
+    from kvstore.tiers.disk import inflight
 
-    real, pruned = segments.create_file, []
+    real, pruned = inflight.create_file, []
 
     def create_then_prune(path, *a, **kw):
         fd = real(path, *a, **kw)
@@ -194,7 +194,7 @@ def test_a_temp_segment_pruned_before_its_writer_locked_it_is_written_again(tmp_
         return fd
 
     with attack_store(tmp_path, model=MODEL) as s:
-        monkeypatch.setattr(segments, "create_file", create_then_prune)
+        monkeypatch.setattr(inflight, "create_file", create_then_prune)
         ks = chain_keys(s, 1, 3)
         assert s.put(ks, keyed_kv(LAY, ks)).wait(20) == 3
         s.flush(30)

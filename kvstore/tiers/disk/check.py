@@ -49,6 +49,7 @@ from kvstore.tiers.disk.index import (
     lru_key,
     parent_dbkey,
 )
+from kvstore.tiers.disk.inflight import in_flight, unlink_unless_in_flight
 from kvstore.tiers.disk.reads import read_payload, read_rec
 from kvstore.tiers.disk.records import Finding
 from kvstore.tiers.disk.txn import drop_damaged, drop_entries, unlink_segments, write_raw
@@ -100,7 +101,7 @@ def run_check(ctx: DiskContext, *, fix: bool, grace_s: float, verify_data: bool,
     # 4. segment files against the index
     by_seg, flagged, orphans = _check_segment_files(ctx, good, files, snap, now, grace_s)
     # a file a writer holds is in flight whatever its mtime says (the clock may have jumped)
-    stale_temps = [p for p, mt in temps if _aged(now, mt, grace_s) and not _seg.in_flight(p)]
+    stale_temps = [p for p, mt in temps if _aged(now, mt, grace_s) and not in_flight(p)]
     # 5. data: every remaining block read back and verified (plus its header entry)
     header_bad = _verify_data(ctx, by_seg, flagged, snap.bad_keys) if verify_data else []
 
@@ -120,7 +121,7 @@ def run_check(ctx: DiskContext, *, fix: bool, grace_s: float, verify_data: bool,
     def remove(path: str) -> bool:
         # under the file's lock: a writer that created it after our look and locked it since
         # keeps it
-        return fix and (scope is None or path in scope.files) and _seg.unlink_unless_in_flight(path)
+        return fix and (scope is None or path in scope.files) and unlink_unless_in_flight(path)
 
     for path in stale_temps:
         findings.append(Finding("temp_file", path, None, "temporary file of an interrupted write",
@@ -273,7 +274,7 @@ def _check_segment_files(ctx: DiskContext, good: list[tuple[bytes, Rec]],
             continue
         path = os.path.join(segdir, _seg.segment_name(sid))
         # in flight first: a writer releases its file only after the index references it
-        if (_aged(now, st.st_mtime, grace_s) and not _seg.in_flight(path)
+        if (_aged(now, st.st_mtime, grace_s) and not in_flight(path)
                 and _unreferenced(ctx.sh, sid)):
             orphans.append(path)
     return by_seg, flagged, orphans

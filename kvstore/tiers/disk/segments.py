@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
-import fcntl
 import json
 import os
 import re
@@ -24,9 +23,10 @@ from dataclasses import dataclass
 import xxhash
 
 from kvstore.errors import HeaderFormatError
-from kvstore.filemodes import create_file, file_mode_in
+from kvstore.filemodes import file_mode_in
 from kvstore.header_json import load_header
 from kvstore.keys import KEY_BYTES
+from kvstore.tiers.disk.inflight import create_locked
 
 SEGMENT_SUFFIX = ".safetensors"
 #: flags of every read-only open of a segment: O_NONBLOCK so that a path that is not a
@@ -328,14 +328,14 @@ def create_segment(segdir: str, segment_id: int, entries: Sequence[SegmentEntry]
     chunk handed to the device as it goes; the file stays open for :func:`finish_segment`,
     under a shared ``flock`` until :func:`release_segment` (or :func:`discard_segment`): the
     mark of a write in flight that ``check``/``prune`` leave alone whatever the file's mtime
-    says (:func:`in_flight`; a clock that jumped forward made it look old). On error the temp
+    says (:mod:`.inflight`; a clock that jumped forward made it look old). On error the temp
     file is removed and the OSError propagates."""
     header, offsets = encode_header(segment_id, entries, namespaces)
     tmp = os.path.join(segdir, temp_name(segment_id))
     final = os.path.join(segdir, segment_name(segment_id))
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
     mode = file_mode_in(segdir)  # 0600, or 0640 in a store shared with a group, whatever the umask
-    fd = _create_locked(tmp, flags, mode)
+    fd = create_locked(tmp, flags, mode)
     seg = OpenSegment(fd, tmp, final, len(header) + sum(e.nbytes for e in entries), offsets)
     try:
         _write_all(fd, [header, *(e.payload for e in entries)])
@@ -343,66 +343,6 @@ def create_segment(segdir: str, segment_id: int, entries: Sequence[SegmentEntry]
         discard_segment(seg)
         raise
     return seg
-
-
-def _create_locked(tmp: str, flags: int, mode: int) -> int:
-    """Create ``tmp`` and hold its in-flight lock, with ``tmp`` still naming the file.
-
-    Between the create and the lock a ``prune --grace 0`` saw an unlocked temp file and
-    unlinked it (the flush then failed with ENOENT), and a non-blocking lock failed while a
-    prune's probe held the file for an instant, leaving the write unlocked for the next prune.
-    So the lock waits (a probe holds it only around one stat and unlink: :func:`unlink_unless_in_flight`)
-    and a file unlinked before we held it is created again."""
-    for _ in range(8):
-        try:
-            fd = create_file(tmp, flags, mode)
-        except FileExistsError:  # a leftover of a crashed writer holding the same id: not ours
-            os.unlink(tmp)
-            fd = create_file(tmp, flags, mode)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH)
-        except OSError:  # a file system without flock: mtime alone judges
-            return fd
-        try:
-            if os.path.samestat(os.fstat(fd), os.stat(tmp)):
-                return fd
-        except FileNotFoundError:
-            pass
-        os.close(fd)  # removed by a prune before our lock: not a file of ours any more
-    raise OSError(errno.EAGAIN, f"{tmp} was removed again and again as it was created "
-                  "(a prune with --grace 0 in a loop?)", tmp)
-
-
-def unlink_unless_in_flight(path: str) -> bool:
-    """Unlink ``path`` unless a writer holds it (:func:`in_flight`), holding the file's lock
-    across the unlink so that no writer can take it in between: judged first and unlinked
-    later, a temp file created just before the judgement and locked just after it was
-    removed under its writer. True when ``path`` is gone (or was already)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        return True
-    except OSError:  # not a file we can open (a FIFO without O_NONBLOCK, a link): judged by name
-        fd = -1
-    try:
-        if fd >= 0:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return False  # a write in flight
-            except OSError:
-                pass  # a file system without flock: mtime alone judges
-            if not os.path.samestat(os.fstat(fd), os.lstat(path)):
-                return False  # replaced meanwhile by another file: judged again next time
-        os.unlink(path)
-    except FileNotFoundError:
-        return True
-    except OSError:
-        return False
-    finally:
-        if fd >= 0:
-            os.close(fd)
-    return True
 
 
 def finish_segment(seg: OpenSegment) -> None:
@@ -428,25 +368,6 @@ def release_segment(seg: OpenSegment) -> None:
         with contextlib.suppress(OSError):
             os.close(seg.fd)
         seg.fd = -1
-
-
-def in_flight(path: str) -> bool:
-    """Whether a writer holds ``path`` (a temp or named segment whose index commit has not
-    happened yet: :func:`create_segment`'s lock). False for anything that cannot be opened
-    or locked (a crashed writer's file, a FIFO, a file system without flock)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-    return False
 
 
 def discard_segment(seg: OpenSegment) -> None:
