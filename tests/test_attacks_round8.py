@@ -274,6 +274,9 @@ def _all_exact(path: Path, chains) -> None:
 #: Ctrl-C arriving during the call's fsync does; a SIGKILL ends it there)
 _INTERRUPTED = r"""
 import importlib, os, signal, sys
+# Ctrl-C raises here whatever this process inherited: a SIGINT ignored in the parent (the
+# full suite's pytest process, by the time this runs) stays ignored across exec
+signal.signal(signal.SIGINT, signal.default_int_handler)
 mod, func, sig = sys.argv[1], sys.argv[2], getattr(signal, sys.argv[3])
 m = importlib.import_module(mod)
 real = getattr(m, func)
