@@ -40,7 +40,8 @@ class _EventsCollector(Collector):
     _COUNTERS = (("batches", "KV event batches published"), ("events", "KV events published"),
                  ("replays", "Replay requests answered"),
                  ("snapshots", "Snapshot requests answered"),
-                 ("bad_requests", "Malformed replay/snapshot requests"))
+                 ("bad_requests", "Malformed replay/snapshot requests"),
+                 ("abandoned_replies", "Replies cut off because the client did not read them"))
     _GAUGES = (("last_seq", "Sequence number of the last batch published"),
                ("blocks", "Blocks the published events say are held (per namespace, summed)"),
                ("queued", "Tier changes not yet turned into events"))

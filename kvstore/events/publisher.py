@@ -42,7 +42,17 @@ _POLL_S = 0.05  # longest a replay request waits while nothing else happens
 #: replay/snapshot requests answered per pass: a peer sending requests as fast as they are
 #: answered kept the thread in that loop, so nothing was published, not even a heartbeat
 _REQUESTS_PER_PASS = 64
+#: how long one reply may wait for its client to take what was queued before it is abandoned
+#: (the client gets no end marker, times out and asks again); a client that stalled a reply
+#: gets none of that patience for :data:`_STALLED_FOR_S`, so a client that sends requests and
+#: never reads costs the thread at most this once per that period
+_STALL_S = 0.25
+_STALLED_FOR_S = 10.0
 _STOP = object()
+
+
+class _Stalled(Exception):
+    """The client's queue stayed full past its patience: the reply is abandoned."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +65,7 @@ class PublisherStats:
     bad_requests: int
     blocks: int  # (block, namespace) pairs held in some tier, as published
     queued: int  # sink calls not yet turned into events
+    abandoned_replies: int = 0  # replies cut off because their client did not read them
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +124,9 @@ class EventPublisher:
         self._topic = config.topic.encode()
         self._next_seq = (int(time.time() * 1e6) % frames.SEQ_MOD if first_seq is None
                           else first_seq)
-        self._counts = {"batches": 0, "events": 0, "replays": 0, "snapshots": 0, "bad": 0}
+        self._counts = {"batches": 0, "events": 0, "replays": 0, "snapshots": 0, "bad": 0,
+                        "abandoned": 0}
+        self._stalled: dict[bytes, float] = {}  # client -> when a reply to it was abandoned
         self._last_sent = 0.0
         self.endpoint = ""
         self.replay_endpoint = ""
@@ -152,7 +165,7 @@ class EventPublisher:
         return PublisherStats(frames.prev_seq(self._next_seq), c["batches"], c["events"],
                               c["replays"], c["snapshots"], c["bad"],
                               sum(len(m) for m in list(self._mirrors.values())),
-                              self._queue.qsize())
+                              self._queue.qsize(), c["abandoned"])
 
     def close(self, timeout: float = 5.0) -> None:
         """Publish what is queued, then close the sockets. Idempotent."""
@@ -183,7 +196,10 @@ class EventPublisher:
             self.endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
             r = self._router = self._ctx.socket(zmq.ROUTER)
             r.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a vanished client is an error, not a stall
-            r.setsockopt(zmq.SNDHWM, 0)  # a snapshot reply is sent whole
+            # a client's queue holds one whole replay (the buffer and the end marker); a client
+            # that asks and does not read holds at most that, where an unbounded queue grew by
+            # a whole buffer per request (sends are non-blocking: _send)
+            r.setsockopt(zmq.SNDHWM, cfg.buffer_steps + 2)
             r.setsockopt(zmq.MAXMSGSIZE, 4096)  # requests are tiny
             assert cfg.replay_endpoint is not None
             r.bind(cfg.replay_endpoint)
@@ -290,10 +306,36 @@ class EventPublisher:
                     self._send_snapshot(req.client)
                 else:
                     self._send_replay(req.client, req.start_seq)
-                r.send_multipart(frames.end_of_reply(req.client))
+                self._send(req.client, frames.end_of_reply(req.client))
+            except _Stalled:
+                self._counts["abandoned"] += 1
+                log.debug("replay client %r does not read: reply abandoned", req.client)
             except zmq.ZMQError as e:  # the client left meanwhile
                 log.debug("replay client gone: %s", e)
         return True
+
+    def _send(self, client: bytes, parts: list[bytes]) -> None:
+        """Queue one message of a reply without blocking the thread for longer than the
+        client's patience (:data:`_STALL_S`, none while it is marked stalled)."""
+        r = self._router
+        assert r is not None
+        now = time.monotonic()
+        since = self._stalled.get(client)
+        if since is not None and now - since >= _STALLED_FOR_S:
+            del self._stalled[client]
+            since = None
+        deadline = now + (0.0 if since is not None else _STALL_S)
+        while True:
+            try:
+                r.send_multipart(parts, zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                if time.monotonic() >= deadline:
+                    if len(self._stalled) >= 1024:  # bounded: forget the oldest
+                        del self._stalled[next(iter(self._stalled))]
+                    self._stalled[client] = time.monotonic()
+                    raise _Stalled from None
+                time.sleep(0.001)
 
     def _send_replay(self, client: bytes, start: int) -> None:
         """Every buffered batch from number ``start`` on (vLLM's ``seq >= start``), "on"
@@ -304,7 +346,7 @@ class EventPublisher:
             return
         for msg in list(self._buffer):
             if frames.seq_diff(msg.seq, start) >= 0:
-                self._router.send_multipart(frames.reply(client, msg))  # type: ignore[union-attr]
+                self._send(client, frames.reply(client, msg))
 
     def _send_snapshot(self, client: bytes) -> None:
         self._counts["snapshots"] += 1
@@ -314,5 +356,5 @@ class EventPublisher:
             events.extend(m.snapshot())
         for chunk in self._batches(events):
             msg = frames.StreamMessage(self._topic, seq, self._encode(chunk))
-            self._router.send_multipart(frames.reply(client, msg))  # type: ignore[union-attr]
+            self._send(client, frames.reply(client, msg))
 

@@ -288,12 +288,13 @@ def test_publisher_counters_are_metrics():
     from kvstore.events.publisher import PublisherStats
 
     st = PublisherStats(last_seq=1_700_000_000_000_123, batches=7, events=19, replays=2,
-                        snapshots=1, bad_requests=3, blocks=42, queued=0)
+                        snapshots=1, bad_requests=3, blocks=42, queued=0,
+                        abandoned_replies=5)
     text = generate_latest(DaemonMetrics(events=lambda: st).registry).decode()
     for line in ("kvstore_events_batches_total 7.0", "kvstore_events_events_total 19.0",
                  "kvstore_events_replays_total 2.0", "kvstore_events_snapshots_total 1.0",
                  "kvstore_events_bad_requests_total 3.0", "kvstore_events_blocks 42.0",
-                 "kvstore_events_queued 0.0"):
+                 "kvstore_events_queued 0.0", "kvstore_events_abandoned_replies_total 5.0"):
         assert line in text, text
     assert "kvstore_events_last_seq 1.700000000000123e+15" in text
 

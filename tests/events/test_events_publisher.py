@@ -304,3 +304,40 @@ def test_frames():
     for frames in ([b"", None, b""], [b"", 7, b""], [b"", "12345678", b""]):
         with pytest.raises(EventFormatError):
             fr.parse_stream(frames)
+
+
+def test_a_client_that_asks_and_never_reads_holds_at_most_one_reply(ctx, tmp_path):
+    """Before: the replay socket's send queue was unbounded (SNDHWM 0), so every request
+    from a client that did not read its replies queued the whole buffer again in the
+    engine's memory (here 40 requests: ~2,000 messages of ~37 KB). Now a client's queue holds
+    one whole replay; a reply that does not fit is abandoned (counted), the thread never
+    blocks past the client's patience, and the client, once it reads, is served again."""
+    cfg = EventsConfig(f"ipc://{tmp_path}/p", buffer_steps=50, heartbeat_s=60)
+    with EventPublisher(cfg, first_seq=1000) as p:
+        sink = p.sink(b"n" * 32, 16)
+        for b in range(49):  # + the first AllBlocksCleared: 50 batches of 4,096 hashes
+            keys = [k(b * 4096 + i) for i in range(4096)]
+            sink.stored("warm", keys, [None, *keys[:-1]])
+            assert p.flush()
+        d = ctx.socket(zmq.DEALER)
+        d.setsockopt(zmq.RCVHWM, 5)
+        d.connect(p.replay_endpoint)
+        for _ in range(40):
+            d.send_multipart([b"", fr.seq_bytes(1000)])
+        assert wait_until(lambda: p.stats().replays == 40, timeout=30)
+        assert p.stats().abandoned_replies >= 1
+        keys = [k(10**6 + i) for i in range(4)]
+        sink.stored("warm", keys, [None, *keys[:-1]])
+        assert p.flush(5.0), "the stalled client held the publisher's thread"
+        got = 0
+        d.setsockopt(zmq.RCVTIMEO, 500)
+        try:
+            while True:
+                d.recv_multipart()
+                got += 1
+        except zmq.Again:
+            pass
+        assert got < 200, f"{got} messages were queued for a client that did not read"
+        d.close(linger=0)
+        # a client that reads gets the whole buffer and the end marker
+        assert len(_request(ctx, p.replay_endpoint, fr.seq_bytes(1000))) == 50
