@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
+import errno
 import logging
 import os
 from collections.abc import Iterable, Sequence
@@ -45,6 +46,15 @@ log = logging.getLogger("kvstore.disk")
 _csum = _seg.block_checksum
 _RUN_BYTES = 8 << 20  # one preadv reads at most this many adjacent bytes
 _RUN_IOVS = 256
+
+#: errors of this process or of the system, not of the segment (out of descriptors or
+#: memory, a file made unreadable to us): the block is not served, but its bytes may be
+#: intact, so its entry stays (dropped, the emptied segment file was unlinked: a process at
+#: its descriptor limit deleted every flushed block it tried to read)
+NOT_DAMAGE = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS, errno.EINTR,
+                        errno.EACCES, errno.EPERM})
+#: the reason :func:`read_rec` gives for such a read
+UNAVAILABLE = "unavailable"
 
 #: one read of a run: (index into the request, its record or None when it is read alone)
 Run = list[tuple[int, Rec | None]]
@@ -463,6 +473,11 @@ def _read_one(rd: _Reading, key: bytes, raw: bytes | None, buf: memoryview | Par
         if status is ReadStatus.OK:
             rd.ctx.counters.add("reads_ok")
             return status
+        if why.startswith(UNAVAILABLE):  # not the block's fault: a miss, its entry kept
+            rd.ctx.counters.add("read_missing")
+            log.warning("disk tier %s: block %s cannot be read now (%s); not served, its "
+                        "index entry kept", rd.ctx.path, key[-KEY_BYTES:].hex()[:16], why)
+            return ReadStatus.MISSING
         if why != "missing_segment" or attempt:
             break
         # the segment is gone: compaction or eviction in another process? re-read the
@@ -488,7 +503,7 @@ def read_rec(ctx: DiskContext, key: bytes, rec: Rec, buf: memoryview) -> tuple[R
     except FileNotFoundError:
         return ReadStatus.MISSING, "missing_segment"
     except OSError as e:
-        return ReadStatus.DAMAGED, f"segment cannot be opened: {e}"
+        return _os_error(e, "segment cannot be opened")
     try:
         if rec.codec == _codec.CODEC_NONE:
             if rec.stored_nbytes != len(buf):
@@ -509,12 +524,19 @@ def read_rec(ctx: DiskContext, key: bytes, rec: Rec, buf: memoryview) -> tuple[R
             except _codec.CodecError as e:
                 return ReadStatus.DAMAGED, f"checksum_mismatch (payload does not decode: {e})"
     except OSError as e:
-        return ReadStatus.DAMAGED, f"read error: {e}"
+        return _os_error(e, "read error")
     finally:
         fds.release(fe)
     if _csum(key, rec.namespace_id, buf) != rec.checksum:
         return ReadStatus.DAMAGED, "checksum_mismatch"
     return ReadStatus.OK, ""
+
+
+def _os_error(e: OSError, what: str) -> tuple[ReadStatus, str]:
+    """An OSError of a read: damage, or (:data:`NOT_DAMAGE`) a read that cannot be made now."""
+    if e.errno in NOT_DAMAGE:
+        return ReadStatus.MISSING, f"{UNAVAILABLE} ({what}: {e})"
+    return ReadStatus.DAMAGED, f"{what}: {e}"
 
 
 def damaged(rd: _Reading, key: bytes, rec: Rec | None, status: ReadStatus, why: str) -> ReadStatus:
@@ -538,7 +560,11 @@ def read_payload(ctx: DiskContext, key: bytes,
     except FileNotFoundError:
         return None, None  # moved or removed meanwhile (another process compacted it)
     except OSError as e:
-        status, why = ReadStatus.DAMAGED, f"segment cannot be opened: {e}"
+        status, why = _os_error(e, "segment cannot be opened")
+        if status is ReadStatus.MISSING:  # not the block's fault: left where it is
+            log.warning("disk tier %s: block %s cannot be read now (%s); left in place",
+                        ctx.path, key[-KEY_BYTES:].hex()[:16], why)
+            return None, None
     else:
         try:
             n = _seg.pread_into(fe.fd, memoryview(payload), rec.offset)
