@@ -25,7 +25,7 @@ import shutil
 from pathlib import Path
 
 from conftest import fetch_exact, keyed_kv
-from support.attacks import LAY, T, attack_store
+from support.attacks import BN, LAY, T, attack_store
 
 from kvstore.cli import main as cli
 from kvstore.tiers.disk.segments import FdCache
@@ -105,3 +105,24 @@ def test_a_compaction_that_cannot_open_a_segment_leaves_its_blocks(tmp_path, mon
     with opened(tmp_path, warm=16) as s:
         assert fetch_exact(s, ks) == 6
         assert s.stats().damaged == 0
+
+
+# -- the disk budget -------------------------------------------------------------------------
+def test_puts_that_overflow_to_disk_keep_it_within_its_budget(tmp_path):
+    """A put that finds memory full of blocks not yet written goes straight to disk: after it
+    the disk is trimmed to its budget as after any write. Before, only a commit of blocks from
+    memory trimmed it, so a store whose last writes were overflow stayed over its budget (18
+    blocks on a budget of 8 here, for good: reopening does not trim), and whatever survives is
+    exact."""
+    with opened(tmp_path, warm=2, disk=8 * BN) as s:
+        for i in range(4):
+            head = chain(s, 20 + i, 2)
+            s.put(head, keyed_kv(LAY, head)).wait()  # memory: two blocks, not yet written
+            tail = chain(s, 30 + i, 10)
+            s.put(tail, keyed_kv(LAY, tail))  # no room: straight to disk
+            s.flush()
+            assert s.stats().tier("disk").used_bytes <= 8 * BN
+        last = tail
+    with opened(tmp_path, warm=16, disk=8 * BN) as s:
+        assert s.stats().tier("disk").used_bytes <= 8 * BN
+        assert fetch_exact(s, last) >= 0

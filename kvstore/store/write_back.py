@@ -210,7 +210,6 @@ class WriteBack:
         them go; otherwise Durability keeps ``error`` for flush to report."""
         ok = error is None
         with self.st.lock:
-            cat = self.st.catalog
             self.res.written([j[0] for j in jobs], ok, error)
             if not ok:
                 self.st.counters.disk_write_dropped += len(jobs)
@@ -218,14 +217,20 @@ class WriteBack:
                 self.st.announce_stored(self.st.durable.name, [j[0] for j in jobs],
                                         [j[1] for j in jobs])
         if ok:
-            for tier in self.st.lower:
-                try:
-                    gone = tier.evict(protect=lambda key: key in cat)
-                    if gone:
-                        with self.st.lock:
-                            self.st.announce_removed(tier.name, gone)
-                except Exception:
-                    log.exception("%s tier eviction failed", tier.name)
+            self.trim()
+
+    def trim(self) -> None:
+        """Bring every lower tier within its budget after a write (never a block memory
+        holds: its copy there may be the only durable one soon)."""
+        cat = self.st.catalog
+        for tier in self.st.lower:
+            try:
+                gone = tier.evict(protect=lambda key: key in cat)
+                if gone:
+                    with self.st.lock:
+                        self.st.announce_removed(tier.name, gone)
+            except Exception:
+                log.exception("%s tier eviction failed", tier.name)
 
     def take_dirty(self, limit: int) -> list[Job]:
         """Up to ``limit`` dirty blocks, pinned, with their parent, bytes and how many lower
@@ -290,6 +295,8 @@ class WriteBack:
                 self.st.durability.dropped(len(job.keys), failure)
             elif durable is not None:
                 self.st.announce_stored(durable.name, job.keys, job.parents)
+        if ok:  # as after any write: overflow alone kept the disk over its budget for good
+            self.trim()
         job.transfer.set_result(base + (len(job.keys) if ok else 0))
 
 
