@@ -41,6 +41,10 @@ class BlockRun:
     parent: bytes | None  # key of the block before keys[0] (None: the chain's root)
     block_ids: list[int]
     located: Located = field(default_factory=list)
+    # a save: the pages loaded before this step's forward that the request's blocks attend
+    # over (its own, or another request's shared through vLLM's prefix cache in the same
+    # step); the worker drops the save when any of them failed to load
+    attends: list[int] = field(default_factory=list)
     # a save's put hint (kvstore.hints.PutHint), from the request's kv_transfer_params
     session: str | None = None
     priority: int = 0

