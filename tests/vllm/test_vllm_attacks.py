@@ -315,6 +315,57 @@ def test_failed_background_load_is_retried_without_the_failed_blocks(tmp_path):
         release_store(key)
 
 
+# -- kv_connector_extra_config ---------------------------------------------------------------
+@pytest.mark.parametrize("extra, words", [
+    ({"store_path": 123}, "store_path"),
+    ({"store_path": ""}, "store_path"),
+    ({"socket": 5}, "socket"),
+    ({"socket": ""}, "socket"),
+    ({"socket": "/s", "timeout": "abc"}, "timeout"),
+    ({"socket": "/s", "timeout": -1}, "timeout"),
+    ({"socket": "/s", "timeout": True}, "timeout"),
+    ({"store_path": "/x", "cpu_capacity": -5}, "cpu_capacity"),
+    ({"store_path": "/x", "disk_capacity": "lots"}, "disk_capacity"),
+    ({"store_path": "/x", "prefault": "x"}, "prefault"),
+    ({"store_path": "/x", "gpu_capacity": [1]}, "gpu_capacity"),
+    ({"socket": "/s", "warm_capacity": -1}, "warm_capacity"),
+    ({"store_path": "/x", "stats_path": 5}, "stats_path"),
+    ({"store_path": "/x", "model_id": 5}, "model_id"),
+    ({"store_path": "/x", "model_revision": ["r"]}, "model_revision"),
+    ({"store_path": "/x", "eviction": 3}, "eviction"),
+    # a key of the other mode does nothing there: an error, as an unknown key is
+    ({"socket": "/s", "cpu_capacity": "16GiB"}, "cpu_capacity"),
+    ({"socket": "/s", "disk_capacity": "1TiB"}, "disk_capacity"),
+    ({"store_path": "/x", "timeout": 3}, "timeout"),
+    ({"store_path": "/x", "warm_capacity": "1GiB"}, "warm_capacity"),
+    ({"cpu_capacity": "1GiB", "salt_policy": "per-uid"}, "salt_policy"),
+])
+def test_malformed_extra_config_is_a_config_error_naming_the_key(extra, words):
+    from kvstore.errors import ConfigError
+    from kvstore.integrations.vllm.config import ConnectorConfig
+
+    with pytest.raises(ConfigError, match=words):
+        ConnectorConfig.from_extra(extra)
+
+
+def test_unusable_stats_or_store_path_is_a_config_error_at_start(tmp_path):
+    """A stats directory that cannot be made (a file in the way) is refused when the connector
+    is made, not silently never written; a store path under a file too."""
+    from kvstore.errors import ConfigError
+    from kvstore.integrations.vllm.stats import ConnectorStats
+
+    (tmp_path / "file").write_text("x")
+    for bad in (tmp_path / "file", tmp_path / "file" / "stats"):
+        with pytest.raises(ConfigError, match="stats_path"):
+            ConnectorStats("worker", "embedded", str(bad))
+    ok = ConnectorStats("worker", "embedded", str(tmp_path / "new" / "stats"))
+    ok.count(lookups=1)
+    ok.write(force=True)
+    assert list((tmp_path / "new" / "stats").glob("worker-*.json"))
+    with pytest.raises(ConfigError, match="not a directory"):
+        _open({"store_path": str(tmp_path / "file" / "store")})
+
+
 def test_namespaces_never_cross(tmp_path):
     """One store directory, blocks saved by one engine configuration: a lookup from another
     cache_salt, dtype, block size, model revision or TP size finds nothing, and a TP-2 rank's

@@ -64,6 +64,11 @@ _EXTRA_KEYS = {
     "timeout", "prefault", "layerwise", "wait_for_daemon", "save_decode_blocks",
     "load_async",
 }
+#: keys that only mean something in one mode: given in the other, they would do nothing
+_EMBEDDED_ONLY = ("cpu_capacity", "disk_capacity", "gpu_capacity", "admission", "eviction",
+                  "disk_codec", "prefault")
+_DAEMON_ONLY = ("warm_capacity", "salt_policy", "timeout", "wait_for_daemon")
+_SIZE_KEYS = ("cpu_capacity", "disk_capacity", "gpu_capacity", "warm_capacity", "prefault")
 
 
 # -- kv_connector_extra_config ---------------------------------------------------------------------
@@ -130,12 +135,52 @@ class ConnectorConfig:
             if v is not None and not isinstance(v, bool):
                 raise ConfigError(f"kv_connector_extra_config: {name!r} must be true or false, "
                                   f"got {v!r}")
+        _check_values(extra)
         if extra.get("socket") and extra.get("store_path"):
             raise ConfigError(
                 "kv_connector_extra_config: give either 'socket' (daemon mode) or 'store_path' "
                 "(embedded mode), not both"
             )
+        daemon = extra.get("socket") is not None
+        wrong = [k for k in (_EMBEDDED_ONLY if daemon else _DAEMON_ONLY)
+                 if extra.get(k) is not None]
+        if wrong:
+            raise ConfigError(
+                f"kv_connector_extra_config: {wrong} only apply in "
+                f"{'embedded' if daemon else 'daemon'} mode, and this is "
+                f"{'daemon' if daemon else 'embedded'} mode ("
+                + ("'socket' is set: the daemon's own options size its cache, e.g. "
+                   "'kvstore serve --cpu-capacity'" if daemon else "no 'socket'") + ")"
+            )
         return cls(**extra)
+
+
+def _check_values(extra: Mapping[str, Any]) -> None:
+    """Each value's type (and sizes parsed), so a malformed one is a ConfigError naming its
+    key when the engine starts, not a TypeError, or a store that silently is not what was
+    asked for, later."""
+    from kvstore.sizes import parse_size
+
+    def bad(name: str, want: str) -> ConfigError:
+        return ConfigError(f"kv_connector_extra_config: {name!r} must be {want}, "
+                           f"got {extra[name]!r:.80}")
+
+    for name in ("store_path", "socket", "stats_path", "model_id"):
+        v = extra.get(name)
+        if v is not None and (not isinstance(v, str) or not v.strip()):
+            raise bad(name, "a non-empty string (leave the key out for none)")
+    for name in ("model_revision", "salt_policy", "disk_codec"):
+        if extra.get(name) is not None and not isinstance(extra[name], str):
+            raise bad(name, "a string")
+    for name in ("admission", "eviction"):
+        if extra.get(name) is not None and not isinstance(extra[name], (str, Mapping)):
+            raise bad(name, "a name or a {tier: name} mapping")
+    for name in _SIZE_KEYS:
+        if extra.get(name) is not None:
+            parse_size(extra[name], what=f"kv_connector_extra_config: {name!r}")
+    t = extra.get("timeout")
+    if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):
+        raise bad("timeout", "a number of seconds > 0")
 
 
 def kvstore_transfer(extra: Mapping[str, Any], policy: str = "recompute") -> dict[str, Any]:

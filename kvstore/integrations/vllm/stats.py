@@ -81,6 +81,11 @@ class ConnectorStats:
         self._dirty = False
         self._last = float("-inf")  # monotonic time of the last write
         if stats_path:
+            try:  # a directory that cannot be made is a bad config, not stats silently lost
+                Path(stats_path).mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise ConfigError(f"kv_connector_extra_config: 'stats_path' {stats_path!r} is "
+                                  f"not a directory the connector can write to ({e})") from e
             _live.add(self)
 
     def count(self, **inc: int) -> None:
