@@ -11,8 +11,12 @@ is also its driver: ``python test_vllm_attacks.py SPEC.json OUT.json``, several 
 
 from __future__ import annotations
 
+import gc
 import json
+import random
+import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -22,8 +26,25 @@ from types import SimpleNamespace
 
 import pytest
 
-if __name__ != "__main__":
-    pytest.importorskip("vllm.distributed")  # the vLLM CI stage only
+pytest.importorskip("vllm.distributed")  # the vLLM CI stage only
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: support, as a script too
+import torch
+from support.vllm_helpers import engine_env, make_llama, prompt
+
+from kvstore import KVLayout
+from kvstore.daemon.process import DaemonProcess
+from kvstore.errors import ConfigError
+from kvstore.integrations.vllm import kvstore_transfer, read_stats
+from kvstore.integrations.vllm.config import ConnectorConfig
+from kvstore.integrations.vllm.metadata import BlockRun, KVStoreConnectorMetadata
+from kvstore.integrations.vllm.scheduler import SchedulerSide
+from kvstore.integrations.vllm.stats import ConnectorStats
+from kvstore.integrations.vllm.store_registry import (
+    close_all,
+    open_connector_store,
+    release_store,
+)
+from kvstore.integrations.vllm.worker import WorkerSide
 
 BS = 16
 H, D2, NPAGES = 2, 8, 16
@@ -34,22 +55,15 @@ pytestmark = pytest.mark.timeout(600)
 
 # -- the connector's halves, driven directly ---------------------------------------------------
 def _layout(dtype="bfloat16", block_tokens=BS):
-    from kvstore import KVLayout
-
     return KVLayout(num_layers=2, num_kv_heads=H, head_dim=D2, dtype=dtype,
                     block_tokens=block_tokens, kv_planes=1)
 
 
 def _stats(role):
-    from kvstore.integrations.vllm.stats import ConnectorStats
-
     return ConnectorStats(role, "embedded", None)
 
 
 def _open(extra, *, is_scheduler=False, tp_rank=0, tp_size=1, layout=None, revision="r"):
-    from kvstore.integrations.vllm.config import ConnectorConfig
-    from kvstore.integrations.vllm.store_registry import open_connector_store
-
     cfg = ConnectorConfig.from_extra({"prefault": 0, **extra} if "socket" not in extra else extra)
     return open_connector_store(cfg, layout=layout or _layout(), model_id="m",
                                 model_revision=revision, ns_extras={"engine": "vllm"},
@@ -62,15 +76,11 @@ def _disk(path):
 
 
 def _pages(seed):
-    import torch
-
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(NPAGES, H, BS, D2, generator=g).to(torch.bfloat16) for _ in LAYERS]
 
 
 def _worker(store, pages):
-    from kvstore.integrations.vllm.worker import WorkerSide
-
     ns = bytes(store.namespace_id)
     w = WorkerSide(store, layout=_layout(), namespace_id=ns, plan_namespace_id=ns,
                    page_kind="cpu", layerwise=False, max_model_len=1024, stats=_stats("worker"))
@@ -79,8 +89,6 @@ def _worker(store, pages):
 
 
 def _sched(store, **kw):
-    from kvstore.integrations.vllm.scheduler import SchedulerSide
-
     return SchedulerSide(store, block_size=BS, namespace_id=bytes(store.namespace_id),
                          stats=_stats("scheduler"), **kw)
 
@@ -110,16 +118,12 @@ def _step(new=(), cached=(), idle=False):
 
 
 def _tokens(n, seed):
-    import random
-
     r = random.Random(seed)
     return [r.randrange(1, 2000) for _ in range(n)]
 
 
 def _seed_store(store, tokens, src, pages):
     """Save ``tokens``' full blocks from ``src`` pages ``pages`` and put them on disk only."""
-    from kvstore.integrations.vllm.metadata import BlockRun, KVStoreConnectorMetadata
-
     keys = list(store.block_keys(tokens))[:len(pages)]
     w = _worker(store, src)
     w.wait_for_save(KVStoreConnectorMetadata(namespace_id=bytes(store.namespace_id),
@@ -132,16 +136,16 @@ def _seed_store(store, tokens, src, pages):
 
 def _segment_blocks(store_path):
     """Every block in the store's segment files, in file and offset order: (file, key hex,
-    payload offset in the file, bytes)."""
+    payload offset in the file, bytes, parent key hex)."""
     out = []
     for f in sorted(Path(store_path, "segments").glob("*.safetensors")):
         raw = f.read_bytes()
         n = int.from_bytes(raw[:8], "little")
         header = json.loads(raw[8:8 + n])
-        for name, t in sorted(((k, v) for k, v in header.items() if k != "__metadata__"),
-                              key=lambda kv: kv[1]["data_offsets"][0]):
+        meta = header.pop("__metadata__")
+        for name, t in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
             a, b = t["data_offsets"]
-            out.append((f, name, 8 + n + a, b - a))
+            out.append((f, name, 8 + n + a, b - a, meta[name].split(";")[-1]))
     return out
 
 
@@ -149,7 +153,7 @@ def _corrupt_block(store_path, *, key=None, index=None):
     """XOR every payload byte of one block in place (its segment file keeps its inode, so an
     open store reads the damage): bit rot of one block, the blocks around it intact."""
     blocks = _segment_blocks(store_path)
-    f, _, at, size = next(b for b in blocks if b[1] == key.hex()) if key else blocks[index]
+    f, _, at, size, _ = next(b for b in blocks if b[1] == key.hex()) if key else blocks[index]
     with open(f, "r+b") as fh:
         fh.seek(at)
         data = bytes(x ^ 0x5A for x in fh.read(size))
@@ -163,8 +167,6 @@ def test_failed_load_never_saves_blocks_that_attended_over_it(tmp_path):
     damaged on disk: pages 2-3 fail, vLLM rewinds both. B's new block attended over the failed
     pages: it must not be saved (its parent is still indexed, so it would be served later as
     wrong KV), and both save their blocks again once recomputed."""
-    from kvstore.integrations.vllm.store_registry import release_store
-
     path = tmp_path / "store"
     store, key = _disk(path)
     try:
@@ -202,6 +204,16 @@ def test_failed_load_never_saves_blocks_that_attended_over_it(tmp_path):
         release_store(key)
 
 
+def _until(pred, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.01)
+    return pred()
+
+
 def _busy(side):
     """Another request in the engine: hits below memory then load in the background."""
     side.get_num_new_matched_tokens(_request("busy", [1, 2, 3]), 0)
@@ -212,10 +224,6 @@ def test_aborted_request_keeps_its_pages_until_its_background_load_is_reported(t
     aborted: the worker never reports it before the reads into its pages are done (vLLM frees
     them on that report and hands them to the next request), reports it exactly once, and a
     new request that gets the same pages afterwards loads its own blocks into them intact."""
-    import torch
-
-    from kvstore.integrations.vllm.store_registry import release_store
-
     store, key = _disk(tmp_path / "store")
     try:
         src = _pages(1)
@@ -248,10 +256,7 @@ def test_aborted_request_keeps_its_pages_until_its_background_load_is_reported(t
             assert not w.get_finished(meta), "reported while its reads were in flight"
         assert time.monotonic() - t0 < 1.0, "get_finished waited on a held-back load"
         gate.set()
-        deadline = time.monotonic() + 30
-        done = None
-        while not done and time.monotonic() < deadline:
-            done = w.get_finished(meta)
+        done = _until(lambda: w.get_finished(meta))
         assert done == {"r1"} and w.get_finished(meta) is None
         w.get_block_ids_with_load_errors()
         # the pages go to r2: its own blocks, nothing of r1's load lands after the report
@@ -261,10 +266,7 @@ def test_aborted_request_keeps_its_pages_until_its_background_load_is_reported(t
         side.update_state_after_alloc(r2, _blocks([0, 2, 4, 5, 6]), 4 * BS)
         meta = side.build_connector_meta(_step(idle=True))
         w.start_load_kv(meta)
-        deadline = time.monotonic() + 30
-        done = None
-        while not done and time.monotonic() < deadline:
-            done = w.get_finished(meta)
+        done = _until(lambda: w.get_finished(meta))
         assert done == {"r2"} and w.get_block_ids_with_load_errors() == set()
         time.sleep(0.05)
         for layer in range(len(LAYERS)):
@@ -279,10 +281,6 @@ def test_failed_background_load_is_retried_without_the_failed_blocks(tmp_path):
     finished with the missing pages in the same pass; vLLM retries the request from its valid
     prefix, and the scheduler never claims the failed blocks for it again (they may still be
     indexed: a loop of failing loads), while saving them once recomputed."""
-    import torch
-
-    from kvstore.integrations.vllm.store_registry import release_store
-
     store, key = _disk(tmp_path / "store")
     try:
         src = _pages(1)
@@ -297,10 +295,7 @@ def test_failed_background_load_is_retried_without_the_failed_blocks(tmp_path):
         store.evict(keys[2:])
         w = _worker(store, [torch.zeros_like(p) for p in src])
         w.start_load_kv(meta)
-        deadline = time.monotonic() + 30
-        done = None
-        while not done and time.monotonic() < deadline:
-            done = w.get_finished(meta)
+        done = _until(lambda: w.get_finished(meta))
         bad = w.get_block_ids_with_load_errors()
         assert done == {"r1"} and bad == {4, 5}
         side.update_connector_output(SimpleNamespace(invalid_block_ids=bad))
@@ -316,44 +311,28 @@ def test_failed_background_load_is_retried_without_the_failed_blocks(tmp_path):
 
 
 # -- kv_connector_extra_config ---------------------------------------------------------------
-@pytest.mark.parametrize("extra, words", [
-    ({"store_path": 123}, "store_path"),
-    ({"store_path": ""}, "store_path"),
-    ({"socket": 5}, "socket"),
-    ({"socket": ""}, "socket"),
-    ({"socket": "/s", "timeout": "abc"}, "timeout"),
-    ({"socket": "/s", "timeout": -1}, "timeout"),
-    ({"socket": "/s", "timeout": True}, "timeout"),
-    ({"store_path": "/x", "cpu_capacity": -5}, "cpu_capacity"),
-    ({"store_path": "/x", "disk_capacity": "lots"}, "disk_capacity"),
-    ({"store_path": "/x", "prefault": "x"}, "prefault"),
-    ({"store_path": "/x", "gpu_capacity": [1]}, "gpu_capacity"),
-    ({"socket": "/s", "warm_capacity": -1}, "warm_capacity"),
-    ({"store_path": "/x", "stats_path": 5}, "stats_path"),
-    ({"store_path": "/x", "model_id": 5}, "model_id"),
-    ({"store_path": "/x", "model_revision": ["r"]}, "model_revision"),
-    ({"store_path": "/x", "eviction": 3}, "eviction"),
-    # a key of the other mode does nothing there: an error, as an unknown key is
-    ({"socket": "/s", "cpu_capacity": "16GiB"}, "cpu_capacity"),
-    ({"socket": "/s", "disk_capacity": "1TiB"}, "disk_capacity"),
-    ({"store_path": "/x", "timeout": 3}, "timeout"),
-    ({"store_path": "/x", "warm_capacity": "1GiB"}, "warm_capacity"),
-    ({"cpu_capacity": "1GiB", "salt_policy": "per-uid"}, "salt_policy"),
+# each case is wrong in its last key (the error names it); the last five: a key of the other
+# mode, which would do nothing there (an error, as an unknown key is)
+@pytest.mark.parametrize("extra", [
+    {"store_path": 123}, {"store_path": ""}, {"socket": 5}, {"socket": ""},
+    {"socket": "/s", "timeout": "abc"}, {"socket": "/s", "timeout": -1},
+    {"socket": "/s", "timeout": True}, {"store_path": "/x", "cpu_capacity": -5},
+    {"store_path": "/x", "disk_capacity": "lots"}, {"store_path": "/x", "prefault": "x"},
+    {"store_path": "/x", "gpu_capacity": [1]}, {"socket": "/s", "warm_capacity": -1},
+    {"store_path": "/x", "stats_path": 5}, {"store_path": "/x", "model_id": 5},
+    {"store_path": "/x", "model_revision": ["r"]}, {"store_path": "/x", "eviction": 3},
+    {"socket": "/s", "cpu_capacity": "16GiB"}, {"socket": "/s", "disk_capacity": "1TiB"},
+    {"store_path": "/x", "timeout": 3}, {"store_path": "/x", "warm_capacity": "1GiB"},
+    {"cpu_capacity": "1GiB", "salt_policy": "per-uid"},
 ])
-def test_malformed_extra_config_is_a_config_error_naming_the_key(extra, words):
-    from kvstore.errors import ConfigError
-    from kvstore.integrations.vllm.config import ConnectorConfig
-
-    with pytest.raises(ConfigError, match=words):
+def test_malformed_extra_config_is_a_config_error_naming_the_key(extra):
+    with pytest.raises(ConfigError, match=list(extra)[-1]):
         ConnectorConfig.from_extra(extra)
 
 
 def test_unusable_stats_or_store_path_is_a_config_error_at_start(tmp_path):
     """A stats directory that cannot be made (a file in the way) is refused when the connector
     is made, not silently never written; a store path under a file too."""
-    from kvstore.errors import ConfigError
-    from kvstore.integrations.vllm.stats import ConnectorStats
-
     (tmp_path / "file").write_text("x")
     for bad in (tmp_path / "file", tmp_path / "file" / "stats"):
         with pytest.raises(ConfigError, match="stats_path"):
@@ -370,8 +349,6 @@ def test_namespaces_never_cross(tmp_path):
     """One store directory, blocks saved by one engine configuration: a lookup from another
     cache_salt, dtype, block size, model revision or TP size finds nothing, and a TP-2 rank's
     blocks are never served to a TP-1 engine."""
-    from kvstore.integrations.vllm.store_registry import release_store
-
     path = tmp_path / "store"
     tokens = _tokens(4 * BS + 3, 1)
     store, key = _open({"store_path": str(path)})
@@ -400,27 +377,11 @@ def test_namespaces_never_cross(tmp_path):
 
 
 # -- daemon mode: the daemon dies, hangs, comes back -------------------------------------------
-def _until(pred, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.05)
-    return pred()
-
-
 def test_daemon_killed_or_stopped_mid_run_is_misses_then_exact_hits_again(tmp_path):
     """Daemon mode, the daemon killed -9 between the scheduler's lookup and the worker's load:
     the load fails (reported, recomputed), saves are dropped, lookups miss, every call quick;
     a stopped (SIGSTOP) daemon costs at most the client's timeout. Restarted, the connector
     hits again with exactly the bytes saved."""
-    import torch
-
-    from kvstore.daemon.process import DaemonProcess
-    from kvstore.integrations.vllm.metadata import BlockRun, KVStoreConnectorMetadata
-    from kvstore.integrations.vllm.store_registry import release_store
-
     sock = Path(tempfile.mkdtemp(prefix="kvs-r9-")) / "kv.sock"  # short, private (0700)
     args = ("--cpu-capacity", "32MiB", "--disk-capacity", "256MiB", "--log-level", "warning")
     daemon = DaemonProcess(tmp_path / "dstore", sock, *args).start()
@@ -492,13 +453,9 @@ FP32_ATOL = 1e-3  # float32: an external hit and a prefill differ only in summat
 
 def run_steps(spec):
     """One ``vllm.LLM``; each step's prompts go in one ``generate`` (they share steps)."""
-    import gc
-
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
-
-    from kvstore.integrations.vllm.store_registry import close_all
 
     kw = dict(model=spec["model"], dtype=spec["dtype"], enforce_eager=True,
               skip_tokenizer_init=True, enable_prefix_caching=True, block_size=EBS,
@@ -521,12 +478,8 @@ def run_steps(spec):
         sp = SamplingParams(max_tokens=step.get("max_tokens", 8), temperature=0.0, logprobs=1,
                             detokenize=False, ignore_eos=True)
         salts = step.get("salts") or [None] * len(step["prompts"])
-        prompts = []
-        for ids, salt in zip(step["prompts"], salts, strict=True):
-            p = TokensPrompt(prompt_token_ids=list(ids))
-            if salt:
-                p["cache_salt"] = salt
-            prompts.append(p)
+        prompts = [TokensPrompt(prompt_token_ids=list(ids), **({"cache_salt": s} if s else {}))
+                   for ids, s in zip(step["prompts"], salts, strict=True)]
         outs = []
         for o in llm.generate(prompts, sp, use_tqdm=False):
             c = o.outputs[0]
@@ -543,10 +496,6 @@ def run_steps(spec):
 
 
 def _engine(spec, tmp_path, name, env=None):
-    import subprocess
-
-    from support.vllm_helpers import engine_env
-
     spec_path, out = tmp_path / f"{name}.json", tmp_path / f"{name}.out.json"
     spec_path.write_text(json.dumps(spec))
     proc = subprocess.run([sys.executable, __file__, str(spec_path), str(out)],
@@ -565,51 +514,78 @@ def _same(got, want):
     assert diff <= FP32_ATOL, diff
 
 
-@pytest.fixture(scope="module")
-def fp32_model(tmp_path_factory):
-    from support.vllm_helpers import make_llama
+def _prompts():
+    return {"P": prompt(300, seed=1), **{f"P{i}": prompt(300, seed=10 + i) for i in (1, 2, 3)}}
 
-    return make_llama(tmp_path_factory.mktemp("models") / "llama-fp32", dtype="float32")
+
+@pytest.fixture(scope="module")
+def seeded(tmp_path_factory):
+    """A float32 model, and a store one engine saved P, P1, P2, P3 in (9 blocks each)."""
+    d = tmp_path_factory.mktemp("seeded")
+    model = make_llama(d / "llama-fp32", dtype="float32")
+    spec = {"model": model, "dtype": "float32", "transfer": _transfer(d / "store", d / "stats"),
+            "steps": [{"label": "P", "prompts": [_prompts()["P"]]},
+                      {"label": "rest", "prompts": list(_prompts().values())[1:]}]}
+    _engine(spec, d, "seed")
+    return model, d / "store"
 
 
 def _transfer(store, stats):
-    from kvstore.integrations.vllm import kvstore_transfer
-
     return kvstore_transfer({"store_path": str(store), "cpu_capacity": "64MiB",
                              "disk_capacity": "1GiB", "stats_path": str(stats)})
 
 
-def test_engine_failed_load_shared_in_its_step_stores_no_wrong_kv(fp32_model, tmp_path):
+def test_engine_failed_load_shared_in_its_step_stores_no_wrong_kv(seeded, tmp_path):
     """A real engine: the 5th of P's 9 stored blocks rots on disk. A (= P) and B (P's 9
     blocks + 40 tokens) arrive together: A's load fails from block 4, and B computed its 10th
     block over A's pages in that same step (vLLM's own cache). vLLM recomputes both; what the
     store then serves for B's 10th block must be right: C (B + 40 tokens) loaded from the store
     gives what C computed from scratch (a salt nobody else uses) gives."""
-    from support.vllm_helpers import prompt
 
-    from kvstore.integrations.vllm import read_stats
 
-    P = prompt(300, seed=1)
+    model, P = seeded[0], _prompts()["P"]
     B = P[:288] + prompt(40, seed=7)
     C = B + prompt(40, seed=8)
     store = tmp_path / "store"
-    spec = {"model": fp32_model, "dtype": "float32",
-            "transfer": _transfer(store, tmp_path / "s1"),
-            "steps": [{"label": "seed", "prompts": [P]}]}
-    _engine(spec, tmp_path, "seed")
-    assert len(_segment_blocks(store)) == 9
+    shutil.copytree(seeded[1], store)
+    chain = _segment_blocks(store)[:5]  # P's blocks first (saved a step before the others)
+    assert all(chain[i][4] == chain[i - 1][1] for i in range(1, 5)) and not chain[0][4]
     _corrupt_block(store, index=4)
-    spec["transfer"] = _transfer(store, tmp_path / "s2")
-    spec["steps"] = [
-        {"label": "ab", "prompts": [P, B]},
-        {"label": "c", "prompts": [C], "reset": True},
-        {"label": "ref", "prompts": [C], "salts": ["nobody-else"], "reset": True},
-    ]
+    spec = {"model": model, "dtype": "float32", "transfer": _transfer(store, tmp_path / "s"),
+            "steps": [{"label": "ab", "prompts": [P, B]},
+                      {"label": "c", "prompts": [C], "reset": True},
+                      {"label": "ref", "prompts": [C], "salts": ["nobody-else"], "reset": True}]}
     res = _engine(spec, tmp_path, "attack")
     assert "Recovered from KV load failure" in res["log"]
-    assert read_stats(tmp_path / "s2")["worker"]["failed_blocks"] == 5
+    assert read_stats(tmp_path / "s")["worker"]["failed_blocks"] == 5
     assert res["c"]["metrics"]["vllm:external_prefix_cache_hits"] == 320
     _same(res["c"]["outputs"][0], res["ref"]["outputs"][0])
+
+
+def test_engine_preempted_loaded_requests_and_twin_prompts_stay_exact(seeded, tmp_path):
+    """A real engine with room for 30 pages: three prompts that hit the store (9 blocks each,
+    loaded), one of them twice in the same step, each decoding 96 tokens: vLLM preempts some
+    (their loaded pages freed), resumes them (looked up and loaded again). Every output equals
+    the same prompts computed from scratch (a salt nobody else uses) in that engine."""
+
+
+    model, ps = seeded[0], _prompts()
+    store = tmp_path / "store"
+    shutil.copytree(seeded[1], store)
+    ds = [ps[f"P{i}"] + prompt(20, seed=20 + i) for i in (1, 2, 3)]
+    ds.append(ds[0])
+    step = {"prompts": ds, "max_tokens": 96}
+    spec = {"model": model, "dtype": "float32", "transfer": _transfer(store, tmp_path / "s"),
+            "llm_kwargs": {"num_gpu_blocks_override": 30, "max_model_len": 512},
+            "steps": [dict(step, label="hit"),
+                      dict(step, label="ref", salts=["nobody-else"] * 4, reset=True)]}
+    res = _engine(spec, tmp_path, "preempt")
+    hit = res["hit"]["metrics"]
+    assert hit.get("vllm:num_preemptions", 0) > 0, hit
+    assert hit["vllm:external_prefix_cache_hits"] >= 3 * 288, hit
+    assert read_stats(tmp_path / "s")["worker"]["failed_blocks"] == 0
+    for got, want in zip(res["hit"]["outputs"], res["ref"]["outputs"], strict=True):
+        _same(got, want)
 
 
 if __name__ == "__main__":
