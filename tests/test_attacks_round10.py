@@ -22,12 +22,16 @@ import errno
 import os
 import resource
 import shutil
+import signal
+import threading
 from pathlib import Path
 
-from conftest import fetch_exact, keyed_kv
+from conftest import fetch_exact, keyed_kv, run_bounded
 from support.attacks import BN, LAY, T, attack_store
 
+from kvstore import open_store
 from kvstore.cli import main as cli
+from kvstore.errors import StoreClosedError
 from kvstore.tiers.disk.segments import FdCache
 
 MODEL = "attacks/round10"
@@ -126,3 +130,72 @@ def test_puts_that_overflow_to_disk_keep_it_within_its_budget(tmp_path):
     with opened(tmp_path, warm=16, disk=8 * BN) as s:
         assert s.stats().tier("disk").used_bytes <= 8 * BN
         assert fetch_exact(s, last) >= 0
+
+
+# -- processes -------------------------------------------------------------------------------
+class _StallingSink:
+    """An event sink that holds the first warm announcement (made under the store's lock)
+    until told to go: a thread of the parent inside the store when another thread forks."""
+
+    def __init__(self) -> None:
+        self.inside, self.go = threading.Event(), threading.Event()
+
+    def stored(self, tier, keys, parents) -> None:
+        if tier == "warm" and not self.go.is_set():
+            self.inside.set()
+            self.go.wait(30)
+
+    def removed(self, tier, keys) -> None:
+        pass
+
+    def cleared(self, tier=None) -> None:
+        pass
+
+
+def test_a_forked_child_gets_store_closed_even_while_a_parent_thread_was_inside(tmp_path):
+    """A fork while another thread of the parent is inside the store (holding its lock): the
+    child's calls on its copy raise StoreClosedError naming the fork and its close returns,
+    and a store the child opens on the same directory serves the parent's flushed blocks and
+    flushes its own. Before, the child's first call waited forever on the lock no thread of
+    the child would ever release."""
+    sink = _StallingSink()
+    s = open_store(tmp_path, layout=LAY, model_id=MODEL, device="cpu", gpu_capacity=0,
+                   cpu_capacity=16 * BN, events=sink)
+    sink.go.set()
+    flushed = chain(s, 40)
+    s.put(flushed, keyed_kv(LAY, flushed)).wait()
+    s.flush()
+    sink.go.clear()
+    ks = chain(s, 41)
+    t = threading.Thread(target=lambda: s.put(ks, keyed_kv(LAY, ks)))
+    t.start()
+    assert sink.inside.wait(10)
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        signal.alarm(20)  # a hang ends the child, and the test sees it
+        code = 0
+        try:
+            for call in (lambda: s.lookup(ks), lambda: s.put(ks, keyed_kv(LAY, ks)), s.stats):
+                try:
+                    call()
+                    code = 2
+                except StoreClosedError as e:
+                    code = code or (0 if "fork" in str(e) else 3)
+            s.close()
+            with opened(tmp_path, warm=16) as c:
+                code = code or (0 if fetch_exact(c, flushed) == len(flushed) else 4)
+                own = chain(c, 42)
+                c.put(own, keyed_kv(LAY, own))
+                c.flush()
+        except BaseException:
+            code = 5
+        os._exit(code)
+    try:
+        status = run_bounded(lambda: os.waitpid(pid, 0)[1], 40)
+    finally:
+        sink.go.set()
+        t.join(30)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child status {status:#x}"
+    own = chain(s, 42)
+    assert fetch_exact(s, own) == len(own)
+    s.close()

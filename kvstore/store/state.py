@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -45,9 +46,18 @@ HOT, WARM, DISK, REMOTE = "hot", "warm", "disk", "remote"
 _this_pid = os.getpid()
 
 
+#: every store state of this process: a forked child gives each a fresh lock
+_states: weakref.WeakSet[StoreState] = weakref.WeakSet()
+
+
 def _after_fork_in_child() -> None:
     global _this_pid
     _this_pid = os.getpid()
+    # a thread of the parent inside the store at the fork held its lock, and no thread of
+    # the child will ever release it: every call here (which only raises StoreClosedError
+    # naming the fork, or forgets the copy in close) waited on it forever
+    for st in list(_states):
+        st.lock = threading.RLock()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -83,6 +93,7 @@ class StoreState:
 
     def __post_init__(self) -> None:
         self.disk_admission = DiskAdmission(self.config.admission)
+        _states.add(self)
 
     def announce_stored(self, tier: str, keys: Sequence[BlockKey],
                         parents: Sequence[BlockKey | None] | None = None) -> None:
