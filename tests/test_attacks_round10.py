@@ -26,12 +26,14 @@ import signal
 import threading
 from pathlib import Path
 
-from conftest import fetch_exact, keyed_kv, run_bounded
+import pytest
+from conftest import bit_equal, fetch_exact, keyed_kv, run_bounded
 from support.attacks import BN, LAY, T, attack_store
 
 from kvstore import open_store
 from kvstore.cli import main as cli
-from kvstore.errors import StoreClosedError
+from kvstore.errors import NotDurableError, StoreClosedError
+from kvstore.tiers.disk import env as disk_env
 from kvstore.tiers.disk.segments import FdCache
 
 MODEL = "attacks/round10"
@@ -111,6 +113,91 @@ def test_a_compaction_that_cannot_open_a_segment_leaves_its_blocks(tmp_path, mon
         assert s.stats().damaged == 0
 
 
+
+# -- a write path call failing at its Nth call --------------------------------------------------
+class _NthCall:
+    """Fails the ``n``-th call (and with ``sticky`` every later one) while ``on``."""
+
+    def __init__(self, n: int, err: int, sticky: bool) -> None:
+        self.n, self.err, self.sticky, self.calls, self.hits, self.on = n, err, sticky, 0, 0, False
+
+    def __call__(self) -> None:
+        if self.on:
+            self.calls += 1
+            if self.calls == self.n or (self.sticky and self.calls > self.n):
+                self.hits += 1
+                raise OSError(self.err, os.strerror(self.err))
+
+
+def _inject(monkeypatch, call: str, fault: _NthCall) -> None:
+    if call == "index_commit":  # the commit's write transaction raises at its end
+        real = disk_env.SharedEnv.write
+
+        def write(self, fn):
+            return real(self, lambda txn: (fn(txn), fault())[0])
+
+        monkeypatch.setattr(disk_env.SharedEnv, "write", write)
+        return
+    real = getattr(os, call)
+
+    def failing(*a, **kw):
+        if call != "open" or a[1] & os.O_CREAT:  # opens for reading are left alone
+            fault()
+        return real(*a, **kw)
+
+    monkeypatch.setattr(os, call, failing)
+
+
+@pytest.mark.parametrize("call", ["writev", "fsync", "link", "unlink", "open", "index_commit"])
+def test_a_write_path_call_failing_at_its_nth_call_never_gets_a_block_lost_once_vouched(
+        tmp_path, monkeypatch, call):
+    """``call`` fails at its Nth call (N = 1..4; once, or from then on), with EIO, ENOSPC or
+    EDQUOT, across 8 puts and 4 flushes, with memory for all of them or a warm tier of 8
+    slots (puts overflow straight to disk); then the fault clears and one more flush. Puts
+    never raise; each flush returns or raises NotDurableError; a copy of the files taken
+    after the last flush (what kill -9 leaves) serves every vouched chain exactly, every
+    other chain exactly or shorter, and verifies clean."""
+    errs = (errno.EIO, errno.ENOSPC, errno.EDQUOT)
+    case = 0
+    for n in range(1, 5):
+        for sticky in (False, True):
+            for warm in (256, 8):
+                case += 1
+                fault = _NthCall(n, errs[case % 3], sticky)
+                with monkeypatch.context() as mp:
+                    _inject(mp, call, fault)
+                    here = tmp_path / f"{case}"
+                    vouched, chains, since = set(), [], []
+                    with opened(here / "store", warm=warm) as s:
+                        fault.on = True
+                        for i in range(9):
+                            if i == 8:
+                                fault.on = False
+                            else:
+                                ks = chain(s, i)
+                                s.put(ks, keyed_kv(LAY, ks))
+                                chains.append(ks)
+                                since.append(i)
+                            if i % 2 or i == 8:
+                                try:
+                                    s.flush(timeout=30)
+                                    # all in memory: a flush vouches for every earlier put;
+                                    # else only for those since the last flush (the ones
+                                    # before may have left memory unwritten, and were reported)
+                                    vouched |= set(range(len(chains)) if warm > 8 else since)
+                                except NotDurableError as e:
+                                    assert e.blocks > 0 and e.reason
+                                since = []
+                        copy = killed_copy(here / "store", here / "killed")
+                assert fault.hits, "the fault never fired: the attack did not attack"
+                with opened(copy, warm=16) as s:
+                    for i, ks in enumerate(chains):
+                        got = fetch_exact(s, ks)
+                        assert i not in vouched or got == len(ks), (n, sticky, warm, i)
+                    assert s.stats().damaged == 0
+                assert cli(["verify", "--store", str(copy), "--format", "json"]) == 0
+
+
 # -- the disk budget -------------------------------------------------------------------------
 def test_puts_that_overflow_to_disk_keep_it_within_its_budget(tmp_path):
     """A put that finds memory full of blocks not yet written goes straight to disk: after it
@@ -130,6 +217,92 @@ def test_puts_that_overflow_to_disk_keep_it_within_its_budget(tmp_path):
     with opened(tmp_path, warm=16, disk=8 * BN) as s:
         assert s.stats().tier("disk").used_bytes <= 8 * BN
         assert fetch_exact(s, last) >= 0
+
+
+
+def test_capacity_eviction_racing_fetches_of_the_same_keys_serves_exact_bytes(tmp_path):
+    """A writer thread puts and flushes chains into a disk budget of 24 blocks (each flush
+    evicts the oldest) while three threads fetch the newest chains from disk and drop their
+    warm copies: every fetch is exact or shorter, nothing raises or hangs, and the budget
+    holds."""
+    import random
+    import time
+
+    stop = threading.Event()
+    chains: list = []
+    failures: list[BaseException] = []
+    served = [0]
+    with opened(tmp_path, warm=8, disk=24 * BN) as s:
+        def writer() -> None:
+            i = 0
+            while not stop.is_set():
+                ks = chain(s, 100 + i, 4)
+                s.put(ks, keyed_kv(LAY, ks))
+                chains.append(ks)
+                if i % 2:
+                    s.flush(timeout=30)
+                i += 1
+
+        def reader(seed: int) -> None:
+            rng = random.Random(seed)
+            while not stop.is_set():
+                if not chains:
+                    continue
+                ks = chains[max(0, len(chains) - 1 - rng.randrange(8))]
+                try:
+                    served[0] += fetch_exact(s, ks)
+                    if rng.random() < 0.3:
+                        s.evict(ks, tier="warm")
+                except BaseException as e:
+                    failures.append(e)
+                    return
+
+        threads = [threading.Thread(target=writer)] + [
+            threading.Thread(target=reader, args=(k,)) for k in range(3)]
+        for t in threads:
+            t.start()
+        time.sleep(3)
+        stop.set()
+        for t in threads:
+            t.join(30)
+            assert not t.is_alive(), "a fetch or flush hung"
+        assert not failures, failures[0]
+        assert served[0] > 0 and len(chains) > 20
+        s.flush()
+        assert s.stats().tier("disk").used_bytes <= 24 * BN
+
+
+def test_stores_of_other_layouts_and_models_on_one_directory_never_share_blocks(tmp_path):
+    """Stores of two layouts and two models on one directory, in one process, putting the
+    same token ids: each fetch serves only its own store's bytes; after a reopen too."""
+    from kvstore import KVLayout
+
+    other = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype=LAY.dtype,
+                     block_tokens=T * 2)
+    kinds = [(LAY, MODEL), (LAY, MODEL + "-b"), (other, MODEL)]
+
+    def open_kind(lay, model, **kw):
+        return open_store(tmp_path, layout=lay, model_id=model, device="cpu", gpu_capacity=0,
+                          cpu_capacity=16 * lay.block_nbytes, **kw)
+
+    tokens = list(range(1000, 1000 + 8 * T))
+    stores = [open_kind(lay, model) for lay, model in kinds]
+    try:
+        for i, st in enumerate(stores):
+            ks = st.block_keys(tokens)
+            kv = keyed_kv(st.layout, ks)
+            st.put(ks, kv if i % 2 == 0 else kv.neg()).wait()  # model -b stores other bytes
+            st.flush()
+    finally:
+        for st in stores:
+            st.close()
+    for i, (lay, model) in enumerate(kinds):
+        with open_kind(lay, model) as st:
+            ks = st.block_keys(tokens)
+            got = st.fetch(ks).wait(20)
+            want = keyed_kv(lay, ks)
+            assert got.shape[0] == len(ks)
+            assert bit_equal(got, want if i % 2 == 0 else want.neg())
 
 
 # -- processes -------------------------------------------------------------------------------
