@@ -198,6 +198,37 @@ def test_a_write_path_call_failing_at_its_nth_call_never_gets_a_block_lost_once_
                 assert cli(["verify", "--store", str(copy), "--format", "json"]) == 0
 
 
+
+@pytest.mark.parametrize("who, call, n", [("flush", "unlink", 1), ("compact", "unlink", 1),
+                                          ("compact", "fsync", 2)])
+def test_a_segment_write_failing_after_it_was_named_leaves_no_orphan(tmp_path, monkeypatch,
+                                                                      who, call, n):
+    """The temp name's unlink after the segment was linked into place (``unlink`` 1), or
+    compaction's directory fsync (``fsync`` 2), fails: the write fails as a whole, and the
+    named file no record points at is removed with it. Before, it stayed as an orphan that
+    ``kvstore verify`` reported (and that would come back with ``kvstore recover``)."""
+    with opened(tmp_path) as s:
+        ks = chain(s, 50, 12)
+        s.put(ks, keyed_kv(LAY, ks))
+        if who == "compact":
+            s.flush()
+            s.evict(ks[6:], tier="disk")
+        fault = _NthCall(n, errno.EIO, False)
+        with monkeypatch.context() as mp:
+            _inject(mp, call, fault)
+            fault.on = True
+            if who == "flush":
+                with pytest.raises(NotDurableError):
+                    s.flush()
+            else:
+                assert cli(["compact", "--store", str(tmp_path), "--threshold", "1.0"]) != 0
+        assert fault.hits == 1
+        s.flush()
+    with opened(tmp_path, warm=16) as s:
+        assert fetch_exact(s, ks) == (12 if who == "flush" else 6)
+    assert cli(["verify", "--store", str(tmp_path), "--grace", "0", "--format", "json"]) == 0
+
+
 # -- the disk budget -------------------------------------------------------------------------
 def test_puts_that_overflow_to_disk_keep_it_within_its_budget(tmp_path):
     """A put that finds memory full of blocks not yet written goes straight to disk: after it

@@ -156,6 +156,8 @@ def rewrite(ctx: DiskContext,
             _seg.finish_segment(seg)
             _seg.fsync_dir(ctx.segdir)
         except OSError as e:
+            if seg is not None:  # named but in no record: not left behind as an orphan
+                _seg.unlink_if_ours(seg)
             raise DiskError(e.errno, f"compaction cannot write a segment in {ctx.segdir}: "
                             f"{e.strerror or e}" + hint(e)) from e
         path, fsize, offsets = seg.final, seg.size, seg.offsets

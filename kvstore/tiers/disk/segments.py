@@ -356,10 +356,19 @@ def finish_segment(seg: OpenSegment) -> None:
         os.fsync(seg.fd)
         publish(seg.tmp, seg.final)
     except BaseException:
+        unlink_if_ours(seg)  # linked, then the temp name's unlink failed: no orphan left
         release_segment(seg)
         with contextlib.suppress(OSError):
             os.unlink(seg.tmp)
         raise
+
+
+def unlink_if_ours(seg: OpenSegment) -> None:
+    """Unlink ``seg.final`` if it names this segment's file (still open): never a file of
+    that name that is someone else's."""
+    with contextlib.suppress(OSError):
+        if seg.fd >= 0 and os.path.samestat(os.fstat(seg.fd), os.lstat(seg.final)):
+            os.unlink(seg.final)
 
 
 def release_segment(seg: OpenSegment) -> None:
