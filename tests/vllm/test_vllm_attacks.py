@@ -122,12 +122,25 @@ def _tokens(n, seed):
     return [r.randrange(1, 2000) for _ in range(n)]
 
 
+def _saves(store, keys, pages):
+    return KVStoreConnectorMetadata(namespace_id=bytes(store.namespace_id),
+                                    saves=[BlockRun("save", list(keys), None, list(pages))])
+
+
+def _claim(side, req, pages, *, sync):
+    """A 4-block hit claimed, ``pages`` allocated, planned: before the step (``sync``: the
+    request scheduled with 3 tokens) or in the background (an idle step)."""
+    assert side.get_num_new_matched_tokens(req, 0) == (4 * BS, not sync)
+    side.update_state_after_alloc(req, _blocks(pages), 4 * BS)
+    return side.build_connector_meta(_step(new=[(req, pages, 4 * BS, 3)]) if sync else
+                                     _step(idle=True))
+
+
 def _seed_store(store, tokens, src, pages):
     """Save ``tokens``' full blocks from ``src`` pages ``pages`` and put them on disk only."""
     keys = list(store.block_keys(tokens))[:len(pages)]
     w = _worker(store, src)
-    w.wait_for_save(KVStoreConnectorMetadata(namespace_id=bytes(store.namespace_id),
-                                             saves=[BlockRun("seed", keys, None, list(pages))]))
+    w.wait_for_save(_saves(store, keys, pages))
     w.finish_puts(wait=True)
     store.flush()
     store.evict(tier="warm")
@@ -206,12 +219,9 @@ def test_failed_load_never_saves_blocks_that_attended_over_it(tmp_path):
 
 def _until(pred, timeout=20.0):
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
+    while not (got := pred()) and time.monotonic() < deadline:
         time.sleep(0.01)
-    return pred()
+    return got
 
 
 def _busy(side):
@@ -233,9 +243,7 @@ def test_aborted_request_keeps_its_pages_until_its_background_load_is_reported(t
         side = _sched(store)
         _busy(side)
         r1 = _request("r1", t1)
-        assert side.get_num_new_matched_tokens(r1, 0) == (4 * BS, True)
-        side.update_state_after_alloc(r1, _blocks([0, 2, 4, 5, 6]), 4 * BS)
-        meta = side.build_connector_meta(_step(idle=True))
+        meta = _claim(side, r1, [0, 2, 4, 5, 6], sync=False)
         dst = [torch.zeros_like(p) for p in src]
         w = _worker(store, dst)
         gate, entered = threading.Event(), threading.Event()
@@ -261,10 +269,7 @@ def test_aborted_request_keeps_its_pages_until_its_background_load_is_reported(t
         w.get_block_ids_with_load_errors()
         # the pages go to r2: its own blocks, nothing of r1's load lands after the report
         w._lease = lease
-        r2 = _request("r2", t2)
-        assert side.get_num_new_matched_tokens(r2, 0) == (4 * BS, True)
-        side.update_state_after_alloc(r2, _blocks([0, 2, 4, 5, 6]), 4 * BS)
-        meta = side.build_connector_meta(_step(idle=True))
+        meta = _claim(side, _request("r2", t2), [0, 2, 4, 5, 6], sync=False)
         w.start_load_kv(meta)
         done = _until(lambda: w.get_finished(meta))
         assert done == {"r2"} and w.get_block_ids_with_load_errors() == set()
@@ -289,9 +294,7 @@ def test_failed_background_load_is_retried_without_the_failed_blocks(tmp_path):
         side = _sched(store)
         _busy(side)
         r1 = _request("r1", t1)
-        assert side.get_num_new_matched_tokens(r1, 0) == (4 * BS, True)
-        side.update_state_after_alloc(r1, _blocks([0, 2, 4, 5, 6]), 4 * BS)
-        meta = side.build_connector_meta(_step(idle=True))
+        meta = _claim(side, r1, [0, 2, 4, 5, 6], sync=False)
         store.evict(keys[2:])
         w = _worker(store, [torch.zeros_like(p) for p in src])
         w.start_load_kv(meta)
@@ -345,6 +348,20 @@ def test_unusable_stats_or_store_path_is_a_config_error_at_start(tmp_path):
         _open({"store_path": str(tmp_path / "file" / "store")})
 
 
+def test_a_model_given_as_one_file_is_fingerprinted(tmp_path):
+    """A model given as one weights file (a GGUF path): another file at that path (another
+    quantization, a fine-tune) is another namespace, as for a checkpoint directory."""
+    from kvstore.integrations.vllm.config import model_identity
+
+    f = tmp_path / "model.gguf"
+    mc = SimpleNamespace(model=str(f), revision=None, hf_config=SimpleNamespace())
+    ids = []
+    for n in (4096, 4097):  # the sizes differ: the in-process memo keys on name, size, mtime
+        f.write_bytes(b"GGUF" + random.Random(n).randbytes(n))
+        ids.append(model_identity(SimpleNamespace(model_config=mc), ConnectorConfig()))
+    assert ids[0][1] and ids[0] != ids[1], ids
+
+
 def test_namespaces_never_cross(tmp_path):
     """One store directory, blocks saved by one engine configuration: a lookup from another
     cache_salt, dtype, block size, model revision or TP size finds nothing, and a TP-2 rank's
@@ -361,17 +378,13 @@ def test_namespaces_never_cross(tmp_path):
     rank1, k1 = _open({"store_path": str(path)}, tp_rank=1, tp_size=2)
     _seed_store(rank1, only_tp2, _pages(2), [3, 7, 1, 9])
     release_store(k1)
-    tp1, k1 = _open({"store_path": str(path)}, is_scheduler=True)
-    assert tp1.lookup(list(tp1.block_keys(tokens))) == 4
-    assert tp1.lookup(list(tp1.block_keys(only_tp2))) == 0
-    release_store(k1)
-    others = [dict(layout=_layout(dtype="float16")), dict(layout=_layout(block_tokens=2 * BS)),
-              dict(revision="r2"), dict(tp_size=2), dict(tp_size=4)]
-    for kw in others:
+    for kw in [{}, dict(layout=_layout(dtype="float16")), dict(revision="r2"), dict(tp_size=2),
+               dict(layout=_layout(block_tokens=2 * BS)), dict(tp_size=4)]:
         s, k = _open({"store_path": str(path)}, is_scheduler=True, **kw)
-        try:
+        try:  # the same TP-1 config hits its own blocks, never the TP-2 rank's
             n = len(tokens) // s.layout.block_tokens
-            assert s.lookup(list(s.block_keys(tokens))[:n]) == 0, kw
+            assert s.lookup(list(s.block_keys(tokens))[:n]) == (0 if kw else 4), kw
+            assert s.lookup(list(s.block_keys(only_tp2))[:n]) == 0, kw
         finally:
             release_store(k)
 
@@ -392,14 +405,11 @@ def test_daemon_killed_or_stopped_mid_run_is_misses_then_exact_hits_again(tmp_pa
         side = _sched(store)
         t1, t2 = _tokens(4 * BS + 3, 1), _tokens(4 * BS + 3, 2)
         keys1 = list(store.block_keys(t1))
-        save = KVStoreConnectorMetadata(namespace_id=bytes(store.namespace_id),
-                                        saves=[BlockRun("s", keys1, None, [3, 7, 1, 9])])
+        save = _saves(store, keys1, [3, 7, 1, 9])
         w.wait_for_save(save)
         w.finish_puts(wait=True)
         r1 = _request("r1", t1)
-        assert side.get_num_new_matched_tokens(r1, 0) == (4 * BS, False)
-        side.update_state_after_alloc(r1, _blocks([0, 2, 4, 5, 6]), 4 * BS)
-        meta = side.build_connector_meta(_step(new=[(r1, [0, 2, 4, 5, 6], 4 * BS, 3)]))
+        meta = _claim(side, r1, [0, 2, 4, 5, 6], sync=True)
         daemon.kill()
         dst = [torch.zeros_like(p) for p in src]
         w2 = _worker(store, dst)
@@ -420,8 +430,7 @@ def test_daemon_killed_or_stopped_mid_run_is_misses_then_exact_hits_again(tmp_pa
         daemon.signal(signal.SIGCONT)
         # back: saves land and loads give exactly the bytes saved
         keys2 = list(store.block_keys(t2))
-        save2 = KVStoreConnectorMetadata(namespace_id=bytes(store.namespace_id),
-                                         saves=[BlockRun("s2", keys2, None, [10, 11, 12, 13])])
+        save2 = _saves(store, keys2, [10, 11, 12, 13])
 
         def saved():
             w.wait_for_save(save2)
@@ -429,10 +438,7 @@ def test_daemon_killed_or_stopped_mid_run_is_misses_then_exact_hits_again(tmp_pa
             return store.lookup(keys2) == 4
 
         assert _until(saved), "the client never came back to the restarted daemon"
-        r4 = _request("r4", t2)
-        assert side.get_num_new_matched_tokens(r4, 0)[0] == 4 * BS
-        side.update_state_after_alloc(r4, _blocks([1, 3, 8, 14, 15]), 4 * BS)
-        meta = side.build_connector_meta(_step(new=[(r4, [1, 3, 8, 14, 15], 4 * BS, 3)]))
+        meta = _claim(side, _request("r4", t2), [1, 3, 8, 14, 15], sync=True)
         w2.start_load_kv(meta)
         w2.wait_for_save(meta)
         assert w2.get_block_ids_with_load_errors() == set()

@@ -219,14 +219,15 @@ _FINGERPRINTS: dict[tuple[str, tuple], str] = {}
 
 def weights_fingerprint(model_dir: str | os.PathLike[str]) -> str:
     """A digest of a local checkpoint directory: config, and the weight files (whole files up
-    to 64 MiB, else their headers plus 64 evenly spaced 64 KiB samples).
+    to 64 MiB, else their headers plus 64 evenly spaced 64 KiB samples); of a model given as
+    one weights file (a GGUF checkpoint), that file.
 
     Cheap enough to run in every engine process; two checkpoints that differ anywhere a
     sample falls (random or trained weights differ everywhere) get different digests. Pass
     ``model_revision`` explicitly when that is not good enough.
     """
     d = Path(model_dir)
-    files = sorted(
+    files = [d] if d.is_file() else sorted(
         p for p in d.iterdir()
         if p.is_file() and (p.suffix in (".safetensors", ".bin", ".pt", ".pth", ".gguf")
                             or p.name in ("config.json", "generation_config.json"))
@@ -252,7 +253,7 @@ def model_identity(vllm_config: VllmConfig, cfg: ConnectorConfig) -> tuple[str, 
         parts = []
         if getattr(mc, "revision", None):
             parts.append(f"rev={mc.revision}")
-        if os.path.isdir(str(mc.model)):
+        if os.path.exists(str(mc.model)):  # a local directory, or one weights file (GGUF)
             parts.append(f"weights={weights_fingerprint(str(mc.model))}")
         else:
             commit = getattr(getattr(mc, "hf_config", None), "_commit_hash", None)
