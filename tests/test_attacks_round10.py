@@ -403,3 +403,17 @@ def test_a_forked_child_gets_store_closed_even_while_a_parent_thread_was_inside(
     own = chain(s, 42)
     assert fetch_exact(s, own) == len(own)
     s.close()
+
+
+def test_evict_from_warm_of_blocks_held_nowhere_else_counts_every_block_that_left(tmp_path):
+    """``evict(keys, tier="warm")`` of blocks with no copy elsewhere removes them with their
+    descendants, as documented, and returns how many left: before, 1 for a chain of 6 (the
+    subtree's root was counted, not the blocks that went with it)."""
+    with attack_store(None, model=MODEL, warm=16, disk=0) as s:
+        ks = chain(s, 60)
+        s.put(ks, keyed_kv(LAY, ks)).wait()
+        assert s.evict(ks, tier="warm") == len(ks)
+        assert s.lookup(ks) == 0
+        s.put(ks, keyed_kv(LAY, ks)).wait()
+        assert s.evict(ks[2:], tier="warm") == len(ks) - 2
+        assert fetch_exact(s, ks) == 2

@@ -519,10 +519,10 @@ class Residency:
                     if not self.held(k):
                         cat.forget(k)
                     count += 1
-                elif (t is self.st.hot and self.st.warm is not None and self.demote(k)) or (
-                    self.remove_subtrees([k])
-                ):
+                elif t is self.st.hot and self.st.warm is not None and self.demote(k):
                     count += 1
+                else:  # the block and its descendants leave: each counts
+                    count += len(self.remove_subtrees([k]))
             return count
 
     def lower_named(self, name: str) -> LowerTier | None:
