@@ -35,6 +35,7 @@ from kvstore.integrations.transformers.identity import (
     layout_for,
     model_id_for,
     open_store_for,
+    rope_exact_tokens,
     weights_digest,
 )
 from kvstore.integrations.transformers.model import (
@@ -56,5 +57,6 @@ __all__ = [
     "layout_for",
     "model_id_for",
     "open_store_for",
+    "rope_exact_tokens",
     "weights_digest",
 ]

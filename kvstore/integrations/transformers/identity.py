@@ -20,7 +20,7 @@ from kvstore.layout import KVLayout
 from kvstore.store import Store, open_store
 
 __all__ = ["cache_kwarg", "eos_token_ids", "layout_for", "model_id_for", "open_store_for",
-           "weights_digest"]
+           "rope_exact_tokens", "weights_digest"]
 
 #: config keys that do not change what the model computes (left out of the model id)
 _VOLATILE_CONFIG_KEYS = {
@@ -173,6 +173,61 @@ def open_store_for(
                       **store_kwargs)
 
 
+
+
+def _longrope_original(module: Any, layer_type: str | None) -> int | None:
+    cfg = getattr(module, "config", None)
+    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None)
+    if isinstance(params, dict) and layer_type is not None and isinstance(params.get(layer_type), dict):
+        params = params[layer_type]
+    got = params.get("original_max_position_embeddings") if isinstance(params, dict) else None
+    got = got or getattr(cfg, "original_max_position_embeddings", None)
+    return int(got) if got else None
+
+
+def rope_exact_tokens(model: torch.nn.Module) -> int | None:
+    """The longest forward (its last position + 1) whose rotary frequencies are the model's
+    base ones, for models whose RoPE changes with the length of the forward (``dynamic`` NTK
+    scaling: grown past ``max_position_embeddings``; ``longrope``: the long factors past
+    ``original_max_position_embeddings``); None when they never change.
+
+    A token's K/V in such a model depends on how long the forward that computed it was, so a
+    block is only the model's own K/V for every prompt when it was computed, and is used, in
+    forwards of at most this many positions (:class:`PrefixCachedModel` keeps to that).
+    """
+    return _rope_limits(model)[0]
+
+
+def _rope_limits(model: torch.nn.Module) -> tuple[int | None, bool]:
+    """:func:`rope_exact_tokens`, and whether a ``longrope`` layer sets it (transformers'
+    ``generate`` recomputes the whole sequence once a decode crosses its original length)."""
+    limit: int | None = None
+    longrope = False
+    for module in model.modules():
+        rope_type = getattr(module, "rope_type", None)
+        if rope_type is None:
+            continue
+        types = rope_type.items() if isinstance(rope_type, dict) else [(None, rope_type)]
+        for layer_type, kind in types:
+            if "dynamic" in str(kind):
+                # a forward as long as the original length keeps grown frequencies after a
+                # longer one (transformers resets them only below it): one position less
+                n = getattr(module, "original_max_seq_len", None)
+                n = int(n) - 1 if n else None
+            elif kind == "longrope":
+                n = _longrope_original(module, layer_type)
+                longrope = True
+            else:
+                continue
+            if n is None:
+                raise ConfigError(
+                    f"{type(module).__name__} uses {kind} RoPE, whose frequencies change with "
+                    "the forward's length, and its original length could not be read; the "
+                    "transformers bridge cannot tell which K/V stays exact: use a static "
+                    "rope_scaling (linear, llama3, yarn) or none"
+                )
+            limit = n if limit is None else min(limit, n)
+    return limit, longrope
 
 
 def eos_token_ids(model: Any, eos_token_id: int | Sequence[int] | None = None) -> frozenset[int]:

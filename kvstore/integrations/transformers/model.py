@@ -23,7 +23,12 @@ from kvstore.integrations.transformers.convert import (
     blocks_to_cache,
     cache_layers,
 )
-from kvstore.integrations.transformers.identity import cache_kwarg, eos_token_ids, layout_for
+from kvstore.integrations.transformers.identity import (
+    _rope_limits,
+    cache_kwarg,
+    eos_token_ids,
+    layout_for,
+)
 from kvstore.keys import KeyChain
 from kvstore.store import Store
 from kvstore.transfer import Transfer
@@ -155,6 +160,9 @@ class PrefixCachedModel:
         sd = store.device
         self._put_device = sd if sd.type == self.device.type else torch.device("cpu")
         self._staging: torch.Tensor | None = None
+        # RoPE whose frequencies change with the forward's length: only shorter forwards are
+        # cached (a longer one computes every token's K/V with other frequencies)
+        self._rope_tokens, self._rope_recompute = _rope_limits(model)
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, store: Store, **kwargs: Any) -> PrefixCachedModel:
@@ -205,11 +213,13 @@ class PrefixCachedModel:
 
         At most ``(len - 1) // block_tokens`` blocks are loaded, so the last token is always
         computed. ``use_cache=False`` is the plain prefill the cached one must equal: the store
-        is neither read nor written.
+        is neither read nor written. So is a prompt longer than :func:`rope_exact_tokens` of a
+        model whose RoPE changes with the length (dynamic, longrope).
         """
         ids = _as_token_list(input_ids)
         if not ids:
             raise ValueError("input_ids is empty: nothing to prefill")
+        use_cache = use_cache and (self._rope_tokens is None or len(ids) <= self._rope_tokens)
         store, lay = self.store, self.layout
         T = lay.block_tokens
         t0 = time.perf_counter()
@@ -273,8 +283,16 @@ class PrefixCachedModel:
         cache = pre.cache
         step_logits = [pre.logits]
         tokens = [pre.next_token]
+        stored = cache  # the cache whose K/V the store may take (base RoPE frequencies)
         while len(tokens) < max_new_tokens and tokens[-1] not in eos:
-            logits = self._forward(tokens[-1:], cache, len(ids) + len(tokens) - 1)
+            pos = len(ids) + len(tokens) - 1
+            if self._rope_recompute and pos == self._rope_tokens:
+                # longrope crosses to its long factors: every position's K/V changes, and
+                # transformers' generate recomputes the whole sequence here; so does this
+                cache = PromptCache()
+                logits = self._forward(ids + tokens, cache, 0)
+            else:
+                logits = self._forward(tokens[-1:], cache, pos)
             step_logits.append(logits)
             tokens.append(int(logits.argmax()))
         put = None
@@ -282,8 +300,10 @@ class PrefixCachedModel:
             seq = ids + tokens[:-1]  # the last token's K/V was never computed
             T = self.layout.block_tokens
             first, last = len(ids) // T, len(seq) // T
+            if self._rope_tokens is not None:  # decode steps past it used other frequencies
+                last = min(last, self._rope_tokens // T)
             if last > first:
                 keys = self.store.block_keys(seq, self.salt if salt is None else salt)
-                put = self._put_new(cache, keys, first, last)
+                put = self._put_new(stored, keys, first, last)
         return GenerationResult(tuple(tokens), torch.stack(step_logits), pre,
                                 time.perf_counter() - t0, put=put)

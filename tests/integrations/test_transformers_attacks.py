@@ -1,0 +1,103 @@
+"""Attack round 11 on the transformers bridge: what its own tests do not cover.
+
+Tiny random models (2 layers, hidden 64), float32: the cached path must give the model's own
+logits (within 1e-4) and HF ``generate``'s greedy tokens, or refuse clearly, or recompute.
+"""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from kvstore.integrations.transformers import (  # noqa: E402
+    PrefixCachedModel,
+    open_store_for,
+    rope_exact_tokens,
+)
+
+T = 8
+BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+            initializer_range=0.1)
+
+
+def build(cls=transformers.LlamaConfig, seed=0, **over):
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(cls(**(BASE | over))).eval()
+
+
+def tokens(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), generator=g).tolist()
+
+
+def store_for(model, path=None, **kw):
+    kw = {"block_tokens": T, "device": "cpu", "gpu_capacity": 0, "cpu_capacity": "8MiB"} | kw
+    return open_store_for(model, path, **kw)
+
+
+def plain_logits(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0, -1].float()
+
+
+def hf_greedy(model, prompt, n):
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                             do_sample=False, pad_token_id=0, eos_token_id=None)
+    return out[0, len(prompt):].tolist()
+
+
+def exact(res, model, ids):
+    ref = plain_logits(model, ids)
+    torch.testing.assert_close(res.logits, ref, rtol=1e-4, atol=1e-4)
+    assert res.next_token == int(ref.argmax())
+
+
+def warm(pm, ids):
+    res = pm.prefill(ids)
+    if res.put is not None:
+        res.put.wait()
+    return res
+
+
+# -- RoPE whose frequencies change with the forward's length ------------------------------------
+def dynamic_llama():
+    return build(max_position_embeddings=32, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+
+
+def longrope_phi3():
+    return build(transformers.Phi3Config, max_position_embeddings=256,
+                 original_max_position_embeddings=32, pad_token_id=0,
+                 rope_scaling={"type": "longrope", "short_factor": [1.0] * 8,
+                               "long_factor": [3.0] * 8})
+
+
+@pytest.mark.parametrize("make, limit", [(dynamic_llama, 31), (longrope_phi3, 32)])
+def test_length_dependent_rope_is_exact(make, limit):
+    """Regression: blocks stored by a short prompt (base frequencies) were served to a prompt
+    past the original length, whose own forward uses grown (dynamic) or long (longrope)
+    frequencies for every token: logits off by 0.4-0.7. Such prompts are now computed whole
+    (neither read nor stored); shorter ones are still cached."""
+    model = make()
+    assert rope_exact_tokens(model) == limit
+    assert rope_exact_tokens(build()) is None  # plain RoPE: no limit
+    short, long_ = tokens(limit, seed=1), tokens(70, seed=1)
+    with store_for(model) as store:
+        pm = PrefixCachedModel(model, store)
+        warm(pm, short[:20])
+        res = pm.prefill(short)  # within the base frequencies: cached and exact
+        assert res.cached_tokens == 16
+        exact(res, model, short)
+        res.put.wait()
+        res = pm.prefill(long_)  # past them: computed whole, nothing stored
+        assert res.cached_tokens == 0 and res.put is None
+        exact(res, model, long_)
+        exact(pm.prefill(short), model, short)  # a long forward left no state behind
+        # a decode that runs past the limit stores only the blocks before it
+        prompt = tokens(20, seed=2)
+        gen = pm.generate(prompt, 20, eos_token_id=())
+        assert list(gen.tokens) == hf_greedy(model, prompt, 20)
+        seq = prompt + list(gen.tokens)
+        assert store.lookup(store.block_keys(seq)) == limit // T
