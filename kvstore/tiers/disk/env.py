@@ -120,6 +120,8 @@ class SharedEnv:
                     return
             except lmdb.MapResizedError:
                 self._adopt_map_size()
+            except lmdb.ReadersFullError as e:
+                self._clear_stale_readers(e)
             except _guard.LMDB_CORRUPT as e:
                 raise _guard.corrupt_error(self.realpath, e) from e
         raise DiskError(errno.EIO, f"LMDB index at {self.realpath} keeps resizing")
@@ -135,9 +137,24 @@ class SharedEnv:
                 self._grow()
             except lmdb.MapResizedError:
                 self._adopt_map_size()
+            except lmdb.ReadersFullError as e:
+                self._clear_stale_readers(e)
             except _guard.LMDB_CORRUPT as e:
                 raise _guard.corrupt_error(self.realpath, e) from e
         raise DiskError(errno.ENOSPC, f"LMDB index at {self.realpath} cannot grow its map")
+
+    def _clear_stale_readers(self, e: lmdb.ReadersFullError) -> None:
+        """Every reader slot is taken. A process killed inside a read transaction keeps its
+        slot until every process has closed the index (LMDB clears slots of dead processes
+        only when asked): after enough such kills, every read of every process failed with
+        MDB_READERS_FULL. Clear those slots; raise when none was stale (the table is full of
+        live readers)."""
+        cleared = self.env.reader_check()
+        if not cleared:
+            raise DiskError(errno.EAGAIN, f"the LMDB index at {self.realpath} has no free reader "
+                            f"slot ({e}); too many processes and threads read it at once") from e
+        log.warning("LMDB index %s: cleared %d reader slot(s) left by processes that died "
+                    "inside a read", self.realpath, cleared)
 
     def _grow(self) -> None:
         with self.gate.exclusive():
