@@ -23,9 +23,12 @@ import os
 import resource
 import shutil
 import signal
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
+import lmdb
 import pytest
 from conftest import bit_equal, fetch_exact, keyed_kv, run_bounded
 from support.attacks import BN, LAY, T, attack_store
@@ -417,3 +420,78 @@ def test_evict_from_warm_of_blocks_held_nowhere_else_counts_every_block_that_lef
         s.put(ks, keyed_kv(LAY, ks)).wait()
         assert s.evict(ks[2:], tier="warm") == len(ks) - 2
         assert fetch_exact(s, ks) == 2
+
+
+_DIES_READING = r"""
+import lmdb, os, signal, sys
+env = lmdb.open(sys.argv[1], max_readers=1024, max_dbs=16)  # kvstore's own settings
+txn = env.begin()  # a read transaction: one reader slot...
+txn.stat(env.open_db(b"blocks", txn=txn, create=False))
+os.kill(os.getpid(), signal.SIGKILL)  # ...kept by a process that died with it
+"""
+
+
+def test_readers_killed_inside_a_read_do_not_lock_every_process_out_of_the_index(
+        tmp_path, monkeypatch):
+    """Engines killed -9 inside a read transaction of the index (a lookup, a fetch) each
+    leave a reader slot taken: once they filled the table (1,024 slots; 8 here), every read
+    of every process failed with MDB_READERS_FULL, raised out of ``put``, ``lookup`` and
+    ``fetch``, until every process had closed the store. Now the slots of dead processes are
+    cleared and the reads go on."""
+    real_open = lmdb.open
+
+    def few_readers(path, **kw):  # the table is sized by its first opener: this process
+        return real_open(path, **{**kw, "max_readers": 8})
+
+    monkeypatch.setattr(lmdb, "open", few_readers)
+    with opened(tmp_path, warm=16) as s:
+        monkeypatch.undo()
+        ks = chain(s, 70)
+        s.put(ks, keyed_kv(LAY, ks))
+        s.flush()
+        s.evict(ks, tier="warm")
+        for _ in range(9):
+            subprocess.run([sys.executable, "-c", _DIES_READING, str(tmp_path / "index")],
+                           check=False, timeout=60)
+        more = chain(s, 71)
+        assert s.put(more, keyed_kv(LAY, more)).wait(10) == len(more)
+        assert s.lookup(ks) == len(ks)
+        assert fetch_exact(s, ks) == len(ks)
+        s.flush()
+
+
+_READS_AND_WAITS = _DIES_READING.replace(
+    "os.kill(os.getpid(), signal.SIGKILL)  # ...kept by a process that died with it",
+    "print('reading', flush=True); sys.stdin.read()  # ...kept while it lives")
+
+
+def test_an_index_no_process_can_read_now_is_a_miss_for_put_lookup_and_fetch(
+        tmp_path, monkeypatch):
+    """Every reader slot of the index held by live processes (8 here): ``put`` stores in
+    memory, ``lookup`` and ``fetch`` miss, none raises (they raised MDB_READERS_FULL); once
+    those processes are killed, their slots are cleared and the flushed blocks are served."""
+    real_open = lmdb.open
+    monkeypatch.setattr(lmdb, "open", lambda path, **kw: real_open(path, **{**kw, "max_readers": 8}))
+    with opened(tmp_path, warm=16) as s:
+        monkeypatch.undo()
+        ks = chain(s, 72)
+        s.put(ks, keyed_kv(LAY, ks))
+        s.flush()
+        s.evict(ks, tier="warm")
+        readers = [subprocess.Popen([sys.executable, "-c", _READS_AND_WAITS,
+                                     str(tmp_path / "index")], stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, text=True) for _ in range(8)]
+        try:
+            assert all(p.stdout.readline() == "reading\n" for p in readers)
+            more = chain(s, 73)
+            assert s.put(more, keyed_kv(LAY, more)).wait(10) == len(more)
+            assert s.lookup(ks) == 0
+            assert fetch_exact(s, ks) == 0
+        finally:
+            for p in readers:
+                p.kill()
+                p.wait(30)
+        assert fetch_exact(s, ks) == len(ks)
+        s.flush()
+    with opened(tmp_path, warm=16) as s:
+        assert fetch_exact(s, more) == len(more)

@@ -3,9 +3,12 @@ keeps. The :class:`DiskTier` serves every namespace of a path; this binds the ke
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from kvstore.errors import StoreClosedError
 from kvstore.stats import TierStats
 from kvstore.tiers.base import BlockWrite, Located, ReadStatus, check_key
 from kvstore.tiers.disk.records import DiskWrite
@@ -14,6 +17,10 @@ if TYPE_CHECKING:
     import torch
 
     from kvstore.tiers.disk.tier import DiskTier
+
+log = logging.getLogger("kvstore.disk")
+#: a lookup failing again and again is logged at most this often
+_WARN_EVERY_S = 10.0
 
 
 class BoundDisk:
@@ -26,9 +33,23 @@ class BoundDisk:
     def __init__(self, disk: DiskTier, namespace_id: bytes) -> None:
         self.disk = disk
         self.namespace_id = check_key(namespace_id, "namespace_id")
+        self._quiet_until = 0.0  # no lookup failure logged before this (monotonic)
 
     def locate(self, keys: Sequence[bytes]) -> Located:
-        recs = self.disk.locate(keys, self.namespace_id)
+        """The leading run on disk. An index that cannot be read now (damaged since it was
+        opened, LMDB in a fatal state after a failed write, no reader slot free) is a miss,
+        logged: a ``put``, ``lookup`` or ``fetch`` never raises for it (they did)."""
+        try:
+            recs = self.disk.locate(keys, self.namespace_id)
+        except StoreClosedError:
+            raise
+        except Exception as e:
+            now = time.monotonic()
+            if now >= self._quiet_until:
+                self._quiet_until = now + _WARN_EVERY_S
+                log.warning("disk tier %s: lookup failed (%s: %s); served as a miss",
+                            self.disk.path, type(e).__name__, e)
+            return Located(())
         return Located(tuple(keys[: len(recs)]), tuple(recs))
 
     def read(self, found: Located, dsts: Sequence[torch.Tensor],
