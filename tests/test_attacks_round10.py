@@ -468,7 +468,8 @@ _READS_AND_WAITS = _DIES_READING.replace(
 def test_an_index_no_process_can_read_now_is_a_miss_for_put_lookup_and_fetch(
         tmp_path, monkeypatch):
     """Every reader slot of the index held by live processes (8 here): ``put`` stores in
-    memory, ``lookup`` and ``fetch`` miss, none raises (they raised MDB_READERS_FULL); once
+    memory, ``lookup`` and ``fetch`` miss, ``stats`` gives the disk's last occupancy, none
+    raises (they raised MDB_READERS_FULL); once
     those processes are killed, their slots are cleared and the flushed blocks are served."""
     real_open = lmdb.open
     monkeypatch.setattr(lmdb, "open", lambda path, **kw: real_open(path, **{**kw, "max_readers": 8}))
@@ -478,6 +479,7 @@ def test_an_index_no_process_can_read_now_is_a_miss_for_put_lookup_and_fetch(
         s.put(ks, keyed_kv(LAY, ks))
         s.flush()
         s.evict(ks, tier="warm")
+        on_disk = s.stats().tier("disk")
         readers = [subprocess.Popen([sys.executable, "-c", _READS_AND_WAITS,
                                      str(tmp_path / "index")], stdin=subprocess.PIPE,
                                     stdout=subprocess.PIPE, text=True) for _ in range(8)]
@@ -487,6 +489,7 @@ def test_an_index_no_process_can_read_now_is_a_miss_for_put_lookup_and_fetch(
             assert s.put(more, keyed_kv(LAY, more)).wait(10) == len(more)
             assert s.lookup(ks) == 0
             assert fetch_exact(s, ks) == 0
+            assert s.stats().tier("disk") == on_disk  # the last occupancy read
         finally:
             for p in readers:
                 p.kill()

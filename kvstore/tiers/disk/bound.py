@@ -33,7 +33,8 @@ class BoundDisk:
     def __init__(self, disk: DiskTier, namespace_id: bytes) -> None:
         self.disk = disk
         self.namespace_id = check_key(namespace_id, "namespace_id")
-        self._quiet_until = 0.0  # no lookup failure logged before this (monotonic)
+        self._quiet_until = 0.0  # no failure to read the index logged before this (monotonic)
+        self._last_stats: TierStats | None = None
 
     def locate(self, keys: Sequence[bytes]) -> Located:
         """The leading run on disk. An index that cannot be read now (damaged since it was
@@ -44,11 +45,7 @@ class BoundDisk:
         except StoreClosedError:
             raise
         except Exception as e:
-            now = time.monotonic()
-            if now >= self._quiet_until:
-                self._quiet_until = now + _WARN_EVERY_S
-                log.warning("disk tier %s: lookup failed (%s: %s); served as a miss",
-                            self.disk.path, type(e).__name__, e)
+            self._warn("a lookup (served as a miss)", e)
             return Located(())
         return Located(tuple(keys[: len(recs)]), tuple(recs))
 
@@ -90,10 +87,28 @@ class BoundDisk:
         return self.disk.evict_to_budget(protect=protect)
 
     def stats(self) -> TierStats:
-        d = self.disk.stats()
-        return TierStats(name=self.name, device=str(self.disk.path),
-                         capacity_bytes=d.capacity_bytes, used_bytes=d.stored_bytes,
-                         blocks=d.blocks, evictions=d.evictions)
+        """The tier's occupancy; while the index cannot be read (see :meth:`locate`), the
+        last one read (zeros before any), logged: ``Store.stats()`` raised."""
+        try:
+            d = self.disk.stats()
+        except StoreClosedError:
+            raise
+        except Exception as e:
+            self._warn("reading its totals", e)
+            return self._last_stats or TierStats(name=self.name, device=str(self.disk.path),
+                                                 capacity_bytes=self.disk.capacity_bytes,
+                                                 used_bytes=0, blocks=0, evictions=0)
+        self._last_stats = TierStats(name=self.name, device=str(self.disk.path),
+                                     capacity_bytes=d.capacity_bytes, used_bytes=d.stored_bytes,
+                                     blocks=d.blocks, evictions=d.evictions)
+        return self._last_stats
+
+    def _warn(self, what: str, e: BaseException) -> None:
+        now = time.monotonic()
+        if now >= self._quiet_until:
+            self._quiet_until = now + _WARN_EVERY_S
+            log.warning("disk tier %s: %s failed (%s: %s)", self.disk.path, what,
+                        type(e).__name__, e)
 
     def close(self) -> None:
         self.disk.close()
