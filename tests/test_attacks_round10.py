@@ -77,11 +77,12 @@ def descriptors_exhausted(spare: int = 0):
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
-def test_a_fetch_out_of_file_descriptors_misses_and_loses_nothing_flushed(tmp_path):
+def test_a_fetch_out_of_file_descriptors_misses_and_loses_nothing_flushed(tmp_path, caplog):
     """A fetch of flushed blocks in a process that has used up its descriptors (EMFILE: the
     segment cannot be opened) is a miss; the blocks stay in the index and are served once
     descriptors are free. Before, each was 'damaged': its entry was dropped and the emptied
-    segment file unlinked, so every flushed block the process tried to read was gone."""
+    segment file unlinked, so every flushed block the process tried to read was gone. The
+    log says so once, not once per block."""
     with opened(tmp_path) as s:
         ks = chain(s, 1)
         s.put(ks, keyed_kv(LAY, ks))
@@ -90,6 +91,8 @@ def test_a_fetch_out_of_file_descriptors_misses_and_loses_nothing_flushed(tmp_pa
         with descriptors_exhausted():
             got = s.fetch(ks).wait(20)
         assert got.shape[0] == 0
+        said = [r for r in caplog.records if "cannot be read now" in r.getMessage()]
+        assert len(said) <= 1  # one line for the stretch (within 10 s), not one per block
         assert fetch_exact(s, ks) == len(ks)  # the same store, descriptors free again
     with opened(tmp_path, warm=16) as s:
         assert fetch_exact(s, ks) == len(ks)

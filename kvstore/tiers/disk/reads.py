@@ -18,6 +18,7 @@ import contextlib
 import errno
 import logging
 import os
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
@@ -55,6 +56,7 @@ NOT_DAMAGE = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS,
                         errno.EACCES, errno.EPERM})
 #: the reason :func:`read_rec` gives for such a read
 UNAVAILABLE = "unavailable"
+_quiet_until = [0.0]  # such reads are logged at most every 10 s (monotonic)
 
 #: one read of a run: (index into the request, its record or None when it is read alone)
 Run = list[tuple[int, Rec | None]]
@@ -475,8 +477,10 @@ def _read_one(rd: _Reading, key: bytes, raw: bytes | None, buf: memoryview | Par
             return status
         if why.startswith(UNAVAILABLE):  # not the block's fault: a miss, its entry kept
             rd.ctx.counters.add("read_missing")
-            log.warning("disk tier %s: block %s cannot be read now (%s); not served, its "
-                        "index entry kept", rd.ctx.path, key[-KEY_BYTES:].hex()[:16], why)
+            if time.monotonic() >= _quiet_until[0]:  # once per stretch, not once per block
+                _quiet_until[0] = time.monotonic() + 10.0
+                log.warning("disk tier %s: block %s cannot be read now (%s); not served, its "
+                            "index entry kept", rd.ctx.path, key[-KEY_BYTES:].hex()[:16], why)
             return ReadStatus.MISSING
         if why != "missing_segment" or attempt:
             break
