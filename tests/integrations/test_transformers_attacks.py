@@ -9,8 +9,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from kvstore.errors import ConfigError  # noqa: E402
 from kvstore.integrations.transformers import (  # noqa: E402
     PrefixCachedModel,
+    layout_for,
     open_store_for,
     rope_exact_tokens,
 )
@@ -101,3 +103,46 @@ def test_length_dependent_rope_is_exact(make, limit):
         assert list(gen.tokens) == hf_greedy(model, prompt, 20)
         seq = prompt + list(gen.tokens)
         assert store.lookup(store.block_keys(seq)) == limit // T
+
+
+# -- models whose KV is not a function of the prefix's tokens ------------------------------------
+def bart_config():
+    return transformers.BartConfig(vocab_size=256, d_model=32, encoder_layers=1, decoder_layers=1,
+                                   encoder_attention_heads=2, decoder_attention_heads=2,
+                                   encoder_ffn_dim=32, decoder_ffn_dim=32)
+
+
+def bert_config(**kw):
+    return transformers.BertConfig(vocab_size=256, hidden_size=32, num_hidden_layers=2,
+                                   num_attention_heads=2, intermediate_size=64, **kw)
+
+
+def test_encoder_decoder_and_bidirectional_models_are_refused():
+    """Regression: T5 failed inside the layout probe with transformers' "You must specify
+    exactly one of input_ids or inputs_embeds"; BART was accepted and its first cached prefill
+    raised PromptCache's "already holds positions" message (its decoder restarts at 0); BERT's
+    masked LM (bidirectional) was accepted and served prefixes whose K/V depend on the tokens
+    after them (logits off by 1.45). Each is now a ConfigError naming why."""
+    torch.manual_seed(0)
+    t5 = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=256, d_model=32, d_ff=64, num_layers=1, num_heads=2, d_kv=16))
+    bart = transformers.BartForConditionalGeneration(bart_config())
+    for model in (t5, bart, t5.config, bart.config):
+        with pytest.raises(ConfigError, match="encoder-decoder"):
+            layout_for(model)
+    with pytest.raises(ConfigError, match="encoder-decoder"):
+        store_for(bart)
+    bert = transformers.BertForMaskedLM(bert_config(initializer_range=0.5)).eval()
+    with pytest.raises(ConfigError, match="not causal"):
+        store_for(bert)
+    # their causal decoders are fine, and exact
+    for model in (transformers.BartForCausalLM(bart_config()),
+                  transformers.BertLMHeadModel(bert_config(is_decoder=True, initializer_range=0.5))):
+        model.eval()
+        p = tokens(30, seed=3)
+        with store_for(model) as store:
+            pm = PrefixCachedModel(model, store)
+            warm(pm, p[:17])
+            res = pm.prefill(p)
+            assert res.cached_tokens == 16
+            exact(res, model, p)

@@ -68,15 +68,33 @@ def cache_kwarg(model: torch.nn.Module) -> str:
 
 
 def _probe(model: torch.nn.Module) -> tuple[int, int, int]:
-    """(layers, K/V heads, head dim) of what ``model`` really caches: one token's forward."""
+    """(layers, K/V heads, head dim) of what ``model`` really caches: a two-token forward.
+
+    Twice, with another second token: a causal model's K/V of the first token are the same
+    (bit for bit: same shapes, the second token masked out); a model whose tokens attend to
+    later ones (bidirectional, BERT-style) gives other K/V, so a prefix's blocks would depend
+    on what follows them, and it is refused.
+    """
     p = next(model.parameters())
-    cache = DynamicCache()
-    ids = torch.zeros((1, 1), dtype=torch.long, device=p.device)
-    with torch.no_grad():
-        model(input_ids=ids, use_cache=True, **{cache_kwarg(model): cache})
-    layers = cache_layers(cache)
-    k = layers[0][0]
-    return len(layers), int(k.shape[1]), int(k.shape[-1])
+    caches = []
+    for second in (1, 2):
+        cache = DynamicCache()
+        ids = torch.tensor([[0, second]], dtype=torch.long, device=p.device)
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=True, **{cache_kwarg(model): cache})
+        caches.append(cache_layers(cache))
+    for i, (a, b) in enumerate(zip(*caches, strict=True)):
+        for x, y in zip(a, b, strict=True):
+            x, y = x[:, :, :1].float(), y[:, :, :1].float()
+            if float((x - y).abs().max()) > 1e-4 * max(float(x.abs().max()), 1e-30):
+                raise ConfigError(
+                    f"{type(model).__name__} is not causal: the K/V of a token in layer {i} "
+                    "change with the tokens after it (bidirectional attention), so a cached "
+                    "prefix would not be what the model computes for a longer prompt; the "
+                    "transformers bridge takes causal decoder-only language models"
+                )
+    k = caches[0][0][0]
+    return len(caches[0]), int(k.shape[1]), int(k.shape[-1])
 
 
 def layout_for(model_config: Any, dtype: torch.dtype | None = None, block_tokens: int = 16) -> KVLayout:
@@ -91,6 +109,13 @@ def layout_for(model_config: Any, dtype: torch.dtype | None = None, block_tokens
     passed in wins over its config), else float32.
     """
     cfg = _config_of(model_config)
+    top = getattr(model_config, "config", model_config)
+    if getattr(top, "is_encoder_decoder", False) or getattr(cfg, "is_encoder_decoder", False):
+        raise ConfigError(
+            f"{getattr(top, 'model_type', 'this model')} is an encoder-decoder model: its "
+            "decoder's K/V depend on the encoder's input as well as the prompt's tokens, and "
+            "it caches cross-attention too; the transformers bridge takes decoder-only models"
+        )
     if getattr(cfg, "kv_lora_rank", None):
         raise ConfigError(
             f"{getattr(cfg, 'model_type', 'this model')} uses multi-head latent attention (MLA); "
