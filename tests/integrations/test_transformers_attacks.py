@@ -146,3 +146,36 @@ def test_encoder_decoder_and_bidirectional_models_are_refused():
             res = pm.prefill(p)
             assert res.cached_tokens == 16
             exact(res, model, p)
+
+
+# -- identity: what the namespace must tell apart --------------------------------------------
+def hub_model(**over):
+    """A model as from_pretrained("org/tiny", **over) names it: hub id and commit."""
+    model = build(**over)
+    model.config.name_or_path = "org/tiny"
+    model.config._commit_hash = "c" * 40
+    return model
+
+
+def test_hub_model_loaded_with_other_config_gets_another_namespace(tmp_path):
+    """Regression: a hub model's id is its name and its revision the commit, so the same
+    checkpoint loaded with a config override that changes its K/V (rope_theta here) shared
+    the namespace and was served the other load's blocks (logits off by 1.1). The config's
+    digest now joins the namespace's extras when the id does not carry it."""
+    a, b = hub_model(), hub_model(rope_theta=500.0)
+    p = tokens(40, seed=4)
+    kw = {"disk_capacity": "16MiB"}
+    with store_for(a, tmp_path / "s", **kw) as store:
+        warm(PrefixCachedModel(a, store), p)
+        store.flush()
+        same = store.namespace_id
+    with store_for(hub_model(), tmp_path / "s", **kw) as store:  # the same load: shared
+        assert store.namespace_id == same
+    with store_for(b, tmp_path / "s", **kw) as store:
+        assert store.namespace_id != same
+        res = PrefixCachedModel(b, store).prefill(p)
+        assert res.cached_tokens == 0
+        exact(res, b, p)
+    # extras the caller passes are kept beside it
+    with store_for(a, namespace_extras={"lora": "x"}) as store:
+        assert store.namespace_id != same

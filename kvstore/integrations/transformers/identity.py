@@ -143,6 +143,13 @@ def layout_for(model_config: Any, dtype: torch.dtype | None = None, block_tokens
                     dtype=dtype, block_tokens=block_tokens)
 
 
+def _config_digest(cfg: Any) -> str:
+    """12 hex digits of what the config says the model computes (volatile keys left out)."""
+    d = {k: v for k, v in cfg.to_dict().items()
+         if not k.startswith("_") and k not in _VOLATILE_CONFIG_KEYS}
+    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
 def model_id_for(model_config: Any) -> str:
     """A stable, namespace-friendly model id.
 
@@ -153,9 +160,7 @@ def model_id_for(model_config: Any) -> str:
     """
     cfg = _config_of(model_config)
     name = str(getattr(cfg, "name_or_path", "") or getattr(cfg, "_name_or_path", "") or "")
-    d = {k: v for k, v in cfg.to_dict().items()
-         if not k.startswith("_") and k not in _VOLATILE_CONFIG_KEYS}
-    digest = hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    digest = _config_digest(cfg)
     if name and not os.path.isabs(name) and not os.path.exists(name):
         return name
     if name:
@@ -190,12 +195,20 @@ def open_store_for(
 
     The revision is ``model_revision``, else the hub commit the config came from, else
     :func:`weights_digest` (so two models with the same config but different weights never
-    share blocks).
+    share blocks). A hub name as the model id does not say how the config was loaded
+    (``from_pretrained(name, rope_theta=...)`` overrides it): the config's digest then joins
+    the namespace's extras (``hf_config``), so a model loaded with other settings never shares
+    blocks with it.
     """
     layout = layout_for(model, dtype=dtype, block_tokens=block_tokens)
     rev = model_revision or getattr(model.config, "_commit_hash", None) or weights_digest(model)
-    return open_store(path, layout=layout, model_id=model_id_for(model), model_revision=rev,
-                      **store_kwargs)
+    model_id = model_id_for(model)
+    digest = _config_digest(_config_of(model))
+    if not model_id.endswith(digest):
+        extras = dict(store_kwargs.pop("namespace_extras", None) or {})
+        extras.setdefault("hf_config", digest)
+        store_kwargs["namespace_extras"] = extras
+    return open_store(path, layout=layout, model_id=model_id, model_revision=rev, **store_kwargs)
 
 
 
