@@ -9,6 +9,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from kvstore import open_store  # noqa: E402
 from kvstore.errors import ConfigError  # noqa: E402
 from kvstore.integrations.transformers import (  # noqa: E402
     PrefixCachedModel,
@@ -179,3 +180,49 @@ def test_hub_model_loaded_with_other_config_gets_another_namespace(tmp_path):
     # extras the caller passes are kept beside it
     with store_for(a, namespace_extras={"lora": "x"}) as store:
         assert store.namespace_id != same
+
+
+def test_weights_edited_in_place_are_refused_not_served_stale():
+    """Regression: the namespace names the weights as they were when the store was opened;
+    an in-place edit after (a merged LoRA, a training step, load_state_dict) had the store
+    serve the old weights' K/V (logits off by 0.88). The wrapper now stamps the weights
+    (objects, storage, version counters: nothing read) and refuses a changed model."""
+    model = build()
+    p = tokens(40, seed=5)
+    attn = model.model.layers[0].self_attn
+    with store_for(model) as store:
+        pm = PrefixCachedModel(model, store)
+        warm(pm, p)
+        with torch.no_grad():  # an unchanged model, used elsewhere meanwhile: still served
+            model(torch.tensor([p[:9]]))
+        hf_greedy(model, p[:9], 2)
+        exact(pm.prefill(p), model, p)
+        edits = [
+            lambda: attn.k_proj.weight.add_(0.05),  # LoRA merged in place
+            lambda: model.load_state_dict(build(seed=1).state_dict()),
+            lambda: setattr(attn.v_proj, "weight", torch.nn.Parameter(attn.v_proj.weight * 2)),
+        ]
+        opened = []
+        for edit in edits:
+            with torch.no_grad():
+                edit()
+            with pytest.raises(ConfigError, match="weights changed .* open_store_for"):
+                pm.prefill(p)
+            exact(pm.prefill(p, use_cache=False), model, p)  # the plain path still runs
+            # edited between open_store_for and the wrapper: refused at once
+            with pytest.raises(ConfigError, match="weights changed"):
+                PrefixCachedModel(model, store)
+            # the way out: a store opened for the weights as they are now
+            store = store_for(model)
+            opened.append(store)
+            pm = PrefixCachedModel(model, store)
+            warm(pm, p)
+            res = pm.prefill(p)
+            assert res.cached_tokens == 32
+            exact(res, model, p)
+    for s in opened:
+        s.close()
+    # a store opened without open_store_for knows no stamp: the wrapper takes it as it is
+    with open_store(None, layout=store.layout, model_id="mine", device="cpu",
+                    cpu_capacity="1MiB") as other:
+        PrefixCachedModel(model, other)

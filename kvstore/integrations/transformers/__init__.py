@@ -37,6 +37,7 @@ from kvstore.integrations.transformers.identity import (
     open_store_for,
     rope_exact_tokens,
     weights_digest,
+    weights_stamp,
 )
 from kvstore.integrations.transformers.model import (
     GenerationResult,
@@ -59,4 +60,5 @@ __all__ = [
     "open_store_for",
     "rope_exact_tokens",
     "weights_digest",
+    "weights_stamp",
 ]

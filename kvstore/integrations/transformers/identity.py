@@ -7,6 +7,7 @@ import hashlib
 import inspect
 import json
 import os
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from kvstore.layout import KVLayout
 from kvstore.store import Store, open_store
 
 __all__ = ["cache_kwarg", "eos_token_ids", "layout_for", "model_id_for", "open_store_for",
-           "rope_exact_tokens", "weights_digest"]
+           "rope_exact_tokens", "weights_digest", "weights_stamp"]
 
 #: config keys that do not change what the model computes (left out of the model id)
 _VOLATILE_CONFIG_KEYS = {
@@ -182,6 +183,30 @@ def weights_digest(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
+def weights_stamp(model: torch.nn.Module) -> tuple[Any, ...]:
+    """What the weights are now, without reading them: each parameter's name, object, storage
+    and in-place version counter (an optimizer step, ``load_state_dict``, ``copy_`` under
+    ``no_grad`` bump it; a replaced or moved parameter has another object or storage).
+    Parameters on the meta device (offloaded, swapped in per forward) count by name only.
+    Edits through ``.data`` bypass the version counter: no stamp sees them."""
+    return tuple(
+        (name,) if p.device.type == "meta" else (name, id(p), p.data_ptr(), p._version)
+        for name, p in model.named_parameters()
+    )
+
+
+#: store -> (the model open_store_for opened it for, that model's weights_stamp then)
+_OPENED_FOR: weakref.WeakKeyDictionary[Store, tuple[weakref.ref[torch.nn.Module], tuple[Any, ...]]]
+_OPENED_FOR = weakref.WeakKeyDictionary()
+
+
+def opened_stamp(store: Store, model: torch.nn.Module) -> tuple[Any, ...] | None:
+    """The :func:`weights_stamp` ``model`` had when :func:`open_store_for` opened ``store``
+    for it (None: opened otherwise, or for another model object)."""
+    got = _OPENED_FOR.get(store)
+    return got[1] if got is not None and got[0]() is model else None
+
+
 def open_store_for(
     model: torch.nn.Module,
     path: str | os.PathLike[str] | None = None,
@@ -195,11 +220,13 @@ def open_store_for(
 
     The revision is ``model_revision``, else the hub commit the config came from, else
     :func:`weights_digest` (so two models with the same config but different weights never
-    share blocks). A hub name as the model id does not say how the config was loaded
+    share blocks). The store remembers the model's :func:`weights_stamp`: a
+    :class:`PrefixCachedModel` refuses the pair once the weights were edited since. A hub name as the model id does not say how the config was loaded
     (``from_pretrained(name, rope_theta=...)`` overrides it): the config's digest then joins
     the namespace's extras (``hf_config``), so a model loaded with other settings never shares
     blocks with it.
     """
+    stamp = weights_stamp(model)
     layout = layout_for(model, dtype=dtype, block_tokens=block_tokens)
     rev = model_revision or getattr(model.config, "_commit_hash", None) or weights_digest(model)
     model_id = model_id_for(model)
@@ -208,7 +235,9 @@ def open_store_for(
         extras = dict(store_kwargs.pop("namespace_extras", None) or {})
         extras.setdefault("hf_config", digest)
         store_kwargs["namespace_extras"] = extras
-    return open_store(path, layout=layout, model_id=model_id, model_revision=rev, **store_kwargs)
+    store = open_store(path, layout=layout, model_id=model_id, model_revision=rev, **store_kwargs)
+    _OPENED_FOR[store] = (weakref.ref(model), stamp)
+    return store
 
 
 

@@ -28,6 +28,8 @@ from kvstore.integrations.transformers.identity import (
     cache_kwarg,
     eos_token_ids,
     layout_for,
+    opened_stamp,
+    weights_stamp,
 )
 from kvstore.keys import KeyChain
 from kvstore.store import Store
@@ -151,6 +153,11 @@ class PrefixCachedModel:
                 "prefix stored in another precision would not give the model's own outputs; "
                 "open the store with the model's dtype (open_store_for does)"
             )
+        # the weights the store's namespace names: an in-place edit (a merged LoRA, a training
+        # step, load_state_dict) would have the store serve K/V of the weights before it
+        self._stamp = weights_stamp(model)
+        if opened_stamp(store, model) not in (None, self._stamp):
+            raise self._weights_changed("open_store_for opened the store")
         params = inspect.signature(model.forward).parameters
         self._cache_kw = cache_kwarg(model)
         self._cache_position = "cache_position" in params
@@ -163,6 +170,14 @@ class PrefixCachedModel:
         # RoPE whose frequencies change with the forward's length: only shorter forwards are
         # cached (a longer one computes every token's K/V with other frequencies)
         self._rope_tokens, self._rope_recompute = _rope_limits(model)
+
+    def _weights_changed(self, since: str) -> ConfigError:
+        return ConfigError(
+            f"the model's weights changed since {since} (edited in place, replaced or moved): "
+            "the store's blocks hold the K/V of the weights before, which this model no longer "
+            "computes; open the store again with open_store_for(model, path) (a new weights "
+            "revision) and make a new PrefixCachedModel"
+        )
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, store: Store, **kwargs: Any) -> PrefixCachedModel:
@@ -220,6 +235,8 @@ class PrefixCachedModel:
         if not ids:
             raise ValueError("input_ids is empty: nothing to prefill")
         use_cache = use_cache and (self._rope_tokens is None or len(ids) <= self._rope_tokens)
+        if use_cache and weights_stamp(self.model) != self._stamp:
+            raise self._weights_changed("this PrefixCachedModel was made")
         store, lay = self.store, self.layout
         T = lay.block_tokens
         t0 = time.perf_counter()
