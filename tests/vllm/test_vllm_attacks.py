@@ -217,18 +217,19 @@ def _until(pred, timeout=20.0):
     return got
 
 
-def test_pages_a_failed_load_left_are_never_saved_until_rewritten(tmp_path):
-    """A's load fails (block 2 rotted): vLLM keeps the failed pages in its own prefix cache
-    for A to recompute, but A is aborted first. D (A's prompt) then hits those pages in vLLM's
-    cache: whatever D computes over them, the connector must not save them, nor D's blocks
-    computed over them, as the store's KV; once a request rewrites the pages they save again."""
+@pytest.mark.parametrize("abort", [True, False])
+def test_pages_a_failed_load_left_are_never_saved_until_rewritten(tmp_path, abort):
+    """A's load fails (block 2 rotted): vLLM keeps the failed pages in its own cache for A to
+    recompute. D (A's prompt) hits them there before A has (A aborted, or recomputing them in
+    chunks): nothing D computes over them is ever saved, not even once A rewrote the pages,
+    while A's recomputed blocks are."""
     path = tmp_path / "store"
     store, key = _disk(path)
     try:
         base = _tokens(4 * BS, 1)
         keys = _seed_store(store, base, _pages(1), [3, 7, 1, 9])
         side = _sched(store)
-        a, d, e = (_request(n, base + _tokens(BS + 3, 2)) for n in "ADE")
+        a, d = (_request(n, base + _tokens(BS + 3, 2)) for n in "AD")
         meta = _claim(side, a, [0, 1, 2, 3, 4, 5], sync=True)
         _corrupt_block(path, key=keys[2])
         w = _worker(store, _pages(5))
@@ -237,17 +238,16 @@ def test_pages_a_failed_load_left_are_never_saved_until_rewritten(tmp_path):
         side.update_connector_output(SimpleNamespace(invalid_block_ids=(
             bad := w.get_block_ids_with_load_errors())))
         assert bad == {2, 3}
-        side.request_finished(a, [])  # aborted before recomputing pages 2-3
+        if abort:
+            side.request_finished(a, [])
         assert side.get_num_new_matched_tokens(d, 4 * BS) == (0, False)  # vLLM's own "hit"
-        side.update_state_after_alloc(d, _blocks([0, 1, 2, 3, 8]), 0)
-        meta = side.build_connector_meta(_step(new=[(d, [0, 1, 2, 3, 8], 4 * BS, BS + 3)]))
-        assert meta.saves == [], "saved pages a failed load left, or blocks computed over them"
-        # E gets pages 2-3 anew and computes them: they are right again, and saved
-        side.request_finished(d, [])
-        assert side.get_num_new_matched_tokens(e, 0) == (2 * BS, False)
-        side.update_state_after_alloc(e, _blocks([0, 1, 2, 3, 10]), 2 * BS)
-        meta = side.build_connector_meta(_step(new=[(e, [0, 1, 2, 3, 10], 2 * BS, 3 * BS + 3)]))
-        assert [(r.req_id, r.keys[0], len(r.keys)) for r in meta.saves] == [("E", keys[2], 3)]
+        side.update_state_after_alloc(d, _blocks([0, 1, 2, 3, 8, 9]), 0)
+        meta = side.build_connector_meta(_step(  # D computes 3 tokens; A its block 2 only
+            new=[(d, [0, 1, 2, 3, 8, 9], 4 * BS, 3)], cached=[] if abort else [(a, [], 2 * BS, BS)]))
+        assert [(r.req_id, r.keys[0]) for r in meta.saves] == ([] if abort else [("A", keys[2])])
+        meta = side.build_connector_meta(_step(cached=[(d, [], 4 * BS + 3, BS)] + (
+            [] if abort else [(a, [], 3 * BS, 2 * BS + 3)])))  # D fills its block 4
+        assert [(r.req_id, r.keys[0]) for r in meta.saves] == ([] if abort else [("A", keys[3])])
     finally:
         release_store(key)
 

@@ -78,6 +78,7 @@ class _ReqState:
     located: Located = field(default_factory=list)  # what the last lookup found below memory
     hint: PutHint | None = None  # the saves' put hint (request_hint)
     failed_at: int | None = None  # first block a load of this request failed on
+    tainted: bool = False  # computed over poisoned pages since its last lookup: never saved
 
 
 class SchedulerSide:
@@ -161,6 +162,7 @@ class SchedulerSide:
         st.load = None
         st.load_async = False
         st.load_now = ""
+        st.tainted = False  # (re)starting: its pages are new
         if st.keys is None:
             return 0, False
         bs = self.block_size
@@ -300,7 +302,7 @@ class SchedulerSide:
                 st.load = None
             written.append((st, cached.num_computed_tokens[i], nsched.get(req_id, 0)))
             self._plan_save(meta, req_id, st, cached.num_computed_tokens[i] + nsched.get(req_id, 0))
-        if self._poisoned:
+        if self._poisoned or any(st.tainted for st, _, _ in written):
             self._drop_poisoned_saves(meta, written)
         _mark_attended(meta, self._reqs)
         _skip_zeroing(scheduler_output, meta)
@@ -309,20 +311,36 @@ class SchedulerSide:
 
     def _drop_poisoned_saves(self, meta: KVStoreConnectorMetadata,
                              written: list[tuple[_ReqState, int, int]]) -> None:
-        """Pages this step rewrites (computed into, or loaded) are right again after it; a
-        save whose request attends over a page still poisoned is dropped for good (its blocks
-        were, or are, computed over garbage: never saved, even once the page is rewritten)."""
+        """A request whose step reads a poisoned page (its block table up to what it computes,
+        less the pages it rewrites from their first token) is tainted: the pages it writes are
+        poisoned too (anyone sharing them reads garbage), and it is never saved again. A page
+        a clean request rewrites from its first token, or a load fills, is right again (a
+        failed load poisons it again)."""
         bs = self.block_size
-        for st, computed, n in written:
-            self._poisoned.difference_update(st.block_ids[computed // bs:-(-(computed + n) // bs)])
         for run in meta.loads:
-            self._poisoned.difference_update(run.block_ids)  # a failure poisons them again
-        if not self._poisoned:
-            return
+            self._poisoned.difference_update(run.block_ids)
+        steps = []  # (request, pages it rewrites from their first token, all it writes, reads)
+        for st, computed, n in written:
+            end = -(-(computed + n) // bs)
+            touched = st.block_ids[computed // bs:end]
+            fresh = st.block_ids[-(-computed // bs):end]
+            steps.append((st, set(fresh), touched, set(st.block_ids[:end]) - set(fresh)))
+        tainted = {id(st) for st, *_ in steps if st.tainted}
+        while True:  # clean writers heal what others read in the same forward
+            healed = set().union(*(f for st, f, _, _ in steps if id(st) not in tainted))
+            bad = (self._poisoned - healed).union(
+                *(t for st, _, t, _ in steps if id(st) in tainted))
+            new = {id(st) for st, _, _, r in steps if id(st) not in tainted and r & bad}
+            if not new:
+                break
+            tainted |= new
+        self._poisoned = bad
+        for st, *_ in steps:
+            st.tainted = id(st) in tainted
         keep = []
         for run in meta.saves:
             st = self._reqs.get(run.req_id)
-            if st is not None and not self._poisoned.isdisjoint(st.block_ids[:st.saved_upto]):
+            if st is not None and st.tainted:
                 self.stats.count(skipped_saves=1)
                 continue
             keep.append(run)
