@@ -85,6 +85,8 @@ class Putter:
         new = self.res.new_blocks(ks, parent)
         new_pos, new_parents = new.positions, new.parents
         c.put_called(new.duplicates, new.dropped)
+        if new.duplicates:
+            self.res.write_again(ks)
         self.res.touch_chain(ks)
         if not new_pos:
             return Transfer.completed(0)

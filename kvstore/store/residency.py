@@ -263,6 +263,18 @@ class Residency:
         else:
             self.st.durability.failed(ks, cat, reason)
 
+    def write_again(self, keys: Iterable[BlockKey]) -> None:
+        """A put names ``keys`` again: those memory holds that no lower tier has and nothing
+        is writing (their disk copy was evicted with ``evict(tier="disk")``, which keeps
+        memory's) are dirty again, so the put stores them anew, as the evict promises. Before,
+        such a put was a no-op duplicate and the next flush vouched for blocks not on disk."""
+        if self.st.writer is None or not self.st.disk_admission.on_store:
+            return
+        cat = self.st.catalog
+        for k in keys:
+            if k in cat and not cat.on_disk(k) and not cat.is_dirty(k) and not cat.is_pinned(k):
+                cat.mark_dirty(k)
+
     def stop_writing(self, keys: Iterable[BlockKey] | None) -> None:
         """``keys`` (None: every block) in memory stop waiting for the writer, pinned ones
         aside (a pinned block keeps its disk copy and its write)."""
