@@ -226,3 +226,31 @@ def test_weights_edited_in_place_are_refused_not_served_stale():
     with open_store(None, layout=store.layout, model_id="mine", device="cpu",
                     cpu_capacity="1MiB") as other:
         PrefixCachedModel(model, other)
+
+
+def test_training_mode_with_dropout_is_refused():
+    """Regression: from_config gives a model in training mode; GPT-2's dropout (0.1) made its
+    K/V random, and the wrapper stored them and served them to the model in eval mode (and,
+    with the causality probe, refused it as "not causal"). Now a ConfigError names
+    model.eval(), at construction and at a cached prefill after model.train()."""
+    torch.manual_seed(0)
+    gpt2 = transformers.AutoModelForCausalLM.from_config(transformers.GPT2Config(
+        vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=256))
+    llama = build(attention_dropout=0.1)
+    for model in (gpt2, llama):
+        model.train()
+        with pytest.raises(ConfigError, match=r"training mode .* model\.eval\(\)"):
+            store_for(model)
+        model.eval()
+        p = tokens(30, seed=6)
+        with store_for(model) as store:
+            pm = PrefixCachedModel(model, store)
+            warm(pm, p)
+            model.train()
+            with pytest.raises(ConfigError, match=r"model\.eval\(\)"):
+                pm.prefill(p)
+            model.eval()
+            exact(pm.prefill(p), model, p)
+    model = build().train()  # no dropout: training mode alone changes nothing, and is taken
+    with store_for(model) as store:
+        exact(PrefixCachedModel(model, store).prefill(tokens(9)), model, tokens(9))

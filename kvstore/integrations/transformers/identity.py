@@ -68,6 +68,22 @@ def cache_kwarg(model: torch.nn.Module) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+def dropout_active(model: torch.nn.Module) -> bool:
+    """Whether a forward of ``model`` drops activations at random (training mode, a dropout
+    module or an attention dropout rate above 0)."""
+    if not model.training:
+        return False
+    for m in model.modules():
+        if not m.training:
+            continue
+        if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0:
+            return True
+        rate = getattr(m, "attention_dropout", None)
+        if isinstance(rate, (int, float)) and not isinstance(rate, bool) and rate > 0:
+            return True
+    return False
+
+
 def _probe(model: torch.nn.Module) -> tuple[int, int, int]:
     """(layers, K/V heads, head dim) of what ``model`` really caches: a two-token forward.
 
@@ -76,6 +92,11 @@ def _probe(model: torch.nn.Module) -> tuple[int, int, int]:
     later ones (bidirectional, BERT-style) gives other K/V, so a prefix's blocks would depend
     on what follows them, and it is refused.
     """
+    if dropout_active(model):
+        raise ConfigError(
+            f"{type(model).__name__} is in training mode with dropout: its K/V are random, "
+            "so no cached prefix is what it computes; call model.eval() first"
+        )
     p = next(model.parameters())
     caches = []
     for second in (1, 2):

@@ -26,6 +26,7 @@ from kvstore.integrations.transformers.convert import (
 from kvstore.integrations.transformers.identity import (
     _rope_limits,
     cache_kwarg,
+    dropout_active,
     eos_token_ids,
     layout_for,
     opened_stamp,
@@ -237,6 +238,12 @@ class PrefixCachedModel:
         use_cache = use_cache and (self._rope_tokens is None or len(ids) <= self._rope_tokens)
         if use_cache and weights_stamp(self.model) != self._stamp:
             raise self._weights_changed("this PrefixCachedModel was made")
+        if use_cache and dropout_active(self.model):
+            raise ConfigError(
+                "the model is in training mode with dropout: its K/V are random, so the store "
+                "would serve and keep K/V it does not compute; call model.eval() (or prefill "
+                "with use_cache=False)"
+            )
         store, lay = self.store, self.layout
         T = lay.block_tokens
         t0 = time.perf_counter()
