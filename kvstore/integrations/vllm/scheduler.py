@@ -79,6 +79,7 @@ class _ReqState:
     hint: PutHint | None = None  # the saves' put hint (request_hint)
     failed_at: int | None = None  # first block a load of this request failed on
     tainted: bool = False  # computed over poisoned pages since its last lookup: never saved
+    suspect: bool = False  # its pages may include poisoned ones: checked whole next step
 
 
 class SchedulerSide:
@@ -101,7 +102,7 @@ class SchedulerSide:
         self._async_loads: list[BlockRun] = []  # planned, not yet sent to the worker
         # pages a failed load left (garbage vLLM may still serve from its own prefix cache:
         # it keeps them cached for the failed request to recompute, which may be aborted
-        # first), until a step rewrites them (a request computes into them, or loads them)
+        # first) or a tainted request wrote, until a clean request rewrites them whole
         self._poisoned: set[int] = set()
 
     # -- lookups -------------------------------------------------------------------------------
@@ -162,7 +163,7 @@ class SchedulerSide:
         st.load = None
         st.load_async = False
         st.load_now = ""
-        st.tainted = False  # (re)starting: its pages are new
+        st.tainted = st.suspect = False  # (re)starting: its pages are new
         if st.keys is None:
             return 0, False
         bs = self.block_size
@@ -281,6 +282,7 @@ class SchedulerSide:
             if st is None or st.keys is None:
                 continue
             st.block_ids = list(new.block_ids[0]) if new.block_ids else []
+            st.suspect = st.suspect or bool(self._poisoned)  # it may hit poisoned pages
             if st.load is not None:
                 meta.loads.append(st.load)
                 st.load = None
@@ -295,6 +297,7 @@ class SchedulerSide:
             new_ids = cached.new_block_ids[i]
             if req_id in resumed:
                 st.block_ids = list(new_ids[0]) if new_ids else []
+                st.suspect = st.suspect or bool(self._poisoned)
             elif new_ids:
                 st.block_ids.extend(new_ids[0])
             if st.load is not None:
@@ -315,16 +318,18 @@ class SchedulerSide:
         less the pages it rewrites from their first token) is tainted: the pages it writes are
         poisoned too (anyone sharing them reads garbage), and it is never saved again. A page
         a clean request rewrites from its first token, or a load fills, is right again (a
-        failed load poisons it again)."""
+        failed load poisons it again). Only a suspect request's table is read whole (one that
+        held a page when a failure was reported, or is new since, in its next step): the pages
+        a clean request adds are its own, so a step costs a few pages per request."""
         bs = self.block_size
         for run in meta.loads:
             self._poisoned.difference_update(run.block_ids)
         steps = []  # (request, pages it rewrites from their first token, all it writes, reads)
         for st, computed, n in written:
             end = -(-(computed + n) // bs)
-            touched = st.block_ids[computed // bs:end]
-            fresh = st.block_ids[-(-computed // bs):end]
-            steps.append((st, set(fresh), touched, set(st.block_ids[:end]) - set(fresh)))
+            fresh = set(st.block_ids[-(-computed // bs):end])
+            reads = set(st.block_ids[:end]) - fresh if st.suspect else set()
+            steps.append((st, fresh, st.block_ids[computed // bs:end], reads))
         tainted = {id(st) for st, *_ in steps if st.tainted}
         while True:  # clean writers heal what others read in the same forward
             healed = set().union(*(f for st, f, _, _ in steps if id(st) not in tainted))
@@ -335,8 +340,8 @@ class SchedulerSide:
                 break
             tainted |= new
         self._poisoned = bad
-        for st, *_ in steps:
-            st.tainted = id(st) in tainted
+        for st, *_ in steps:  # a clean request's pages stay clean until a failure is reported
+            st.tainted, st.suspect = id(st) in tainted, False
         keep = []
         for run in meta.saves:
             st = self._reqs.get(run.req_id)
@@ -387,6 +392,7 @@ class SchedulerSide:
         for st in self._reqs.values():
             for i, b in enumerate(st.block_ids):
                 if b in bad:
+                    st.suspect = True
                     st.saved_upto = min(st.saved_upto, i)
                     st.store_hit = min(st.store_hit, i)
                     st.failed_at = i if st.failed_at is None else min(st.failed_at, i)
