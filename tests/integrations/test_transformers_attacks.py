@@ -254,3 +254,36 @@ def test_training_mode_with_dropout_is_refused():
     model = build().train()  # no dropout: training mode alone changes nothing, and is taken
     with store_for(model) as store:
         exact(PrefixCachedModel(model, store).prefill(tokens(9)), model, tokens(9))
+
+
+# -- inputs -------------------------------------------------------------------------------------
+def test_prompts_that_are_not_token_ids_are_refused():
+    """Regression: float tokens were truncated (1.7 -> 1) and a bool tensor taken as 0/1,
+    silently prefilling other ids; an id past the vocabulary raised torch's bare "index out
+    of range in self" from the embedding. Each is now a TokenError saying what is wrong."""
+    import numpy as np
+
+    from kvstore.errors import TokenError
+
+    model = build()
+    p = tokens(30, seed=7)
+    with store_for(model) as store:
+        pm = PrefixCachedModel(model, store)
+        warm(pm, p)
+        for bad, what in ([1.7, 2.2, 3.9], "integers"), (torch.tensor([[1.5, 2.0]]), "float32"), \
+                (torch.tensor([True, False]), "bool"), (p[:20] + [256], "vocabulary .*256 rows"), \
+                (p[:20] + [-1], "outside"), (np.array([1.0, 2.0]), "integers"):
+            with pytest.raises(TokenError, match=what):
+                pm.prefill(bad)
+            with pytest.raises(TokenError, match=what):
+                pm.generate(bad, 2)
+        assert store.stats().pinned_blocks == 0
+        # integers of any kind are fine, and the same prompt
+        for ok in (np.array(p), torch.tensor(p, dtype=torch.int32), [np.int64(t) for t in p]):
+            res = pm.prefill(ok)
+            assert res.cached_tokens == 24
+            exact(res, model, p)
+        with pytest.raises(ValueError, match="batch 1"):
+            pm.prefill(torch.zeros(2, 5, dtype=torch.long))
+        with pytest.raises(ValueError, match=">= 1"):
+            pm.generate(p, 0)

@@ -8,6 +8,7 @@ least the last token, whose logits are needed) and puts the new full blocks back
 from __future__ import annotations
 
 import inspect
+import numbers
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 
 from kvstore.api import BorrowedBlocks
-from kvstore.errors import ConfigError
+from kvstore.errors import ConfigError, TokenError
 from kvstore.integrations.transformers.convert import (
     PromptCache,
     blocks_from_cache,
@@ -102,9 +103,14 @@ class GenerationResult:
     put: Transfer[int] | None = field(default=None, repr=False)
 
 
-def _as_token_list(input_ids: object) -> list[int]:
+def _as_token_list(input_ids: object, vocab: int | None = None) -> list[int]:
+    """The prompt as a list of ints: a 1-D or ``[1, seq]`` integer tensor, or a sequence of
+    integers; each below ``vocab`` (the model's embedding rows) when given. A float or bool
+    tensor, or a non-integral value, is a :class:`TokenError` (not truncated to some id)."""
     if isinstance(input_ids, torch.Tensor):
         t = input_ids
+        if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+            raise TokenError(f"input_ids must be an integer tensor, got {t.dtype}")
         if t.dim() == 2:
             if t.shape[0] != 1:
                 raise ValueError(
@@ -114,8 +120,20 @@ def _as_token_list(input_ids: object) -> list[int]:
             t = t[0]
         if t.dim() != 1:
             raise ValueError(f"input_ids must be 1-D or [1, seq], got shape {list(input_ids.shape)}")
-        return [int(x) for x in t.tolist()]
-    ids = [int(x) for x in input_ids]  # type: ignore[union-attr]
+        ids = [int(x) for x in t.tolist()]
+    else:
+        items = list(input_ids)  # type: ignore[call-overload]
+        odd = next((x for x in items if not isinstance(x, numbers.Integral)), None)
+        if odd is not None:
+            raise TokenError(f"token ids must be integers, got {odd!r} ({type(odd).__name__})")
+        ids = [int(x) for x in items]
+    if vocab is not None and ids:
+        hi, lo = max(ids), min(ids)
+        if hi >= vocab or lo < 0:
+            raise TokenError(
+                f"token id {hi if hi >= vocab else lo} is outside the model's vocabulary "
+                f"(its embedding has {vocab} rows)"
+            )
     return ids
 
 
@@ -171,6 +189,12 @@ class PrefixCachedModel:
         # RoPE whose frequencies change with the forward's length: only shorter forwards are
         # cached (a longer one computes every token's K/V with other frequencies)
         self._rope_tokens, self._rope_recompute = _rope_limits(model)
+        try:
+            emb = model.get_input_embeddings()
+        except (AttributeError, NotImplementedError):
+            emb = None
+        rows = getattr(emb, "num_embeddings", None)
+        self._vocab: int | None = int(rows) if isinstance(rows, int) else None
 
     def _weights_changed(self, since: str) -> ConfigError:
         return ConfigError(
@@ -232,7 +256,7 @@ class PrefixCachedModel:
         is neither read nor written. So is a prompt longer than :func:`rope_exact_tokens` of a
         model whose RoPE changes with the length (dynamic, longrope).
         """
-        ids = _as_token_list(input_ids)
+        ids = _as_token_list(input_ids, self._vocab)
         if not ids:
             raise ValueError("input_ids is empty: nothing to prefill")
         use_cache = use_cache and (self._rope_tokens is None or len(ids) <= self._rope_tokens)
@@ -301,7 +325,7 @@ class PrefixCachedModel:
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
         eos = eos_token_ids(self.model, eos_token_id)
-        ids = _as_token_list(input_ids)
+        ids = _as_token_list(input_ids, self._vocab)
         pre = self.prefill(ids, salt=salt, use_cache=use_cache)
         t0 = time.perf_counter()
         cache = pre.cache
