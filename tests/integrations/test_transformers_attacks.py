@@ -287,3 +287,57 @@ def test_prompts_that_are_not_token_ids_are_refused():
             pm.prefill(torch.zeros(2, 5, dtype=torch.long))
         with pytest.raises(ValueError, match=">= 1"):
             pm.generate(p, 0)
+
+
+# -- coverage: what held up -------------------------------------------------------------------
+SWEEP = {
+    "llama-untied": lambda: build(tie_word_embeddings=False),
+    # windows shorter than a block: cached blocks lie wholly past the window
+    "mistral-window-4": lambda: build(transformers.MistralConfig, sliding_window=4),
+    "gemma2-window-4": lambda: build(transformers.Gemma2Config, head_dim=16, sliding_window=4),
+    "qwen2-mixed-window": lambda: build(transformers.Qwen2Config, use_sliding_window=True,
+                                        sliding_window=5, max_window_layers=1),
+    "phi-partial-rotary": lambda: build(transformers.PhiConfig, partial_rotary_factor=0.5),
+}
+
+
+@pytest.mark.parametrize("family", sorted(SWEEP))
+def test_block_boundaries_windows_and_turns_equal_hf(family):
+    model = SWEEP[family]()
+    with store_for(model) as store:
+        pm = PrefixCachedModel(model, store)
+        for n in (1, T - 1, T, T + 1, 2 * T + 1):
+            p = tokens(n, seed=n)
+            warm(pm, p)
+            res = pm.prefill(p)
+            assert res.cached_tokens == (n - 1) // T * T
+            exact(res, model, p)
+            want = hf_greedy(model, p, 10)
+            gen = pm.generate(p, 10, eos_token_id=())
+            assert list(gen.tokens) == want
+            if gen.put is not None:
+                gen.put.wait()
+            turn = p + want + tokens(3, seed=50 + n)  # the answer's blocks come back
+            res = pm.prefill(turn)
+            assert res.cached_tokens == (n + 9) // T * T
+            exact(res, model, turn)
+
+
+def test_other_weights_saved_at_the_same_path_get_another_namespace(tmp_path):
+    """A checkpoint directory rewritten with other weights (a new fine-tune saved over it):
+    same name and config, so only the weights digest tells them apart."""
+    kw = {"disk_capacity": "16MiB"}
+    p = tokens(40, seed=8)
+    spaces = []
+    for seed in (0, 1, 0):
+        build(seed=seed).save_pretrained(tmp_path / "ckpt")
+        model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt").eval()
+        with store_for(model, tmp_path / "store", **kw) as store:
+            spaces.append(store.namespace_id)
+            pm = PrefixCachedModel(model, store)
+            res = pm.prefill(p)
+            assert res.cached_tokens == (32 if seed == 0 and len(spaces) == 3 else 0)
+            exact(res, model, p)
+            res.put.wait()
+            store.flush()
+    assert spaces[0] == spaces[2] != spaces[1]
