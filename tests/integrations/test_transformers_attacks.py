@@ -341,3 +341,35 @@ def test_other_weights_saved_at_the_same_path_get_another_namespace(tmp_path):
             res.put.wait()
             store.flush()
     assert spaces[0] == spaces[2] != spaces[1]
+
+
+def test_cache_for_generate_with_beams_and_several_sequences():
+    """Regression: HF generate with num_beams > 1 (or num_return_sequences) expands its rows
+    but not a batch-1 cache: cache_for_generate() there crashed with torch's "Sizes of tensors
+    must match". Now PromptCache says to pass cache_for_generate(repeats=N), which equals a
+    plain generate."""
+    from kvstore.integrations.transformers import cache_kwarg
+
+    model = build()
+    p = tokens(37, seed=3)
+    ids = torch.tensor([p])
+
+    def gen(**kw):
+        torch.manual_seed(1)
+        with torch.no_grad():
+            return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6,
+                                  pad_token_id=0, eos_token_id=None, **kw).tolist()
+
+    with store_for(model) as store:
+        pm = PrefixCachedModel(model, store)
+        warm(pm, p)
+        res = pm.prefill(p)
+        assert res.cached_tokens == 32
+        kw = cache_kwarg(model)
+        for opts, n in ((dict(num_beams=3, do_sample=False), 3),
+                        (dict(num_beams=2, num_return_sequences=2, do_sample=False), 2),
+                        (dict(do_sample=True, top_k=5, num_return_sequences=2), 2)):
+            with pytest.raises(ValueError, match=f"repeats=N.*{n}|{n} rows"):
+                gen(**opts, **{kw: res.cache_for_generate()})
+            assert gen(**opts, **{kw: res.cache_for_generate(repeats=n)}) == gen(**opts)
+        assert gen(do_sample=False, **{kw: res.cache_for_generate()}) == gen(do_sample=False)

@@ -61,6 +61,18 @@ class PromptCache(DynamicCache):
                     "5.x), pass "
                     "PrefillResult.cache_for_generate() (all but the last prompt token)"
                 )
+        layers = getattr(self, "layers", None)
+        if isinstance(layers, list) and layer_idx < len(layers) and \
+                getattr(layers[layer_idx], "_src", None) is None:  # a stored prefix adapts
+            held_k = getattr(layers[layer_idx], "keys", None)
+            if isinstance(held_k, torch.Tensor) and held_k.numel() and \
+                    held_k.shape[0] != key_states.shape[0]:
+                raise ValueError(
+                    f"this cache holds {held_k.shape[0]} sequence(s); the forward has "
+                    f"{key_states.shape[0]} rows (beam search or num_return_sequences expand "
+                    "the batch): pass PrefillResult.cache_for_generate(repeats=N) with N the "
+                    "rows per prompt (num_beams, or num_return_sequences when sampling)"
+                )
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 

@@ -72,7 +72,7 @@ class PrefillResult:
     def next_token(self) -> int:
         return int(self.logits.argmax())
 
-    def cache_for_generate(self) -> PromptCache:
+    def cache_for_generate(self, repeats: int = 1) -> PromptCache:
         """A cache of all but the prompt's last token (views of ``cache``, no copy), the way
         transformers' ``generate`` takes one::
 
@@ -81,11 +81,18 @@ class PrefillResult:
         (``past_key_values=`` before transformers 5.x.)
 
         ``generate`` recomputes the last token and goes on; its outputs equal a plain
-        ``generate``. Each call gives a fresh cache, so ``cache`` stays as it is.
+        ``generate``. Each call gives a fresh cache, so ``cache`` stays as it is. ``repeats``:
+        the rows ``generate`` runs per prompt (``num_beams``, or ``num_return_sequences``
+        when sampling); the K/V are then repeated (copied) per row, as it expands its inputs.
         """
+        if repeats < 1:
+            raise ValueError("repeats must be >= 1")
         out = PromptCache()
         for i, (k, v) in enumerate(cache_layers(self.cache)):
-            out.update(k[:, :, : self.prompt_tokens - 1], v[:, :, : self.prompt_tokens - 1], i)
+            k, v = k[:, :, : self.prompt_tokens - 1], v[:, :, : self.prompt_tokens - 1]
+            if repeats > 1:
+                k, v = k.repeat_interleave(repeats, 0), v.repeat_interleave(repeats, 0)
+            out.update(k, v, i)
         return out
 
 
