@@ -270,9 +270,10 @@ class Residency:
         such a put was a no-op duplicate and the next flush vouched for blocks not on disk."""
         if self.st.writer is None or not self.st.disk_admission.on_store:
             return
-        cat = self.st.catalog
+        cat, refused = self.st.catalog, self.st.durability.unwritten  # those: the next flush
         for k in keys:
-            if k in cat and not cat.on_disk(k) and not cat.is_dirty(k) and not cat.is_pinned(k):
+            if (k in cat and not cat.on_disk(k) and not cat.is_dirty(k) and not cat.is_pinned(k)
+                    and k not in refused):
                 cat.mark_dirty(k)
 
     def stop_writing(self, keys: Iterable[BlockKey] | None) -> None:
