@@ -373,3 +373,29 @@ def test_cache_for_generate_with_beams_and_several_sequences():
                 gen(**opts, **{kw: res.cache_for_generate()})
             assert gen(**opts, **{kw: res.cache_for_generate(repeats=n)}) == gen(**opts)
         assert gen(do_sample=False, **{kw: res.cache_for_generate()}) == gen(do_sample=False)
+
+
+class _SlottedCache:
+    """Another KVCache: no weak reference, no hash (what a client or a proxy may be)."""
+
+    __slots__ = ("_s",)
+    __hash__ = None
+
+    def __init__(self, store):
+        object.__setattr__(self, "_s", store)
+
+    def __getattr__(self, name):
+        return getattr(object.__getattribute__(self, "_s"), name)
+
+
+def test_a_kv_cache_without_weak_references_is_taken():
+    """Regression (of this round's weights stamp): looking the store up among those
+    open_store_for opened raised TypeError for a KVCache without weak references or hash."""
+    model = build()
+    p = tokens(30, seed=9)
+    with store_for(model) as store:
+        pm = PrefixCachedModel(model, _SlottedCache(store))
+        warm(pm, p)
+        res = pm.prefill(p)
+        assert res.cached_tokens == 24
+        exact(res, model, p)

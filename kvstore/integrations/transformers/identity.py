@@ -224,7 +224,10 @@ _OPENED_FOR = weakref.WeakKeyDictionary()
 def opened_stamp(store: Store, model: torch.nn.Module) -> tuple[Any, ...] | None:
     """The :func:`weights_stamp` ``model`` had when :func:`open_store_for` opened ``store``
     for it (None: opened otherwise, or for another model object)."""
-    got = _OPENED_FOR.get(store)
+    try:
+        got = _OPENED_FOR.get(store)
+    except TypeError:  # a KVCache of another kind that takes no weak reference, or no hash
+        return None
     return got[1] if got is not None and got[0]() is model else None
 
 
