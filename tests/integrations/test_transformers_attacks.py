@@ -373,6 +373,10 @@ def test_cache_for_generate_with_beams_and_several_sequences():
                 gen(**opts, **{kw: res.cache_for_generate()})
             assert gen(**opts, **{kw: res.cache_for_generate(repeats=n)}) == gen(**opts)
         assert gen(do_sample=False, **{kw: res.cache_for_generate()}) == gen(do_sample=False)
+        # use_cache=False re-feeds everything on the cache: refused, saying so (before, the
+        # message only named cache_for_generate, which was what the caller had passed)
+        with pytest.raises(ValueError, match="leave use_cache on"):
+            gen(do_sample=False, use_cache=False, **{kw: res.cache_for_generate()})
 
 
 class _SlottedCache:

@@ -60,6 +60,8 @@ class PromptCache(DynamicCache):
                     "generate(input_ids, cache=...) (past_key_values= before transformers "
                     "5.x), pass "
                     "PrefillResult.cache_for_generate() (all but the last prompt token)"
+                    + (", and leave use_cache on (use_cache=False re-feeds the whole "
+                       "sequence every step)" if first == 0 else "")
                 )
         layers = getattr(self, "layers", None)
         if isinstance(layers, list) and layer_idx < len(layers) and \
