@@ -120,6 +120,26 @@ def test_a_compaction_that_cannot_open_a_segment_leaves_its_blocks(tmp_path, mon
 
 
 
+def test_verify_fix_that_cannot_open_a_segment_drops_nothing(tmp_path, monkeypatch, caplog):
+    """``kvstore verify --fix`` whose reads cannot open a segment (EMFILE) reports no damage
+    and drops nothing; before, each block it could not read was a 'checksum_mismatch'
+    finding and the fix dropped every one of them."""
+    with opened(tmp_path, warm=64) as s:
+        ks = chain(s, 11, 6)
+        s.put(ks, keyed_kv(LAY, ks))
+        s.flush()
+
+    def no_descriptors(self, segment_id):
+        raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+
+    monkeypatch.setattr(FdCache, "acquire", no_descriptors)
+    cli(["verify", "--store", str(tmp_path), "--fix", "-y", "--grace", "0"])
+    monkeypatch.undo()
+    assert any("could not be read now" in r.getMessage() for r in caplog.records)
+    with opened(tmp_path, warm=16) as s:
+        assert fetch_exact(s, ks) == 6
+        assert s.stats().damaged == 0
+
 # -- a write path call failing at its Nth call --------------------------------------------------
 class _NthCall:
     """Fails the ``n``-th call (and with ``sticky`` every later one) while ``on``."""
