@@ -232,3 +232,14 @@ def run_bounded(fn, timeout: float):
     if "error" in box:
         raise box["error"]  # type: ignore[misc]
     return box.get("value")
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    """The recording stream fake of kvstore/streams.py in place of CUDA's (every store and
+    copy engine made while it is in place orders its copies through it)."""
+    import kvstore.streams as streams
+
+    rec = streams.RecordingStreams()
+    monkeypatch.setattr(streams, "streams_for", lambda device: rec)
+    return rec

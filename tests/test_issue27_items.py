@@ -28,23 +28,14 @@ from conftest import random_kv
 
 import kvstore.integrations.vllm.worker as worker_mod
 import kvstore.kernels as kernels
-import kvstore.streams as streams
 from kvstore import KVLayout, open_store
 from kvstore.paged import paged_geometry
 from kvstore.store.copy_engine import Job
-from kvstore.streams import RecordingStreams
 from kvstore.transfer import Transfer
 
 ROOT = Path(__file__).resolve().parent.parent
 LAY = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32, block_tokens=4)
 BN = LAY.block_nbytes
-
-
-@pytest.fixture
-def fake(monkeypatch):
-    rec = RecordingStreams()
-    monkeypatch.setattr(streams, "streams_for", lambda device: rec)
-    return rec
 
 
 def _gate_d2h(eng) -> threading.Event:

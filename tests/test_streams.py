@@ -28,13 +28,6 @@ LAY = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype=torch.float32, bl
 BN = LAY.block_nbytes
 
 
-@pytest.fixture
-def fake(monkeypatch):
-    rec = RecordingStreams()
-    monkeypatch.setattr(streams, "streams_for", lambda device: rec)
-    return rec
-
-
 def store(hot=8, warm=16, path=None, **kw):
     return open_store(path, layout=LAY, model_id="streams", device="cpu", gpu_capacity=hot * BN,
                       cpu_capacity=warm * BN, **kw)
