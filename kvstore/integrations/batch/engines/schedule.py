@@ -33,11 +33,13 @@ class PrefixNode:
 
 @dataclass(frozen=True, slots=True)
 class Row:
-    """One prompt as the engine runs it: its suffix after ``node``'s prefix (-1: the whole)."""
+    """One prompt as the engine runs it: its suffix after ``node``'s prefix (-1: the whole).
+    ``long``: its tokens take longrope's long factors (:mod:`.rope`)."""
 
     prompt: int
     node: int
     prefix_len: int
+    long: bool = False
 
 
 @dataclass(frozen=True, slots=True)

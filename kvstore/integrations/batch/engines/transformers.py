@@ -37,8 +37,13 @@ from kvstore.integrations.batch.engines.attention import (
 )
 from kvstore.integrations.batch.engines.linear import PackedLinears, packing_available
 from kvstore.integrations.batch.engines.norm import FusedNorms
+from kvstore.integrations.batch.engines.rope import (
+    longrope_modules,
+    longrope_tokens,
+    per_token_rope,
+)
 from kvstore.integrations.batch.engines.sampling import RowState, Tokenizer, choose_tokens
-from kvstore.integrations.batch.engines.schedule import PrefixNode, Row, pack, schedule
+from kvstore.integrations.batch.engines.schedule import PrefixNode, Row, Schedule, pack, schedule
 from kvstore.integrations.batch.engines.split import small_ops
 from kvstore.integrations.batch.engines.threads import CoreShare, set_threads
 from kvstore.integrations.batch.plan import BatchPlan, plan_batch
@@ -183,6 +188,9 @@ class TransformersEngine:
         params = inspect.signature(model.forward).parameters
         self._cache_kw = cache_kwarg(model)
         self._keep_rows = "logits_to_keep" in params  # takes a tensor of positions
+        # longrope (Phi-3): per-token short/long factors, as generate gives each prompt (.rope)
+        self._longrope = longrope_modules(model)
+        self._long_at = longrope_tokens(model)
         self._split = False  # during run: small forwards split threads (.split)
         # threads not fixed: the cores other processes leave us, looked at from here on
         self._share = CoreShare() if self.device.type == "cpu" and not threads else None
@@ -202,6 +210,7 @@ class TransformersEngine:
         specs: list[PartSpec] = []
         ids: list[int] = []
         counts: list[int] = []
+        long: list[bool] = []
         # node -> (prefix length, its running rows' tokens, wherever they sit in the forward)
         stepping: dict[int, tuple[int, list[int]]] = {}
         t = 0
@@ -220,6 +229,7 @@ class TransformersEngine:
                 t += n
                 ids.extend(x)
                 counts.append(n)
+                long.extend([r.long] * n)
             specs.append(PartSpec(part.kv, tuple(part.slots), tuple(part.starts),
                                   tuple(len(x) for x in part.new),
                                   tuple(r.prefix_len for r in part.rows)))
@@ -244,7 +254,10 @@ class TransformersEngine:
         split = (small_ops(torch.get_num_threads())
                  if self._split and len(plan.positions) <= SMALL_FORWARD
                  else contextlib.nullcontext())
-        with running(self.model, plan) as cache, torch.no_grad(), split:
+        flags = (torch.tensor(long, device=self.device)
+                 if self._longrope and self._long_at is not None else None)
+        with running(self.model, plan) as cache, torch.no_grad(), split, \
+                per_token_rope(self._longrope, flags, self._long_at or 0):
             logits = self.model(**kw, **{self._cache_kw: cache}).logits[0]
         return logits if self._keep_rows else logits[ends.to(self.device)]
 
@@ -369,8 +382,11 @@ class TransformersEngine:
     def _run(self, requests: Sequence[BatchRequest], lengths: list[int], plan: BatchPlan,
              on_done: OnDone | None, t0: float) -> EngineReport:
         sched = schedule(plan, lengths)
-        prefixes: dict[int, LayerKV] = {}
         pending = [n.rows + n.children for n in sched.nodes]
+        if self._long_at is not None:
+            sched = _long_rows(sched, lengths, self._long_at, pending)
+        prefixes: dict[int, LayerKV] = {}
+        resumed: list[_Live] = []  # rows crossing longrope's original length (recomputed)
         puts: list[Transfer[int]] = []
         counts, generated = _Counts(), 0
         batches = pack(sched, lengths, max_tokens=self.max_batch_tokens,
@@ -389,9 +405,10 @@ class TransformersEngine:
                         c += self._ensure(sched.nodes, nid, requests, prefixes, pending, puts)
                     new = list(batch.rows)
             counts += c
-            if not live and not new:
+            if not live and not new and not resumed:
                 break
-            joined = self._joined(new, requests)
+            joined = self._joined(new, requests, resumed)
+            resumed = []
             counts += _Counts(computed=sum(len(x) for x in joined.new), forwards=1)
             stepping = self._stepping(live)
             logits = self._forward([*stepping, joined] if joined.rows else stepping, prefixes)
@@ -408,6 +425,12 @@ class TransformersEngine:
                         on_done(lv.state.index, lv.state.completion(self.tokenizer))
                     if lv.row.node >= 0:
                         self._release(sched.nodes, lv.row.node, prefixes, pending)
+                elif self._crosses(lv):
+                    # generate recomputes the whole sequence with the long factors here
+                    lv.buf.leave(lv)
+                    if lv.row.node >= 0:
+                        self._release(sched.nodes, lv.row.node, prefixes, pending)
+                    resumed.append(lv)
                 else:
                     live.append(lv)
         for p in puts:
@@ -448,17 +471,30 @@ class TransformersEngine:
             tokens += n
         return taken, c
 
-    def _joined(self, rows: Sequence[Row], requests: Sequence[BatchRequest]) -> _Part:
+    def _crosses(self, lv: _Live) -> bool:
+        """``lv``'s next token would sit at longrope's original length, still on the short
+        factors (Phi-3's generate recomputes the sequence with the long ones there)."""
+        return (self._long_at is not None and not lv.row.long
+                and lv.row.prefix_len + lv.length >= self._long_at)
+
+    def _joined(self, rows: Sequence[Row], requests: Sequence[BatchRequest],
+                resumed: Sequence[_Live] = ()) -> _Part:
         """Rows joining with their whole suffix, in a new suffix buffer (rows of a prefix side
-        by side, so that each prefix is one group of the forward)."""
+        by side, so that each prefix is one group of the forward). ``resumed``: rows computed
+        again from their first token with longrope's long factors, prompt and tokens so far."""
         order = {n: i for i, n in enumerate(dict.fromkeys(r.node for r in rows))}
         rows = sorted(rows, key=lambda r: order[r.node])
         states = [RowState(requests[r.prompt], r.prompt, r.prefix_len, context=self.context,
                            device=self.device) for r in rows]
         suffixes = tuple(requests[r.prompt].token_ids[r.prefix_len:] for r in rows)
+        if resumed:
+            rows = [*rows, *(Row(lv.row.prompt, -1, 0, long=True) for lv in resumed)]
+            states = [*states, *(lv.state for lv in resumed)]
+            suffixes = (*suffixes, *(tuple(requests[lv.row.prompt].token_ids)
+                                     + tuple(lv.state.tokens) for lv in resumed))
         # the last new token never goes through the model
-        cap = max((len(x) + st.max_new - 1 for x, st in zip(suffixes, states, strict=True)),
-                  default=0)
+        cap = max((len(x) + st.max_new - len(st.tokens) - 1
+                   for x, st in zip(suffixes, states, strict=True)), default=0)
         buf = _Buffer(SuffixKV(self.layout.num_layers, len(rows), self.layout.num_kv_heads, cap,
                                self.layout.head_dim, dtype=self.dtype, device=self.device))
         buf.rows = [_Live(r, st, buf, i, len(x))
@@ -496,6 +532,21 @@ class TransformersEngine:
         pending[nid] -= 1
         if pending[nid] == 0:
             prefixes.pop(nid, None)
+
+
+def _long_rows(sched: Schedule, lengths: Sequence[int], limit: int, pending: list[int]
+               ) -> Schedule:
+    """``sched`` with each prompt longer than longrope's original length ``limit`` run whole
+    on the long factors (as generate computes it), not after a shared prefix computed on the
+    short ones; ``pending`` (rows and children of each node) counts it no more."""
+    rows = []
+    for r in sched.rows:
+        if lengths[r.prompt] > limit:
+            if r.node >= 0:
+                pending[r.node] -= 1
+            r = Row(r.prompt, -1, 0, long=True)
+        rows.append(r)
+    return Schedule(nodes=sched.nodes, rows=tuple(rows))
 
 
 def _check_plan(plan: BatchPlan, prompts: Sequence[Sequence[int]]) -> None:
