@@ -24,9 +24,8 @@ from typing import Any
 import torch
 
 from kvstore.errors import ConfigError
-from kvstore.integrations.transformers import rope_exact_tokens
 
-__all__ = ["longrope_modules", "longrope_tokens", "per_token_rope"]
+__all__ = ["longrope_modules", "per_token_rope"]
 
 
 def longrope_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -40,12 +39,6 @@ def longrope_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
         if kind == "longrope":
             found.append(m)
     return found
-
-
-def longrope_tokens(model: torch.nn.Module) -> int | None:
-    """The original length of a ``longrope`` model (a forward whose last position is below it
-    uses the short factors), None for other models."""
-    return rope_exact_tokens(model) if longrope_modules(model) else None
 
 
 @contextlib.contextmanager

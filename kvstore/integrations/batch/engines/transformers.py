@@ -37,18 +37,19 @@ from kvstore.integrations.batch.engines.attention import (
 )
 from kvstore.integrations.batch.engines.linear import PackedLinears, packing_available
 from kvstore.integrations.batch.engines.norm import FusedNorms
-from kvstore.integrations.batch.engines.rope import (
-    longrope_modules,
-    longrope_tokens,
-    per_token_rope,
-)
+from kvstore.integrations.batch.engines.rope import longrope_modules, per_token_rope
 from kvstore.integrations.batch.engines.sampling import RowState, Tokenizer, choose_tokens
 from kvstore.integrations.batch.engines.schedule import PrefixNode, Row, Schedule, pack, schedule
 from kvstore.integrations.batch.engines.split import small_ops
 from kvstore.integrations.batch.engines.threads import CoreShare, set_threads
 from kvstore.integrations.batch.plan import BatchPlan, plan_batch
 from kvstore.integrations.batch.requests import BatchRequest
-from kvstore.integrations.transformers import cache_kwarg, eos_token_ids, layout_for
+from kvstore.integrations.transformers import (
+    cache_kwarg,
+    eos_token_ids,
+    layout_for,
+    rope_exact_tokens,
+)
 from kvstore.layout import KVLayout
 from kvstore.transfer import Transfer
 
@@ -189,8 +190,9 @@ class TransformersEngine:
         self._cache_kw = cache_kwarg(model)
         self._keep_rows = "logits_to_keep" in params  # takes a tensor of positions
         # longrope (Phi-3): per-token short/long factors, as generate gives each prompt (.rope)
+        # (its original length: a forward whose last position is below it takes the short ones)
         self._longrope = longrope_modules(model)
-        self._long_at = longrope_tokens(model)
+        self._long_at = rope_exact_tokens(model) if self._longrope else None
         self._split = False  # during run: small forwards split threads (.split)
         # threads not fixed: the cores other processes leave us, looked at from here on
         self._share = CoreShare() if self.device.type == "cpu" and not threads else None
@@ -229,7 +231,8 @@ class TransformersEngine:
                 t += n
                 ids.extend(x)
                 counts.append(n)
-                long.extend([r.long] * n)
+                if self._long_at is not None:  # longrope only: per-token factors
+                    long.extend([r.long] * n)
             specs.append(PartSpec(part.kv, tuple(part.slots), tuple(part.starts),
                                   tuple(len(x) for x in part.new),
                                   tuple(r.prefix_len for r in part.rows)))
@@ -254,8 +257,7 @@ class TransformersEngine:
         split = (small_ops(torch.get_num_threads())
                  if self._split and len(plan.positions) <= SMALL_FORWARD
                  else contextlib.nullcontext())
-        flags = (torch.tensor(long, device=self.device)
-                 if self._longrope and self._long_at is not None else None)
+        flags = torch.tensor(long, device=self.device) if self._long_at is not None else None
         with running(self.model, plan) as cache, torch.no_grad(), split, \
                 per_token_rope(self._longrope, flags, self._long_at or 0):
             logits = self.model(**kw, **{self._cache_kw: cache}).logits[0]
