@@ -245,7 +245,8 @@ def open_store_for(
     The revision is ``model_revision``, else the hub commit the config came from, else
     :func:`weights_digest` (so two models with the same config but different weights never
     share blocks). The store remembers the model's :func:`weights_stamp`: a
-    :class:`PrefixCachedModel` refuses the pair once the weights were edited since. A hub name as the model id does not say how the config was loaded
+    :class:`PrefixCachedModel` refuses the pair once the weights were edited since. A hub
+    name as the model id does not say how the config was loaded
     (``from_pretrained(name, rope_theta=...)`` overrides it): the config's digest then joins
     the namespace's extras (``hf_config``), so a model loaded with other settings never shares
     blocks with it.
@@ -262,8 +263,6 @@ def open_store_for(
     store = open_store(path, layout=layout, model_id=model_id, model_revision=rev, **store_kwargs)
     _OPENED_FOR[store] = (weakref.ref(model), stamp)
     return store
-
-
 
 
 def _longrope_original(module: Any, layer_type: str | None) -> int | None:
