@@ -15,6 +15,7 @@ from collections.abc import Callable
 from kvstore.client.session import Session, SharedMemoryUnavailable
 from kvstore.errors import DaemonUnavailableError, StoreClosedError, TransferError
 from kvstore.keys import KEY_BYTES
+from kvstore.ratelog import Every
 from kvstore.wire import messages as m
 from kvstore.wire.channel import ChannelClosed
 from kvstore.wire.errors import ErrorCode, PermissionDeniedError, ProtocolVersionError, ServerError
@@ -78,7 +79,7 @@ class Link:
         self._backoff = self._backoff_min
         self._next_attempt = 0.0
         self._down = False
-        self._warned: dict[int, float] = {}
+        self._warned = Every(_WARN_EVERY)  # per error code
 
     @property
     def session(self) -> Session | None:
@@ -205,9 +206,7 @@ class Link:
                 raise TimeoutError(e.message) from None
             if e.code not in _SOFT_CODES:
                 raise
-            now = time.monotonic()
-            if now - self._warned.get(e.code, -_WARN_EVERY) >= _WARN_EVERY:
-                self._warned[e.code] = now
+            if self._warned.due(e.code):
                 log.warning("kvstore daemon: %s failed (%s); answered as a miss", req.OP, e)
             if s.channel.broken:
                 self.lost(s, e)

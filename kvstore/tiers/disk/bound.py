@@ -4,11 +4,11 @@ keeps. The :class:`DiskTier` serves every namespace of a path; this binds the ke
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from kvstore.errors import StoreClosedError
+from kvstore.ratelog import Every
 from kvstore.stats import TierStats
 from kvstore.tiers.base import BlockWrite, Located, ReadStatus, check_key
 from kvstore.tiers.disk.records import DiskWrite
@@ -33,7 +33,7 @@ class BoundDisk:
     def __init__(self, disk: DiskTier, namespace_id: bytes) -> None:
         self.disk = disk
         self.namespace_id = check_key(namespace_id, "namespace_id")
-        self._quiet_until = 0.0  # no failure to read the index logged before this (monotonic)
+        self._warned = Every(_WARN_EVERY_S)  # failures to read the index, logged
         self._last_stats: TierStats | None = None
 
     def locate(self, keys: Sequence[bytes]) -> Located:
@@ -104,9 +104,7 @@ class BoundDisk:
         return self._last_stats
 
     def _warn(self, what: str, e: BaseException) -> None:
-        now = time.monotonic()
-        if now >= self._quiet_until:
-            self._quiet_until = now + _WARN_EVERY_S
+        if self._warned.due():
             log.warning("disk tier %s: %s failed (%s: %s)", self.disk.path, what,
                         type(e).__name__, e)
 

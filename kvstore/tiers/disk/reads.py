@@ -18,7 +18,6 @@ import contextlib
 import errno
 import logging
 import os
-import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
@@ -27,6 +26,7 @@ import numpy as np
 
 from kvstore.errors import StoreClosedError, TensorMismatchError
 from kvstore.keys import KEY_BYTES
+from kvstore.ratelog import Every
 from kvstore.tiers import codec as _codec
 from kvstore.tiers.base import ReadStatus, check_key
 from kvstore.tiers.disk import segments as _seg
@@ -56,7 +56,7 @@ NOT_DAMAGE = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS,
                         errno.EACCES, errno.EPERM})
 #: the reason :func:`read_rec` gives for such a read
 UNAVAILABLE = "unavailable"
-_quiet_until = [0.0]  # such reads are logged at most every 10 s (monotonic)
+_UNREADABLE_LOG = Every(10.0)  # such reads are logged at most every 10 s
 
 #: one read of a run: (index into the request, its record or None when it is read alone)
 Run = list[tuple[int, Rec | None]]
@@ -477,8 +477,7 @@ def _read_one(rd: _Reading, key: bytes, raw: bytes | None, buf: memoryview | Par
             return status
         if why.startswith(UNAVAILABLE):  # not the block's fault: a miss, its entry kept
             rd.ctx.counters.add("read_missing")
-            if time.monotonic() >= _quiet_until[0]:  # once per stretch, not once per block
-                _quiet_until[0] = time.monotonic() + 10.0
+            if _UNREADABLE_LOG.due():  # once per stretch, not once per block
                 log.warning("disk tier %s: block %s cannot be read now (%s); not served, its "
                             "index entry kept", rd.ctx.path, key[-KEY_BYTES:].hex()[:16], why)
             return ReadStatus.MISSING
