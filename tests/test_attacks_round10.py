@@ -454,6 +454,21 @@ os.kill(os.getpid(), signal.SIGKILL)  # ...kept by a process that died with it
 """
 
 
+@contextlib.contextmanager
+def _flushed_on_8_reader_slots(tmp_path, monkeypatch, i: int):
+    """A store whose index has 8 reader slots (the table is sized by its first opener: this
+    process), and a flushed chain read from disk only (evicted from memory)."""
+    real_open = lmdb.open
+    monkeypatch.setattr(lmdb, "open", lambda path, **kw: real_open(path, **{**kw, "max_readers": 8}))
+    with opened(tmp_path, warm=16) as s:
+        monkeypatch.undo()
+        ks = chain(s, i)
+        s.put(ks, keyed_kv(LAY, ks))
+        s.flush()
+        s.evict(ks, tier="warm")
+        yield s, ks
+
+
 def test_readers_killed_inside_a_read_do_not_lock_every_process_out_of_the_index(
         tmp_path, monkeypatch):
     """Engines killed -9 inside a read transaction of the index (a lookup, a fetch) each
@@ -461,18 +476,7 @@ def test_readers_killed_inside_a_read_do_not_lock_every_process_out_of_the_index
     of every process failed with MDB_READERS_FULL, raised out of ``put``, ``lookup`` and
     ``fetch``, until every process had closed the store. Now the slots of dead processes are
     cleared and the reads go on."""
-    real_open = lmdb.open
-
-    def few_readers(path, **kw):  # the table is sized by its first opener: this process
-        return real_open(path, **{**kw, "max_readers": 8})
-
-    monkeypatch.setattr(lmdb, "open", few_readers)
-    with opened(tmp_path, warm=16) as s:
-        monkeypatch.undo()
-        ks = chain(s, 70)
-        s.put(ks, keyed_kv(LAY, ks))
-        s.flush()
-        s.evict(ks, tier="warm")
+    with _flushed_on_8_reader_slots(tmp_path, monkeypatch, 70) as (s, ks):
         for _ in range(9):
             subprocess.run([sys.executable, "-c", _DIES_READING, str(tmp_path / "index")],
                            check=False, timeout=60)
@@ -494,14 +498,7 @@ def test_an_index_no_process_can_read_now_is_a_miss_for_put_lookup_and_fetch(
     memory, ``lookup`` and ``fetch`` miss, ``stats`` gives the disk's last occupancy, none
     raises (they raised MDB_READERS_FULL); once
     those processes are killed, their slots are cleared and the flushed blocks are served."""
-    real_open = lmdb.open
-    monkeypatch.setattr(lmdb, "open", lambda path, **kw: real_open(path, **{**kw, "max_readers": 8}))
-    with opened(tmp_path, warm=16) as s:
-        monkeypatch.undo()
-        ks = chain(s, 72)
-        s.put(ks, keyed_kv(LAY, ks))
-        s.flush()
-        s.evict(ks, tier="warm")
+    with _flushed_on_8_reader_slots(tmp_path, monkeypatch, 72) as (s, ks):
         on_disk = s.stats().tier("disk")
         readers = [subprocess.Popen([sys.executable, "-c", _READS_AND_WAITS,
                                      str(tmp_path / "index")], stdin=subprocess.PIPE,
