@@ -5,6 +5,7 @@ engine in a fresh process (this file is its driver: ``python THIS SPEC.json OUT.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import random
@@ -167,6 +168,19 @@ def _corrupt_block(store_path, *, key=None, index=None):
         fh.write(data)
 
 
+@contextlib.contextmanager
+def _seeded(path):
+    """An embedded store at ``path`` holding the 4 blocks of a prompt (pages 3, 7, 1, 9 of a
+    seeded cache): (store, that prompt's tokens, its keys, a scheduler side on the store)."""
+    store, key = _disk(path)
+    try:
+        base = _tokens(4 * BS, 1)
+        keys = _seed_store(store, base, _pages(1), [3, 7, 1, 9])
+        yield store, base, keys, _sched(store)
+    finally:
+        release_store(key)
+
+
 def test_failed_load_never_saves_blocks_that_attended_over_it(tmp_path):
     """A and B share a prefix in one step: A's load (idle: before the forward) fills pages
     0-3, B hits them in vLLM's own cache and computes its next block over them. Block 2 is
@@ -174,11 +188,7 @@ def test_failed_load_never_saves_blocks_that_attended_over_it(tmp_path):
     pages: it must not be saved (its parent is still indexed, so it would be served later as
     wrong KV), and both save their blocks again once recomputed."""
     path = tmp_path / "store"
-    store, key = _disk(path)
-    try:
-        base = _tokens(4 * BS, 1)
-        keys = _seed_store(store, base, _pages(1), [3, 7, 1, 9])
-        side = _sched(store)
+    with _seeded(path) as (store, base, keys, side):
         a = _request("A", base + _tokens(BS + 3, 2))
         b = _request("B", base + _tokens(BS + 3, 3))
         assert side.get_num_new_matched_tokens(a, 0) == (4 * BS, False)  # idle: sync
@@ -206,8 +216,6 @@ def test_failed_load_never_saves_blocks_that_attended_over_it(tmp_path):
             (a, [], 2 * BS, 3 * BS + 3), (b, [], 4 * BS, BS + 3)]))
         saved = {r.req_id: (r.keys[0], len(r.keys)) for r in meta.saves}
         assert saved == {"A": (keys[2], 3), "B": (b_keys[2], 3)}
-    finally:
-        release_store(key)
 
 
 def _until(pred, timeout=20.0):
@@ -224,11 +232,7 @@ def test_pages_a_failed_load_left_are_never_saved_until_rewritten(tmp_path, abor
     chunks): nothing D computes over them is ever saved, not even once A rewrote the pages,
     while A's recomputed blocks are."""
     path = tmp_path / "store"
-    store, key = _disk(path)
-    try:
-        base = _tokens(4 * BS, 1)
-        keys = _seed_store(store, base, _pages(1), [3, 7, 1, 9])
-        side = _sched(store)
+    with _seeded(path) as (store, base, keys, side):
         a, d = (_request(n, base + _tokens(BS + 3, 2)) for n in "AD")
         meta = _claim(side, a, [0, 1, 2, 3, 4, 5], sync=True)
         _corrupt_block(path, key=keys[2])
@@ -248,8 +252,6 @@ def test_pages_a_failed_load_left_are_never_saved_until_rewritten(tmp_path, abor
         meta = side.build_connector_meta(_step(cached=[(d, [], 4 * BS + 3, BS)] + (
             [] if abort else [(a, [], 3 * BS, 2 * BS + 3)])))  # D fills its block 4
         assert [(r.req_id, r.keys[0]) for r in meta.saves] == ([] if abort else [("A", keys[3])])
-    finally:
-        release_store(key)
 
 
 def _busy(side):
