@@ -26,6 +26,11 @@ gives vLLM a fresh ``cache_salt`` (cold caches). Times are medians over the repe
 (``$KVSTORE_BENCH_BATCH_REPEATS``, default 3; 1 with ``--quick``), every time in the note;
 greedy tokens are compared between the methods.
 
+Each workload's engine time is also set against its compute floor (:mod:`kvstore.bench.
+batch_floor`: the fewest FLOPs an exact execution needs, at the run's best float32 GEMM rate,
+measured between the workloads), and the floor against vLLM APC: the largest speedup over vLLM
+any exact engine could show in that run.
+
 ``$KVSTORE_BENCH_BATCH_BASELINE=DIR`` (a checkout, or ``git archive REV kvstore | tar -x -C
 DIR``) adds that tree's transformers engine as one more worker, interleaved with the rest:
 before/after figures of an engine change from one run, on the same load.
@@ -48,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.bench import BenchOptions, BenchRow, time_row
+from kvstore.bench.batch_floor import ModelShape, gemm_rate, job_flops
 
 SECTION = "batch"
 MARK = "KVSTORE-BATCH "  # the workers' answer lines
@@ -295,7 +301,8 @@ def _measure(w: Workload, methods: list[_Method], repeats: int) -> None:
             m.outputs = out
 
 
-def _rows(w: Workload, methods: list[_Method], shape: str = "toy") -> list[BenchRow]:
+def _rows(w: Workload, methods: list[_Method], shape: str = "toy",
+          rate: float = 0.0) -> list[BenchRow]:
     from kvstore.integrations.batch.tree import unique_tokens
 
     by = {m.label: m for m in methods}
@@ -329,6 +336,28 @@ def _rows(w: Workload, methods: list[_Method], shape: str = "toy") -> list[Bench
         rows.append(time_row(SECTION, f"{w.name}: wall, kvstore vLLM engine",
                              med["kvstore vLLM engine"], "vLLM APC", med["vLLM APC"], unit="s",
                              goal=VLLM_ENGINE_GOAL))
+    if rate > 0:
+        rows.extend(_floor_rows(w, med, tf.label, shape, rate))
+    return rows
+
+
+def _floor_rows(w: Workload, med: dict[str, float], engine: str, shape: str,
+                rate: float) -> list[BenchRow]:
+    """The engine's wall time against the job's compute floor, and the floor against vLLM:
+    the largest speedup over vLLM any exact engine could show in this run."""
+    f = job_flops(w.prompts, w.new_tokens, ModelShape.of(MODELS[shape]))
+    floor = f.total / rate
+    what = (f"compute floor: {f.total / 1e12:.2f} TFLOP (linear {f.linear / 1e12:.2f}, "
+            f"attention {f.attention / 1e12:.2f}, LM head {f.head / 1e12:.3f}) over "
+            f"{f.tokens:,} token positions at the run's best float32 GEMM rate, "
+            f"{rate / 1e9:.0f} GFLOP/s (kvstore/bench/batch_floor.py)")
+    rows = [time_row(SECTION, f"{w.name}: wall, transformers engine", med[engine],
+                     "compute floor", floor, unit="s", note=what)]
+    if "vLLM APC" in med:
+        rows.append(time_row(SECTION, f"{w.name}: compute floor (any exact engine)", floor,
+                             "vLLM APC", med["vLLM APC"], unit="s", goal=GOALS.get(w.name),
+                             note="the ratio bounds what any exact engine could show against "
+                                  "vLLM APC in this run; " + what))
     return rows
 
 
@@ -365,14 +394,17 @@ def run(opts: BenchOptions) -> list[BenchRow]:
             if opts.quick:
                 workers["plan"] = VLLMWorker(py, str(work / "model"), "plan",
                                              str(work / "store"), threads=threads)
-        rows: list[BenchRow] = []
+        done: list[tuple[Workload, list[_Method]]] = []
+        rate = 0.0  # the best GEMM rate of the run, measured between the workloads
         for w in workloads(opts.quick):
             if only and w.name not in only:
                 continue
+            rate = max(rate, gemm_rate(ModelShape.of(MODELS[shape]), threads))
             methods = _methods(model, workers)
             _measure(w, methods, repeats)
-            rows.extend(_rows(w, methods, shape))
-        return rows
+            done.append((w, methods))
+        rate = max(rate, gemm_rate(ModelShape.of(MODELS[shape]), threads))
+        return [r for w, methods in done for r in _rows(w, methods, shape, rate)]
     finally:
         for wk in workers.values():
             wk.close()

@@ -31,7 +31,10 @@ def test_quick_section_without_vllm(monkeypatch, tmp_path):
     monkeypatch.setattr(bench, "vllm_python", lambda: None)
     rows = bench.run(BenchOptions(quick=True, workdir=str(tmp_path)))
     names = [r.name for r in rows]
-    assert len(rows) == 5 * 2  # per workload: tokens vs the bound, wall vs HF padded batch
+    # per workload: tokens vs the bound, wall vs HF padded batch, wall vs the compute floor
+    assert len(rows) == 5 * 3
+    floors = [r for r in rows if r.ref_name == "compute floor"]
+    assert len(floors) == 5 and all(r.ref_value > 0 and "GFLOP/s" in r.note for r in floors)
     assert all("vLLM" not in r.ref_name for r in rows)
     tok = [r for r in rows if "prefill tokens" in r.name]
     assert all(r.ratio >= bench.TOKEN_GOAL and r.meets_goal for r in tok)
