@@ -43,6 +43,7 @@ import redis
 import torch
 
 from kvstore.errors import ConfigError, StoreClosedError, TensorMismatchError
+from kvstore.ratelog import Every
 from kvstore.tiers.base import ReadStatus, as_byte_tensor, check_key
 from kvstore.tiers.remote import format as fmt
 from kvstore.tiers.remote.config import (
@@ -68,6 +69,7 @@ __all__ = ["ADMISSIONS", "RemoteConfig", "RemoteStats", "RemoteTier", "RemoteWri
 log = logging.getLogger("kvstore.remote")
 
 _WBUF_KEEP = 256 << 20  # write_blocks keeps its value buffer up to this size
+_WARN_EVERY_S = 10.0  # refused writes are logged at most this often
 _NA = object()
 # cluster replies meaning "not here (now)": a miss, and the slot table is re-read
 _REDIRECTS = (redis.exceptions.AskError, redis.exceptions.TryAgainError,
@@ -154,6 +156,9 @@ class RemoteTier:
         self._counters = _Counters()
         self._wlock = threading.Lock()
         self._wbuf: np.ndarray | None = None
+        self._warn_lock = threading.Lock()
+        self._warned = Every(_WARN_EVERY_S)  # writes Redis refused (a lasting fault)
+        self._refused_since = 0
         self._pid = os.getpid()
         self._pool = cf.ThreadPoolExecutor(config.workers, thread_name_prefix="kvstore-remote")
         self._closed = False
@@ -167,6 +172,7 @@ class RemoteTier:
             self._pool = cf.ThreadPoolExecutor(self.config.workers,
                                                thread_name_prefix="kvstore-remote")
             self._wlock = threading.Lock()
+            self._warn_lock = threading.Lock()
             self._refresh_lock = threading.Lock()
             self._refreshing = False
             self._counters.lock = threading.Lock()
@@ -473,19 +479,39 @@ class RemoteTier:
             # none is, and only up to a size worth keeping
             self._wbuf = buf if finished and buf.size <= _WBUF_KEEP else None
         ok = raw = stored = 0
+        refused: list[tuple[bytes, Exception]] = []
         for i, r in enumerate(replies):
             if r is True or r == b"OK":
                 ok += 1
                 raw += todo[i][2].size
                 stored += len(values[i])
+            elif isinstance(r, _REDIRECTS):
+                log.debug("remote tier %s: write of %s refused: %s", self._url,
+                          todo[i][0].hex()[:16], r)
             elif isinstance(r, Exception):
-                log.log(logging.DEBUG if isinstance(r, _REDIRECTS) else logging.WARNING,
-                        "remote tier %s: write of %s refused: %s", self._url,
-                        todo[i][0].hex()[:16], r)
+                refused.append((todo[i][0], r))
+        if refused:
+            self._refused(refused)
         sent = sum(len(v) for v in values)
         self._counters.add(blocks_written=ok, write_failures=len(todo) - ok, bytes_sent=sent,
                            raw_bytes_written=raw, stored_bytes_written=stored)
         return ok
+
+    def _refused(self, refused: list[tuple[bytes, Exception]]) -> None:
+        """Blocks Redis refused (``OOM`` at ``maxmemory`` with ``noeviction``, ``READONLY``
+        after a failover): a fault that lasts refuses every block of every write, so it is
+        logged once per :data:`_WARN_EVERY_S` with how many were refused since (each block
+        logged its own line before: thousands a second), never per block."""
+        with self._warn_lock:
+            self._refused_since += len(refused)
+            if not self._warned.due():
+                return
+            n, self._refused_since = self._refused_since, 0
+        key, err = refused[0]
+        log.warning("remote tier %s: Redis refused %d block write(s)%s, e.g. %s: %s "
+                    "(logged at most every %g s)", self._url, n,
+                    "" if n == len(refused) else " since the last warning", key.hex()[:16],
+                    err, _WARN_EVERY_S)
 
     def delete(self, keys: Sequence[bytes]) -> int:
         """Delete blocks; returns how many existed (0 for unreachable nodes)."""

@@ -1,0 +1,86 @@
+"""Adversarial reliability pass, round 12: "safe to run for months". Earlier rounds attacked bad
+input, crashes, faults and races; this one attacks long running: what grows without bound, or
+leaks, when a daemon, its clients, the Redis tier or the KV event publisher run for months.
+
+Churn is accelerated (thousands of iterations in seconds) through the public API and real
+processes: clients that connect, lease, put and go (cleanly, cut off with a reset, mid-frame),
+namespaces opened and closed, Redis restarted and its masters moved, writes Redis refuses
+under a steady fault. Growth is measured by comparing what a process holds (file descriptors,
+threads, mappings, shared-memory files, internal tables, log records) after N and after 2N
+iterations, with margins no scheduling can flake: a leak grows with N, a bounded table does
+not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+
+import pytest
+import torch
+
+from kvstore.tiers.remote.local_server import redis_server_path
+
+needs_redis = pytest.mark.skipif(redis_server_path() is None,
+                                 reason="redis-server is not installed (tools/ci_redis.sh)")
+
+
+class _Records(logging.Handler):
+    """Every record of one logger, kept (the test reads how many a fault wrote)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def at(self, level: int) -> list[logging.LogRecord]:
+        return [r for r in self.records if r.levelno >= level]
+
+
+@contextlib.contextmanager
+def recorded(name: str):
+    lg = logging.getLogger(name)
+    h = _Records()
+    old = lg.level
+    lg.addHandler(h)
+    lg.setLevel(logging.DEBUG)
+    try:
+        yield h
+    finally:
+        lg.removeHandler(h)
+        lg.setLevel(old)
+
+
+# -- the Redis tier under a steady fault: writes refused -----------------------------------------
+
+@needs_redis
+def test_writes_redis_refuses_for_hours_log_a_line_per_interval_not_per_block():
+    """Redis at ``maxmemory`` with ``noeviction`` (or a replica turned read-only by a failover)
+    refuses every SET: every block the writer pushes is refused, for as long as nobody fixes
+    it. Each refused block logged its own WARNING (``write of <key> refused: OOM ...``): 160
+    lines for 160 blocks, thousands a second under load. Now the first refusal is logged, then
+    at most one line per interval saying how many more were refused; the counter
+    (``write_failures``) still counts every block."""
+    from kvstore.tiers.remote import RemoteConfig, RemoteTier, RemoteWrite
+    from kvstore.tiers.remote.local_server import RedisProcess
+
+    ns = b"n" * 32
+    data = torch.zeros(4096, dtype=torch.uint8)
+    with RedisProcess() as r, recorded("kvstore.remote") as log:
+        r.cli("CONFIG", "SET", "maxmemory-policy", "noeviction")
+        r.cli("CONFIG", "SET", "maxmemory", "1")  # used memory is past it: every SET refused
+        with RemoteTier(RemoteConfig(r.url, budget_s=1.0, codec="none")) as t:
+            def burst(n: int) -> int:
+                for _ in range(n):
+                    assert t.write_blocks([RemoteWrite(os.urandom(32), ns, data, 2)
+                                           for _ in range(8)]) == 0
+                return len(log.at(logging.WARNING))
+
+            first = burst(20)
+            second = burst(20)
+            assert t.stats().write_failures == 320
+    assert 1 <= first <= 2 and second == first, (first, second)
+    assert "maxmemory" in log.at(logging.WARNING)[0].getMessage()
