@@ -149,7 +149,9 @@ class KVCache(Protocol):
 
     def flush(self) -> None: ...
 
-    def close(self) -> None: ...
+    def close(self, timeout: float | None = ...) -> None:
+        """Flush and release; waits at most ``timeout`` seconds for the last writes (the
+        embedded store's default: 30 s), then raises ``CloseTimeoutError``."""
 
 
 @runtime_checkable

@@ -97,6 +97,19 @@ class NotDurableError(KVStoreError, RuntimeError):
         self.reason = reason
 
 
+class CloseTimeoutError(KVStoreError, TimeoutError):
+    """``close(timeout=...)`` gave up waiting: the store's last writes to disk did not finish
+    in time, most often because another process holds the disk index's write lock (an engine
+    stopped with SIGSTOP or hung inside a commit). What earlier ``flush()`` calls returned for
+    is on disk; ``blocks`` put since may not be. The close goes on in the background and
+    finishes if the lock is released while this process lives. ``path`` is the store's."""
+
+    def __init__(self, message: str, blocks: int = 0, path: str = "") -> None:
+        super().__init__(message)
+        self.blocks = blocks
+        self.path = path
+
+
 class PutsLostError(NotDurableError):
     """``flush`` cannot vouch for puts a daemon had acknowledged: it restarted (killed,
     crashed) before writing them to disk, or it cannot be reached to confirm. ``blocks`` is

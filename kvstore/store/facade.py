@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -13,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvstore.api import BorrowedBlocks, PinReceipt, PutGrant
-from kvstore.errors import KVStoreError
+from kvstore.errors import CloseTimeoutError, KVStoreError
 from kvstore.hints import PutHint
 from kvstore.keys import BlockKey, KeyChain
 from kvstore.keys import block_keys as _block_keys
@@ -36,6 +38,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvstore.store")
 
+#: how long :meth:`Store.close` waits for its last writes to disk by default
+DEFAULT_CLOSE_TIMEOUT_S = 30.0
+
 
 class Store:
     """A tiered KV prefix cache for one model namespace. Create with :func:`open_store`.
@@ -52,6 +57,8 @@ class Store:
         self.layout: KVLayout = config.namespace.layout
         self.namespace_id: bytes = config.namespace.id
         self.device = config.device
+        self._closed_event: threading.Event | None = None  # set once closed (begin_close)
+        self._close_error: BaseException | None = None
         self.state = st = open_state(config)
         st.events = events
         self.residency = Residency(st)
@@ -71,20 +78,57 @@ class Store:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def close(self) -> None:
-        """Flush and release every tier. Idempotent; any later call raises StoreClosedError."""
+    def close(self, timeout: float | None = DEFAULT_CLOSE_TIMEOUT_S) -> None:
+        """Flush and release every tier. Idempotent; any later call raises StoreClosedError.
+
+        Waits at most ``timeout`` seconds (None: as long as it takes) for the last writes to
+        disk, then raises :class:`~kvstore.errors.CloseTimeoutError`: another process holding
+        the disk index's write lock (an engine stopped with SIGSTOP mid-commit) never hangs
+        ``close`` or the interpreter's exit. What an earlier ``flush()`` returned for is on
+        disk either way; the close goes on in the background (the store takes no new calls).
+        """
+        done = self.begin_close()
+        if not done.wait(timeout):
+            raise self._close_timed_out(timeout)
+        error, self._close_error = self._close_error, None
+        if error is not None:
+            raise error
+
+    def begin_close(self) -> threading.Event:
+        """Start closing (on a thread of its own) and return the event set once closed;
+        :meth:`close` waits for it. Stores left open at exit are all started at once."""
         st = self.state
         with st.lock:
-            if st.closed or st.closing:
-                return
-            if st.forked():
+            if self._closed_event is not None:
+                return self._closed_event
+            self._closed_event = done = threading.Event()
+            if st.closed or st.forked():
                 # a forked child's copy: the threads, files and memory are the parent's to
                 # flush and release (its dirty blocks written twice, its shared slab removed)
                 st.closed = True
-                untrack(self)
-                return
-            st.closing = True  # new calls now fail; what is queued still completes
+                done.set()
+            else:
+                st.closing = True  # new calls now fail; what is queued still completes
         untrack(self)
+        if done.is_set():
+            return done
+        try:
+            threading.Thread(target=self._close_now, args=(done,), name="kvstore-close",
+                             daemon=True).start()
+        except RuntimeError:  # no new threads (the interpreter is finalizing): close here
+            self._close_now(done)
+        return done
+
+    def _close_now(self, done: threading.Event) -> None:
+        try:
+            self._release()
+        except BaseException as e:  # raised by close() in the caller's thread
+            self._close_error = e
+        finally:
+            done.set()
+
+    def _release(self) -> None:
+        st = self.state
         if st.engine is not None:
             st.engine.close()  # queued copies complete first
         if st.writer is not None:
@@ -109,6 +153,27 @@ class Store:
             st.hot = st.warm = None
             st.lower = []
             self.residency.clear()
+
+    def _close_timed_out(self, timeout: float | None) -> CloseTimeoutError:
+        st = self.state
+        pending = None
+        if st.lock.acquire(timeout=1.0):  # never wait on a lock the stuck close may hold
+            try:
+                pending = st.catalog.dirty_count + st.catalog.pinned_count
+            finally:
+                st.lock.release()
+        index = os.path.join(str(self.config.path), "index", "lock.mdb")
+        what = "some" if pending is None else f"up to {pending}"
+        log.error("closing the store at %s did not finish within %s s", self.config.path,
+                  timeout)
+        return CloseTimeoutError(
+            f"closing the store at {self.config.path} did not finish within {timeout} s: its "
+            f"last writes to disk are waiting, most likely for the disk index's write lock, "
+            f"which another process holds (an engine stopped with SIGSTOP or hung in a "
+            f"commit; `fuser -v {index}` names it). What earlier flush() calls returned for "
+            f"is on disk; {what} block(s) put since may not be. Resume or stop that process, "
+            f"or pass close(timeout=...) a longer wait (None: no limit); the close goes on in "
+            f"the background meanwhile", blocks=pending or 0, path=str(self.config.path))
 
     @property
     def warm_free_slots(self) -> int:

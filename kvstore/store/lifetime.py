@@ -7,6 +7,12 @@ and a fetch's background warm fill failed on the disk tier's already shut-down p
 hook runs where ``concurrent.futures`` shuts its own pools down (``threading``'s exit
 callbacks, last registered first), so a store closes while its pools still take work. Only
 stores opened by this process are closed: a forked child must not flush its parent's.
+
+Closing is bounded: every store left open starts closing at once and all of them get
+:data:`EXIT_CLOSE_TIMEOUT_S` together (a store whose disk writer waits for another process's
+index lock, e.g. an engine stopped with SIGSTOP, is logged and left, not waited for: exit
+never hangs on it). :func:`close_stores` is the same for a caller's own list (the daemon's
+shutdown).
 """
 
 from __future__ import annotations
@@ -15,14 +21,21 @@ import concurrent.futures.thread  # noqa: F401  (registers its exit hook before 
 import logging
 import os
 import threading
+import time
 import weakref
+from collections.abc import Iterable
 from typing import Protocol
 
 log = logging.getLogger("kvstore")
 
+#: how long the exit hook waits, all stores together, for the stores left open to close
+EXIT_CLOSE_TIMEOUT_S = 30.0
+
 
 class Closable(Protocol):
-    def close(self) -> None: ...
+    def begin_close(self) -> threading.Event: ...
+
+    def close(self, timeout: float | None = ...) -> None: ...
 
 
 _open: weakref.WeakSet[Closable] = weakref.WeakSet()
@@ -37,15 +50,33 @@ def untrack(store: Closable) -> None:
     _open.discard(store)
 
 
-def close_open_stores() -> None:
-    """Close every store this process opened and did not close (the exit hook)."""
-    for store in list(_open):
+def close_stores(stores: Iterable[Closable], timeout: float | None) -> bool:
+    """Close ``stores`` side by side within ``timeout`` seconds in all (None: no limit).
+    Each failure (a close that raised, or did not finish in time) is logged, never raised;
+    returns whether every store closed."""
+    stores = list(stores)
+    for store in stores:
+        store.begin_close()  # all at once: N stuck stores cost one timeout, not N
+    deadline = None if timeout is None else time.monotonic() + timeout
+    ok = True
+    for store in stores:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
-            store.close()
-        except Exception as e:  # exiting anyway: say what was not flushed, close the rest
-            log.warning("closing a store at exit failed (%s: %s); blocks put since its last "
-                        "flush() may be lost: call close() before exiting", type(e).__name__, e)
+            store.close(timeout=left)
+        except Exception as e:  # say what was not flushed, close the rest
+            ok = False
+            log.error("closing a store failed (%s: %s)", type(e).__name__, e)
+    return ok
+
+
+def close_open_stores() -> None:
+    """Close every store this process opened and did not close (the exit hook), within
+    :data:`EXIT_CLOSE_TIMEOUT_S` in all."""
+    stores = list(_open)
     _open.clear()
+    if not close_stores(stores, EXIT_CLOSE_TIMEOUT_S):
+        log.warning("exiting with a store not closed: blocks put since its last flush() may "
+                    "be lost; call close() (and flush()) before exiting")
 
 
 def _register() -> None:
