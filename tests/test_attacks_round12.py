@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 
 import pytest
 import torch
@@ -112,3 +113,105 @@ def test_the_index_file_stays_bounded_under_put_and_flush_churn(tmp_path):
                 s.flush()
             sizes.append(data.stat().st_size)
     assert sizes[2] - sizes[0] <= 24 * 4096, sizes
+
+
+# -- a Redis Cluster whose masters move for months -----------------------------------------------
+
+class _SlotsServer:
+    """A cluster's startup node as far as the tier asks it: answers ``CLUSTER SLOTS`` with
+    every slot on the master at ``self.master`` (a port), ``HELLO`` with an error (RESP2),
+    anything else with ``+OK``. Moving
+    ``master`` is a failover or a rescheduled pod: the same slots, a new address."""
+
+    def __init__(self, master: int) -> None:
+        import socket
+        import threading
+
+        self.master = master
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.sock.settimeout(0.05)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        import threading
+
+        while not self._stop.is_set():
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                continue
+            threading.Thread(target=self._answer, args=(c,), daemon=True).start()
+
+    def _answer(self, c) -> None:
+        c.settimeout(5)
+        f = c.makefile("rb")
+        with contextlib.suppress(OSError, ValueError), c, f:
+            while True:
+                head = f.readline()
+                if not head.startswith(b"*"):
+                    return
+                args = []
+                for _ in range(int(head[1:])):
+                    n = int(f.readline()[1:])
+                    args.append(f.read(n + 2)[:n])
+                if [a.upper() for a in args[:2]] == [b"CLUSTER", b"SLOTS"]:
+                    host = b"127.0.0.1"
+                    c.sendall(b"*1\r\n*3\r\n:0\r\n:16383\r\n*2\r\n$%d\r\n%s\r\n:%d\r\n"
+                              % (len(host), host, self.master))
+                elif args[:1] == [b"HELLO"]:  # RESP2 only: redis-py falls back to it
+                    c.sendall(b"-ERR unknown command 'HELLO'\r\n")
+                else:
+                    c.sendall(b"+OK\r\n")
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.sock.close()
+
+
+@needs_redis
+def test_a_cluster_whose_masters_move_keeps_only_its_current_nodes(tmp_path):
+    """Redis Cluster masters change address over months (failovers to a replica, pods
+    rescheduled with new IPs). The tier made a ``Node`` (two connection pools, a breaker) for
+    every address the slot table ever named and never let one go: one more per move, each
+    old one counted down forever, so ``stats()`` said ``available=False`` (and ``nodes_down``
+    = every move so far) on a healthy cluster. Now a slot-table read keeps the masters it
+    names (and closes the rest): after 3 or 6 moves, one node, none down."""
+    from kvstore.tiers.remote import RemoteConfig, RemoteTier, RemoteWrite
+    from kvstore.tiers.remote.local_server import RedisProcess
+
+    ns = b"n" * 32
+    data = torch.zeros(256, dtype=torch.uint8)
+    keys = [bytes([i]) * 32 for i in range(8)]
+    first = RedisProcess(workdir=str(tmp_path)).start()
+    procs = [first]
+    slots = _SlotsServer(first.port)
+    tier = RemoteTier(RemoteConfig(f"redis+cluster://127.0.0.1:{slots.port}", budget_s=0.5,
+                                   backoff_s=0.01, backoff_max_s=0.02))
+    try:
+        def move(times: int):
+            for _ in range(times):
+                new = RedisProcess(workdir=str(tmp_path)).start()
+                slots.master = new.port
+                procs[-1].cleanup()
+                procs.append(new)
+                deadline = time.monotonic() + 10
+                while tier.write_blocks([RemoteWrite(k, ns, data, 1) for k in keys]) != 8:
+                    assert time.monotonic() < deadline, "the moved master was not found"
+                    time.sleep(0.02)
+            st = tier.stats()
+            return st.nodes, st.nodes_down, st.available
+
+        assert tier.write_blocks([RemoteWrite(k, ns, data, 1) for k in keys]) == 8
+        after3 = move(3)
+        after6 = move(3)
+        assert tier.leading_run(keys) == 8
+    finally:
+        tier.close()
+        slots.close()
+        for p in procs:
+            p.cleanup()
+    assert after3 == after6 == (1, 0, True), (after3, after6)

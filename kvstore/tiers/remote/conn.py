@@ -186,6 +186,13 @@ class Node:
             with contextlib.suppress(Exception):  # best effort at close
                 c.connection_pool.disconnect()
 
+    def retire(self) -> None:
+        """Close the idle connections; those of calls in flight close when they end (the
+        node is no longer used)."""
+        for c in (self.read, self.write):
+            with contextlib.suppress(Exception):  # best effort
+                c.connection_pool.disconnect(inuse_connections=False)
+
     def abort(self, write: bool) -> None:
         """Cut the sockets of a call that missed its deadline (and any other call on them):
         a server that trickles its reply stays within every socket timeout and held a worker
@@ -327,8 +334,22 @@ class ClusterTopology(Topology):
             self.slots = table
             self.refreshed_at = time.monotonic()
             self.stale = False
+            self._retire({id(x) for x in table if x is not None})
             return
         raise err if err is not None else redis.ConnectionError("no cluster node to ask")
+
+    def _retire(self, masters: set[int]) -> None:
+        """Forget (and close) every node the slot table just read does not name: masters
+        move over months (failovers, pods rescheduled with new addresses), and each address
+        the table ever named was kept with its pools and breaker, counted down forever
+        (``nodes_down``, ``available=False`` on a healthy cluster). A call still running on
+        a retired node keeps its connection until it ends."""
+        with self._lock:
+            gone = [n for n in self._nodes.values() if id(n) not in masters]
+            for n in gone:
+                del self._nodes[n.name]
+        for n in gone:
+            n.retire()
 
     def route(self, rkeys: Sequence[bytes]) -> dict[Node | None, list[int]]:
         table = self.slots
