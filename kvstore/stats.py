@@ -37,7 +37,8 @@ class StoreStats:
     put_blocks: int  # blocks stored by put
     put_duplicates: int  # blocks skipped because the key was already held
     put_dropped: int  # blocks not stored: no room (all pinned) or parent no longer cached
-    damaged: int  # blocks found damaged (short read, bad checksum, missing file): misses
+    damaged: int  # blocks whose bytes are corrupt or gone (bad checksum, short read, missing
+    # segment file): misses, and their index entries dropped
     dirty_dropped: int  # blocks evicted from memory before they reached disk
     disk_write_dropped: int  # disk writes dropped because the writer could not keep up or failed
     pinned_blocks: int
@@ -45,6 +46,10 @@ class StoreStats:
     dirty_blocks: int  # blocks in memory still waiting for the disk writer
     block_nbytes: int
     tiers: tuple[TierStats, ...]
+    # blocks a lower tier held at lookup but did not give to the read, not damage: removed
+    # meanwhile (evicted by another process, expired), or a read the process cannot make now
+    # (out of file descriptors, EACCES, no index reader slot); misses, entries kept
+    read_misses: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -73,6 +78,7 @@ class Counters:
     put_duplicates: int = 0
     put_dropped: int = 0
     damaged: int = 0
+    read_misses: int = 0
     dirty_dropped: int = 0
     disk_write_dropped: int = 0
     served: dict[str, int] = field(default_factory=dict)  # tier name -> blocks served from it

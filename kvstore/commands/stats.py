@@ -76,7 +76,8 @@ def _namespace_parts(n) -> list[Any]:
     rows = [("lookups", str(st.lookups)), ("hits / misses (blocks)", f"{st.hits} / {st.misses}"),
             ("hit rate", f"{n.hit_rate:.1%}"), ("fetched blocks", str(st.fetched_blocks)),
             ("put blocks", str(st.put_blocks)), ("put dropped", str(st.put_dropped)),
-            ("damaged", str(st.damaged)), ("pinned blocks", str(st.pinned_blocks)),
+            ("damaged", str(st.damaged)), ("read misses (not damage)", str(st.read_misses)),
+            ("pinned blocks", str(st.pinned_blocks)),
             ("dirty blocks", str(st.dirty_blocks))]
     if n.server is not None:
         sv = n.server

@@ -87,7 +87,9 @@ class _StoreCollector(Collector):
                 ("hits", "Blocks lookup found"), ("misses", "Blocks lookup did not find"),
                 ("fetched_blocks", "Blocks fetched"), ("put_blocks", "Blocks stored by put"),
                 ("put_dropped", "Blocks a put could not store"),
-                ("damaged", "Damaged blocks found (served as misses)"),
+                ("damaged", "Blocks whose bytes were corrupt or gone (served as misses)"),
+                ("read_misses", "Blocks a lower tier held at lookup but could not read then, "
+                 "not damage (removed since, or out of descriptors)"),
                 ("dirty_dropped", "Blocks evicted before they reached disk"),
                 ("disk_write_dropped", "Disk writes that failed or were dropped"),
             )

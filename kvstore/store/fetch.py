@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from kvstore import streams as _streams
-from kvstore.errors import StoreClosedError, TensorMismatchError
+from kvstore.errors import DiskError, StoreClosedError, TensorMismatchError
 from kvstore.keys import BlockKey
 from kvstore.store.copy_engine import (
     Job,
@@ -230,7 +230,7 @@ class Fetcher:
         assert self.st.warm is not None
         warm = self.st.warm.slab.data
         statuses: list[ReadStatus] = [ReadStatus.MISSING] * len(plan.lower)
-        damaged = 0
+        damaged = missed = 0
         for t, tier in enumerate(self.st.lower):
             idx = [j for j, (p, _) in enumerate(plan.lower) if plan.tier_of(p) == t]
             if not idx:
@@ -247,16 +247,19 @@ class Fetcher:
             got = self.read_tier(tier, plan.located(idx), [dsts[j] for j in idx], mirrors)
             for j, st in zip(idx, got, strict=True):
                 statuses[j] = st
-                # a volatile tier's value may expire between lookup and read: a plain miss
-                damaged += st is ReadStatus.DAMAGED or (st is ReadStatus.MISSING
-                                                        and not tier.volatile)
-        self._cut_at_bad(plan, statuses, damaged)
+                # DAMAGED: bytes corrupt or gone; MISSING: removed since the lookup (evicted,
+                # expired) or a read that cannot be made now: a plain miss, not damage
+                damaged += st is ReadStatus.DAMAGED
+                missed += st is ReadStatus.MISSING
+        self._cut_at_bad(plan, statuses, damaged, missed)
 
-    def _cut_at_bad(self, plan: FetchPlan, statuses: list[ReadStatus], damaged: int) -> None:
+    def _cut_at_bad(self, plan: FetchPlan, statuses: list[ReadStatus], damaged: int,
+                    missed: int) -> None:
         bad = [p for (p, _), st in zip(plan.lower, statuses, strict=True) if st is not ReadStatus.OK]
         if bad:
             with self.st.lock:
                 self.st.counters.damaged += damaged
+                self.st.counters.read_misses += missed
             plan.valid = min(plan.valid, min(bad))
 
     @staticmethod
@@ -266,6 +269,10 @@ class Fetcher:
             return tier.read(found, dsts, mirrors)
         except (StoreClosedError, TensorMismatchError):  # the caller's buffers: its to fix
             raise
+        except DiskError as e:  # cannot be read now (no index reader slot, ...): a miss
+            log.warning("fetch: reading %d block(s) from the %s tier failed (%s: %s); "
+                        "treating them as misses", len(dsts), tier.name, type(e).__name__, e)
+            return [ReadStatus.MISSING] * len(dsts)
         except Exception as e:  # a damaged index or tier: a counted miss, never wrong KV
             log.warning("fetch: reading %d block(s) from the %s tier failed (%s: %s); "
                         "treating them as damaged", len(dsts), tier.name, type(e).__name__, e)

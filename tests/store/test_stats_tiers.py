@@ -31,3 +31,18 @@ def test_prometheus_has_hits_per_tier():
     text = generate_latest(m.registry).decode()
     assert 'kvstore_hits_total{model="model",namespace="ns",tier="warm"} 7.0' in text
     assert 'kvstore_hit_bytes_total{model="model",namespace="ns",tier="warm"} 7168.0' in text
+
+
+def test_read_misses_cross_the_wire_and_reach_prometheus_apart_from_damage():
+    from dataclasses import replace
+
+    st = replace(_stats(TierStats("disk", "/p", 100, 50, 30, 1)), damaged=2, read_misses=5)
+    assert store_stats_from_wire(store_stats_to_wire(st)) == st
+    old = store_stats_to_wire(st)
+    del old["read_misses"]  # a daemon from before the split
+    assert store_stats_from_wire(old).read_misses == 0
+    from prometheus_client import generate_latest
+
+    text = generate_latest(DaemonMetrics(lambda: [("ns", "model", st)]).registry).decode()
+    assert 'kvstore_store_damaged_total{model="model",namespace="ns"} 2.0' in text
+    assert 'kvstore_store_read_misses_total{model="model",namespace="ns"} 5.0' in text

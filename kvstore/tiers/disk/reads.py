@@ -3,9 +3,10 @@ the runs of a segment one task of a reading thread), reading straight into the c
 buffers (a destination may be one buffer or the pieces of one block, e.g. an engine's
 per-layer pages: one iovec each), verification against the checksum bound to key and
 namespace, and damage reporting:
-a missing segment, short read, bad checksum or undecodable payload is ``MISSING`` or
-``DAMAGED``, counted, logged and reported (:class:`Damage`, in the :class:`ReadResult`) —
-never raised, never ``OK`` with wrong bytes. Reads never write the index: the tier drops the
+a missing segment, short read, bad checksum or undecodable payload is ``DAMAGED``, counted,
+logged and reported (:class:`Damage`, in the :class:`ReadResult`) — never raised, never
+``OK`` with wrong bytes; a block whose record is gone by now (evicted) or that cannot be
+read now (:data:`NOT_DAMAGE`) is ``MISSING``, its entry kept. Reads never write the index: the tier drops the
 entries of what they report (``txn.drop_damaged``). A segment gone meanwhile (compacted by
 another process) is looked up again and read once more.
 """
@@ -492,8 +493,7 @@ def _read_one(rd: _Reading, key: bytes, raw: bytes | None, buf: memoryview | Par
         if (cur.segment, cur.offset) == (rec.segment, rec.offset):
             break
         rec = cur
-    status = ReadStatus.MISSING if why == "missing_segment" else ReadStatus.DAMAGED
-    return damaged(rd, key, rec, status, why)
+    return damaged(rd, key, rec, ReadStatus.DAMAGED, why)  # a missing segment too: bytes gone
 
 
 def read_rec(ctx: DiskContext, key: bytes, rec: Rec, buf: memoryview) -> tuple[ReadStatus, str]:

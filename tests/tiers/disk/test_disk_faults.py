@@ -93,16 +93,18 @@ def test_truncated_segment(tmp_path):
         assert t.check() == []  # the dropped entries are gone; what is left is intact
 
 
-def test_deleted_segment_is_missing(tmp_path):
+def test_deleted_segment_is_damaged(tmp_path):
+    """A segment file gone under its records: their bytes are gone, which is damage (dropped,
+    counted damaged); a block whose record is gone is a plain miss."""
     with open_tier(tmp_path) as t:
         a, b = chain("dsa", 3), chain("dsb", 3)
         t.write_blocks(writes(a, NS))
         t.write_blocks(writes(b, NS))
         path, _ = seg_path(t, a[0])
         os.unlink(path)
-        assert [read(t, k)[0] for k in a] == [ReadStatus.MISSING] * 3
+        assert [read(t, k)[0] for k in a] == [ReadStatus.DAMAGED] * 3
         s = t.stats()
-        assert s.read_missing == 3 and s.read_damaged == 0
+        assert s.read_missing == 0 and s.read_damaged == 3
         assert s.blocks == 3 and s.segments == 1  # accounting follows the dropped entries
         assert t.read_many(b + a[:1], [torch.empty(LAY.block_nbytes, dtype=torch.uint8)
                                        for _ in range(4)]) == [ReadStatus.OK] * 3 + [ReadStatus.MISSING]
