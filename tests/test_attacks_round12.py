@@ -215,3 +215,34 @@ def test_a_cluster_whose_masters_move_keeps_only_its_current_nodes(tmp_path):
         for p in procs:
             p.cleanup()
     assert after3 == after6 == (1, 0, True), (after3, after6)
+
+
+# -- the daemon under a steady fault: a client it refuses, retrying for months -------------------
+
+def test_a_refused_client_retrying_for_months_is_logged_per_interval_not_per_connect(serve):
+    """An engine whose uid the daemon does not allow (a changed service user, a missing
+    ``--allow-uid``) retries with backoff for as long as it runs: every attempt wrote a
+    WARNING (``refused pid P uid U: not in the allow-list``), some 17,000 lines a day per
+    engine at the 5 s backoff, more from a process that retries without one. Now the first
+    is logged, then at most one line per interval with how many were refused since; every
+    attempt is still refused (and counted in ``kvstore_connections_refused_total``)."""
+    from kvstore.wire import messages as m
+    from kvstore.wire.channel import Channel
+    from kvstore.wire.errors import PermissionDeniedError
+
+    other = 4242 if os.getuid() != 4242 else 4243
+    d = serve("--cpu-capacity", "64KiB", "--disk-capacity", "0", "--allow-uid", str(other))
+
+    def refused(n: int) -> int:
+        for _ in range(n):
+            ch = Channel.connect(str(d.socket_path), 5)
+            with pytest.raises(PermissionDeniedError):
+                ch.call(m.Ping())
+            ch.close()
+        # the daemon logs before it answers: every refusal so far is in the log by now
+        lines = d.log_path.read_text(errors="replace").splitlines()  # all of it
+        return sum("refused" in line and "WARNING" in line for line in lines)
+
+    first = refused(100)
+    second = refused(100)
+    assert 1 <= first <= 2 and second == first, (first, second)

@@ -105,7 +105,9 @@ class Connection:
         try:
             if not self.daemon.policy.allows(self.cred):
                 self.metrics.refused.labels("uid").inc()
-                log.warning("refused pid %d uid %d: not in the allow-list", self.cred.pid, self.cred.uid)
+                line = self.daemon.policy.refusal_to_log(self.cred)
+                if line is not None:
+                    log.warning("%s", line)
                 await self._refuse(ErrorCode.NOT_ALLOWED, self.daemon.policy.refusal(self.cred))
                 return
             if len(self.daemon.connections) > self.limits.max_connections:

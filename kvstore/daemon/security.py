@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvstore.errors import ConfigError
+from kvstore.ratelog import Every
 from kvstore.wire.framing import DEFAULT_MAX_FRAME
 
 SHM_PREFIX = "kvstore-serve-"
@@ -67,12 +68,30 @@ def peer_credentials(sock: socket.socket) -> PeerCredentials:
     return PeerCredentials(*_UCRED.unpack(raw))
 
 
+#: refused peers are logged at most this often (with how many were refused since)
+REFUSAL_LOG_S = 10.0
+
+
 class PeerPolicy:
     """The allow-list of peer uids (default: the daemon's own uid)."""
 
     def __init__(self, allowed_uids: Iterable[int] | None = None) -> None:
         uids = set(allowed_uids or ())
         self.allowed_uids = frozenset(uids or {os.getuid()})
+        self._log_every = Every(REFUSAL_LOG_S)
+        self._unlogged = 0  # refusals since the last one logged
+
+    def refusal_to_log(self, cred: PeerCredentials) -> str | None:
+        """The line to log for refusing ``cred``, or None while the last one is recent: a
+        refused engine retries for as long as it runs (every 5 s with the client's backoff,
+        other processes as fast as they like), and each attempt logged its own WARNING."""
+        self._unlogged += 1
+        if not self._log_every.due():
+            return None
+        n, self._unlogged = self._unlogged, 0
+        since = f" ({n - 1} more refused since the last such line)" if n > 1 else ""
+        return (f"refused pid {cred.pid} uid {cred.uid}: not in the allow-list{since}; "
+                f"logged at most every {REFUSAL_LOG_S:g} s")
 
     def allows(self, cred: PeerCredentials) -> bool:
         return cred.uid in self.allowed_uids
