@@ -246,3 +246,70 @@ def test_a_refused_client_retrying_for_months_is_logged_per_interval_not_per_con
     first = refused(100)
     second = refused(100)
     assert 1 <= first <= 2 and second == first, (first, second)
+
+
+# -- namespaces opened and closed for months, with KV events ---------------------------------------
+
+def test_namespaces_that_come_and_go_leave_no_event_state_behind(tmp_path, monkeypatch):
+    """A daemon with ``--kv-events`` whose clients open namespaces that come and go (per-uid
+    tenants, LoRA adapters or revisions in the extras, more of them than
+    ``--max-namespaces``): each closed namespace holding nothing any more (memory only, its
+    warm tier cleared) kept its event mirror and sink in the publisher, and its id in the
+    registry, forever: one more of each per namespace ever opened (20 after 20, 40 after 40).
+    Now a closed namespace's mirror goes once it holds nothing, and the registry remembers
+    a bounded number of ids (4,096; 8 here); a namespace opened again gets a fresh sink and
+    is published as before."""
+    import asyncio
+
+    from kvstore import KVLayout
+    from kvstore.daemon import namespaces
+    from kvstore.daemon.config import DaemonConfig
+    from kvstore.daemon.events import DaemonEvents
+    from kvstore.daemon.namespaces import NamespaceRegistry
+    from kvstore.daemon.security import Limits
+    from kvstore.events.config import EventsConfig
+    from kvstore.namespace import Namespace
+
+    lay = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, dtype=torch.bfloat16,
+                   block_tokens=4)
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    cfg = DaemonConfig(tmp_path / "store", tmp_path / "s.sock", cpu_capacity=16 * lay.block_nbytes,
+                       disk_capacity=0, limits=Limits(max_namespaces=2))
+    events = DaemonEvents(EventsConfig(f"ipc://{tmp_path}/ev", heartbeat_s=0.05))
+    pub = events.publisher
+    monkeypatch.setattr(namespaces, "_SEEN_MAX", 8)
+
+    async def run_blocking(fn, *args):
+        return fn(*args)
+
+    async def churn(reg, first: int, n: int) -> None:
+        for j in range(first, first + n):
+            ns = Namespace.create("round12/ns", lay, extras={"adapter": str(j)})
+            entry = await reg.acquire(ns, None, "client")
+            keys = entry.store.block_keys(list(range(8)))
+            entry.store.put(keys, torch.zeros(lay.batch_shape(2), dtype=lay.dtype)).wait()
+            await reg.release(entry, "client")
+
+    async def main():
+        reg = NamespaceRegistry(cfg, shm, run_blocking, events)
+        try:
+            await churn(reg, 0, 20)
+            assert pub.flush(10)
+            after20 = len(pub._mirrors), len(pub._sinks), len(reg._seen)
+            await churn(reg, 20, 20)
+            assert pub.flush(10)
+            after40 = len(pub._mirrors), len(pub._sinks), len(reg._seen)
+            await churn(reg, 0, 1)  # an old one again: announced as before
+            assert pub.flush(10)
+            return after20, after40, pub.stats().blocks
+        finally:
+            await reg.close_all()
+
+    try:
+        after20, after40, blocks = asyncio.run(main())
+    finally:
+        events.close()
+    assert after40 == after20, (after20, after40)
+    assert after40[0] <= 3 and after40[2] <= 8, after40  # the open ones (2), the last 8 seen
+    assert blocks == 2 + 2  # the warm blocks of the 2 open ones: the last new one, the reopened

@@ -49,7 +49,11 @@ class DaemonEvents:
                  self.publisher.replay_endpoint)
 
     def sink(self, ns: Namespace) -> NamespaceSink:
-        return self.publisher.sink(ns.id, ns.layout.block_tokens)
+        """The sink of a namespace the daemon opens; :meth:`release` it once closed."""
+        return self.publisher.acquire(ns.id, ns.layout.block_tokens)
+
+    def release(self, namespace_id: bytes) -> None:
+        self.publisher.release(namespace_id)
 
     def announce_disk(self, path: Path, namespace_id: bytes | None = None) -> int:
         """Announce every block on the store's disk (of one namespace, or all); returns how

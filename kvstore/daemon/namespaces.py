@@ -13,6 +13,7 @@ import asyncio
 import logging
 import os
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +36,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvstore.daemon")
 
 RunBlocking = Callable[..., Awaitable]
+#: namespaces the registry remembers having opened (for the "new namespace" note)
+_SEEN_MAX = 4096
 
 
 @dataclass(eq=False, slots=True)
@@ -138,7 +141,8 @@ class NamespaceRegistry:
         self._entries: dict[bytes, NamespaceEntry] = {}
         self._lock = asyncio.Lock()
         self._close_failed = False
-        self._seen: set[bytes] = set()  # namespaces opened by this daemon
+        # namespaces opened by this daemon (the latest _SEEN_MAX: namespaces come and go)
+        self._seen: OrderedDict[bytes, None] = OrderedDict()
 
     def _new_namespace_note(self, ns: Namespace) -> str | None:
         """An INFO line when ``ns`` is new to the store (nothing was ever stored under it),
@@ -253,17 +257,23 @@ class NamespaceRegistry:
 
         try:
             store = await self._run(_open_store)
-        except BadRequest:
+        except BaseException as e:
+            if sink is not None:  # nothing was opened: its sink is not held
+                self._events.release(ns.id)  # type: ignore[union-attr]
+            if isinstance(e, (KVStoreError, OSError)) and not isinstance(e, BadRequest):
+                raise BadRequest(f"cannot open a store for this namespace: {e}",
+                                 ErrorCode.CONFIG) from None
             raise
-        except (KVStoreError, OSError) as e:
-            raise BadRequest(f"cannot open a store for this namespace: {e}", ErrorCode.CONFIG) from None
         if store.namespace_id != ns.id:  # pragma: no cover - a namespace derivation bug
             await self._run(store.close)
             raise BadRequest("namespace derivation mismatch", ErrorCode.INTERNAL)
         slab = store.warm_slab
         assert slab is not None
         memory_only = not (cfg.disk_capacity and cfg.path is not None)
-        self._seen.add(ns.id)
+        self._seen[ns.id] = None
+        self._seen.move_to_end(ns.id)
+        if len(self._seen) > _SEEN_MAX:  # bounded: a forgotten one is looked up on disk again
+            self._seen.popitem(last=False)
         log.info("opened namespace %s (model %s): %d warm slots of %s (%s), shm %s",
                  ns.id.hex()[:16], ns.model_id, slab.shape[0], format_size(bn),
                  format_size(slab.shape[0] * bn), shm)
@@ -298,6 +308,7 @@ class NamespaceRegistry:
             except Exception:
                 log.exception("announcing namespace %s's disk blocks failed", entry.label)
         entry.events.cleared("warm")
+        self._events.release(entry.namespace.id)  # forgotten if it holds nothing now
 
     async def close_all(self) -> bool:
         """Flush and close every store; False if one failed (now or earlier, for room)."""

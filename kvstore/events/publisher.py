@@ -77,6 +77,11 @@ class _Change:
     parents: tuple[BlockKey | None, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class _Forget:
+    namespace_id: bytes  # released: forget its mirror if it holds nothing (EventPublisher.release)
+
+
 class NamespaceSink:
     """The :class:`~kvstore.events.sink.EventSink` of one namespace on a publisher."""
 
@@ -119,6 +124,7 @@ class EventPublisher:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._mirrors: dict[bytes, Mirror] = {}
         self._sinks: dict[bytes, NamespaceSink] = {}
+        self._refs: dict[bytes, int] = {}  # namespace -> holders (acquire - release)
         self._lock = threading.Lock()
         self._buffer: deque[frames.StreamMessage] = deque(maxlen=config.buffer_steps)
         self._topic = config.topic.encode()
@@ -148,6 +154,33 @@ class EventPublisher:
                 self._mirrors[namespace_id] = m
                 s = self._sinks[namespace_id] = NamespaceSink(self, m)
             return s
+
+    def acquire(self, namespace_id: bytes, block_size: int) -> NamespaceSink:
+        """:meth:`sink`, held until :meth:`release`: a namespace a daemon opened."""
+        with self._lock:
+            self._refs[namespace_id] = self._refs.get(namespace_id, 0) + 1
+        return self.sink(namespace_id, block_size)
+
+    def release(self, namespace_id: bytes) -> None:
+        """The namespace's store is closed: once every change it queued is applied, its
+        mirror and sink are forgotten if it holds nothing (no tier announces a block of it)
+        and nobody acquired it again meanwhile. Namespaces come and go over months (tenants,
+        adapters, revisions): each one's empty mirror was kept forever. A later
+        :meth:`sink` of the same namespace starts a fresh one, as empty as this was."""
+        with self._lock:
+            n = self._refs.get(namespace_id, 0) - 1
+            if n > 0:
+                self._refs[namespace_id] = n
+            else:
+                self._refs.pop(namespace_id, None)
+        self._queue.put(_Forget(namespace_id))
+
+    def _forget(self, namespace_id: bytes) -> None:
+        with self._lock:
+            m = self._mirrors.get(namespace_id)
+            if m is not None and not len(m) and namespace_id not in self._refs:
+                del self._mirrors[namespace_id]
+                del self._sinks[namespace_id]
 
     def sink_of(self, namespace_id: bytes) -> NamespaceSink | None:
         """The namespace's sink if it was ever asked for, else ``None``."""
@@ -232,6 +265,8 @@ class EventPublisher:
                     stop = True
                 elif isinstance(item, threading.Event):
                     waiters.append(item)
+                elif isinstance(item, _Forget):
+                    self._forget(item.namespace_id)
                 else:
                     events.extend(self._apply(item))
                 try:
