@@ -313,3 +313,74 @@ def test_namespaces_that_come_and_go_leave_no_event_state_behind(tmp_path, monke
     assert after40 == after20, (after20, after40)
     assert after40[0] <= 3 and after40[2] <= 8, after40  # the open ones (2), the last 8 seen
     assert blocks == 2 + 2  # the warm blocks of the 2 open ones: the last new one, the reopened
+
+
+# -- what held: clients that come and go by the thousand -------------------------------------------
+
+def test_clients_that_lease_put_pin_and_vanish_leave_the_daemon_as_it_was(serve):
+    """Held (no fix needed): connections that say hello, take a lease, a granted put and pins,
+    then go (closed cleanly, reset, cut off mid-frame), 200 then 200 more. The daemon's open
+    files, threads, memory mappings and shared-memory files are the same after 400 as after
+    200; no lease, grant or pin is left and every warm slot is free or holding a block."""
+    import glob
+    import socket
+    import struct
+
+    from kvstore import KVLayout, connect
+    from kvstore.keys import block_keys
+    from kvstore.wire import messages as m
+    from kvstore.wire.channel import Channel
+    from kvstore.wire.codec import pack
+    from kvstore.wire.framing import encode_frame
+    from kvstore.wire.protocol import make_hello
+
+    lay = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16,
+                   block_tokens=4)
+    d = serve("--cpu-capacity", "64KiB", "--disk-capacity", "0")
+    c = connect(d.socket_path, layout=lay, model_id="round12/churn", device="cpu")
+    held = c.block_keys(list(range(32)))
+    assert c.put(held, torch.zeros(lay.batch_shape(8), dtype=lay.dtype)).wait() == 8
+    blob = b"".join(held)
+    hello = make_hello(lay, "round12/churn", client="churn")
+
+    def held_by_daemon() -> tuple[int, ...]:
+        pid = d.pid
+        return (len(os.listdir(f"/proc/{pid}/fd")), len(os.listdir(f"/proc/{pid}/task")),
+                sum(1 for _ in open(f"/proc/{pid}/maps")),
+                len(glob.glob(f"/dev/shm/kvstore-serve-{pid}-*/*")))
+
+    def churn(first: int, n: int) -> None:
+        for i in range(first, first + n):
+            ch = Channel.connect(str(d.socket_path), 10)
+            ns = ch.call(hello).namespace_id
+            assert ch.call(m.Fetch(blob, None)).slots  # a lease, never released
+            new = block_keys(ns, list(range(10_000 + 8 * i, 10_008 + 8 * i)), 4)
+            ch.call(m.Put(b"".join(new), None))  # a grant, never committed
+            ch.call(m.Pin(blob, None))
+            if i % 3 == 1:  # reset: SO_LINGER 0
+                ch._sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            elif i % 3 == 2:  # half a frame, then gone
+                body = pack(m.encode_request(99, m.Lookup(blob, None)))
+                ch._sock.sendall(encode_frame(body)[: len(body) // 2])
+            ch.close()
+
+    def settled() -> tuple[int, ...]:
+        deadline = time.monotonic() + 20
+        while True:
+            srv = c.server_stats()
+            if (srv.leases, srv.grants, srv.pinned_blocks, srv.connections) == (0, 0, 0, 1) \
+                    or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert (srv.leases, srv.grants, srv.pinned_blocks, srv.connections) == (0, 0, 0, 1)
+        assert srv.free_warm_slots + c.stats().tier("warm").blocks == srv.warm_slots
+        return held_by_daemon()
+
+    churn(0, 200)
+    after200 = settled()
+    churn(200, 200)
+    after400 = settled()
+    c.close()
+    fds, threads, maps, shm = after400
+    assert fds == after200[0] and shm == after200[3] == 2, (after200, after400)
+    assert threads <= after200[1] + 2 and maps <= after200[2] + 8, (after200, after400)
