@@ -33,8 +33,8 @@ DEFAULT_GRACE_S = 60.0
 #: (rewrite the block into a fresh segment), ``remove`` the file, ``rebuild`` the side indexes,
 #: or ``none`` (files that are not the store's are never touched)
 _ACTIONS = {"orphan_segment": "remove", "temp_file": "remove", "unknown_file": "none",
-            "bad_index": "rebuild", "bad_header": "repair"}
-_FILE_KINDS = ("orphan_segment", "temp_file", "unknown_file")
+            "quarantined_segment": "none", "bad_index": "rebuild", "bad_header": "repair"}
+_FILE_KINDS = ("orphan_segment", "temp_file", "unknown_file", "quarantined_segment")
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +44,8 @@ class FindingEntry:
 
     kind: str  # orphan_segment | temp_file | missing_segment | short_segment |
     #            checksum_mismatch | bad_record | bad_header | unreachable | bad_index |
-    #            unknown_file | loose_mode (a path more open than the store promises)
+    #            unknown_file | quarantined_segment | loose_mode (a path more open than the
+    #            store promises)
     path: str
     key: str | None  # the block (hex), for record findings
     detail: str

@@ -155,6 +155,12 @@ def _list_files(segdir: str, findings: list[Finding]
             files[int(m.group(1), 16)] = st
         elif _seg.TEMP_RE.match(de.name):
             temps.append((de.path, st.st_mtime))
+        elif _seg.QUARANTINE_RE.match(de.name):
+            findings.append(Finding(
+                "quarantined_segment", de.path, None,
+                "a segment whose blocks did not verify against their records (its file "
+                "swapped or overwritten?); kept: `kvstore recover --force` restores what in it "
+                "still verifies; delete it once not needed", False))
         else:
             findings.append(Finding("unknown_file", de.path, None,
                                     "not a segment or temp file of this tier; left alone", False))

@@ -44,6 +44,7 @@ from kvstore.tiers.disk.recover_scan import (
     Segment,
     salvage_namespaces,
     scan_and_verify,
+    segment_path,
 )
 
 log = logging.getLogger("kvstore.disk")
@@ -332,13 +333,19 @@ def recover(path: str | os.PathLike[str], *, dry_run: bool = False, force: bool 
     with _StoreLock(store):
         if state == "intact":
             state = "rebuilt"
+        quarantined = set()
         for name in sorted(os.listdir(segdir)):
             if _seg.TEMP_RE.match(name):
                 findings.append(RecoverFinding(
                     "temp_file", os.path.join(segdir, name), None,
                     "temporary file of an interrupted write: never committed, left alone"))
-        segs, bytes_read, read_s = scan_and_verify(segdir, ids, threads, findings, progress)
-        skipped = len(ids) - len(segs)
+            m = _seg.QUARANTINE_RE.match(name)
+            if m and int(m.group(1), 16) not in ids:
+                quarantined.add(int(m.group(1), 16))
+        q = frozenset(quarantined)
+        segs, bytes_read, read_s = scan_and_verify(segdir, sorted([*ids, *q]), threads,
+                                                   findings, progress, q)
+        skipped = len(ids) + len(q) - len(segs)
         chosen, found, bad, dups = _choose(segs)
         olds = [os.path.join(index_dir, "data.mdb")] + sorted(
             os.path.join(store, d, "data.mdb") for d in os.listdir(store)
@@ -347,9 +354,13 @@ def recover(path: str | os.PathLike[str], *, dry_run: bool = False, force: bool 
         next_segment = max(top + 1, _old_next_segment(olds[0])) + ID_MARGIN
         damaged = None
         done = False
-        if not dry_run and (ids or state != "missing"):
+        if not dry_run and (ids or q or state != "missing"):
+            restored = _restore_quarantined(segdir, chosen, q)
             damaged = _rebuild(store, segdir, chosen, ns_records, next_segment)
             done = True
+            for path in restored:  # its segment name is in the new index: the old name goes
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
     return RecoverResult(
         store=store, dry_run=dry_run, index_state=state, index_problem=problem, done=done,
         segments=len(ids), segments_skipped=skipped, blocks_found=found,
@@ -359,6 +370,21 @@ def recover(path: str | os.PathLike[str], *, dry_run: bool = False, force: bool 
         raw_bytes=sum(en.raw for _s, en in chosen), bytes_read=bytes_read,
         next_segment=next_segment, damaged_index=damaged,
         seconds=time.perf_counter() - t0, read_seconds=read_s, findings=tuple(findings))
+
+
+def _restore_quarantined(segdir: str, chosen: list[tuple[Segment, Entry]],
+                         quarantined: frozenset[int]) -> list[str]:
+    """Give each quarantined segment that blocks are recovered from its segment name again
+    (a second link: the quarantine name goes once the new index is in); returns the
+    quarantine names to unlink then."""
+    out = []
+    for sid in sorted({s.sid for s, _en in chosen if s.sid in quarantined}):
+        q = segment_path(segdir, sid, quarantined)
+        os.link(q, os.path.join(segdir, _seg.segment_name(sid)))
+        out.append(q)
+    if out:
+        _fsync_dir(segdir)
+    return out
 
 
 def _choose(segs: list[Segment]) -> tuple[list[tuple[Segment, Entry]], int, int, int]:

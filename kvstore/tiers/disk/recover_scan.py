@@ -276,15 +276,23 @@ def _tasks(s: Segment, threads: int, nsegs: int) -> list[list[list[Entry]]]:
     return [runs[i:i + step] for i in range(0, len(runs), step)]
 
 
+def segment_path(segdir: str, sid: int, quarantined: frozenset[int] = frozenset()) -> str:
+    """Where segment ``sid``'s file is: its own name, or its quarantine name."""
+    name = _seg.quarantine_name(sid) if sid in quarantined else _seg.segment_name(sid)
+    return os.path.join(segdir, name)
+
+
 def scan_and_verify(segdir: str, ids: list[int], threads: int,
                      findings: list[RecoverFinding],
-                     progress: Progress | None) -> tuple[list[Segment], int, float]:
+                     progress: Progress | None,
+                     quarantined: frozenset[int] = frozenset()) -> tuple[list[Segment], int, float]:
     """Scan every segment header and verify every payload; the reading threads start on a
-    segment as soon as its header is parsed. Returns (segments, bytes read, seconds)."""
+    segment as soon as its header is parsed. ``quarantined``: ids of ``ids`` whose file is
+    under its quarantine name. Returns (segments, bytes read, seconds)."""
     total_bytes = total_blocks = 0
     for sid in ids:
         with contextlib.suppress(OSError):
-            total_bytes += os.path.getsize(os.path.join(segdir, _seg.segment_name(sid)))
+            total_bytes += os.path.getsize(segment_path(segdir, sid, quarantined))
     v = _Verifier(findings, progress, total_bytes, 0)
     if progress is not None:
         progress(0, total_bytes, 0, 0)
@@ -294,7 +302,7 @@ def scan_and_verify(segdir: str, ids: list[int], threads: int,
     futures = []
     try:
         for sid in sorted(ids):
-            s = _scan_segment(sid, os.path.join(segdir, _seg.segment_name(sid)), findings)
+            s = _scan_segment(sid, segment_path(segdir, sid, quarantined), findings)
             if s is None:
                 continue
             segs.append(s)

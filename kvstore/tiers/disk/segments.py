@@ -36,6 +36,12 @@ SEGMENT_READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK
 TEMP_SUFFIX = ".tmp"
 SEGMENT_RE = re.compile(r"^([0-9a-f]{16})\.safetensors$")
 TEMP_RE = re.compile(r"^([0-9a-f]{16})\.tmp$")
+#: a segment file that reads found damaged until no record pointed into it: kept under this
+#: name (never unlinked by the tier, prune or verify) for ``kvstore recover --force``, which
+#: restores what in it still verifies (another segment's intact blocks, when two files were
+#: swapped)
+QUARANTINE_SUFFIX = ".quarantined"
+QUARANTINE_RE = re.compile(r"^([0-9a-f]{16})\.quarantined$")
 #: Header + data of a segment is aligned like safetensors does it: header padded with spaces
 #: so that the data section starts at a multiple of 8.
 HEADER_ALIGN = 8
@@ -79,6 +85,10 @@ def segment_name(segment_id: int) -> str:
 
 def temp_name(segment_id: int) -> str:
     return f"{segment_id:016x}{TEMP_SUFFIX}"
+
+
+def quarantine_name(segment_id: int) -> str:
+    return f"{segment_id:016x}{QUARANTINE_SUFFIX}"
 
 
 @dataclass(slots=True)

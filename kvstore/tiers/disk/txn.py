@@ -145,6 +145,29 @@ def unlink_segments(ctx: DiskContext, sids: Sequence[int]) -> None:
             log.warning("disk tier %s: cannot unlink emptied segment %016x: %s", ctx.path, sid, e)
 
 
+def quarantine_segments(ctx: DiskContext, sids: Sequence[int]) -> None:
+    """Keep the files of segments emptied by dropping damaged records, renamed
+    ``<id>.quarantined``: bytes that do not verify against a record may be another block's
+    intact bytes (two segment files swapped), which ``kvstore recover --force`` restores.
+    Never read as this segment again, never unlinked by the tier."""
+    for sid in sids:
+        ctx.fds.invalidate(sid)
+        src = os.path.join(ctx.segdir, _seg.segment_name(sid))
+        dst = os.path.join(ctx.segdir, _seg.quarantine_name(sid))
+        try:
+            _seg.publish(src, dst)  # never over an existing file
+        except FileNotFoundError:
+            continue  # a missing segment: nothing to keep
+        except OSError as e:
+            log.warning("disk tier %s: cannot quarantine segment %016x (%s); its file is "
+                        "left where it is", ctx.path, sid, e)
+            continue
+        log.warning("disk tier %s: no intact block of the index is left in segment %016x: its "
+                    "file is kept as %s; `kvstore recover --store %s --force` restores what in "
+                    "it still verifies (blocks of another segment, when files were swapped); "
+                    "delete it when it is not needed", ctx.path, sid, dst, ctx.path)
+
+
 def alloc_segment_ids(ctx: DiskContext, n: int) -> list[int]:
     """Unique across processes: ids are reserved in small chunks by an LMDB write txn."""
     meta = ctx.sh.dbs[DB_META]
@@ -200,7 +223,10 @@ def drop_entries(ctx: DiskContext, items: Sequence[tuple[bytes, Rec | None]],
         return gone
 
     gone, emptied = write_ops(ctx, fn)
-    unlink_segments(ctx, emptied)
+    if reason is _tomb.Reason.DAMAGED:  # its bytes may be another block's: kept for recover
+        quarantine_segments(ctx, emptied)
+    else:
+        unlink_segments(ctx, emptied)
     return gone  # type: ignore[return-value]
 
 
