@@ -17,6 +17,9 @@ not a use), as :class:`~kvstore.tiers.reuse_policy.ReusePolicy` counts uses.
   key leaving the small FIFO moves to the main one if it was used there, else it is
   evicted (a ghost); the main FIFO reinserts a used key with its count (up to 3) minus one.
   Keys back from the ghost enter the main FIFO.
+* ``"lhd"``: hit density per use class and age (LHD's shape, Beckmann et al., NSDI'18),
+  issue 30's candidate that was not adopted: :mod:`kvstore.replay.lhd`. Only on request
+  (``--baselines lhd``), not among :data:`DEFAULT_BASELINES`.
 """
 
 from __future__ import annotations
@@ -25,8 +28,12 @@ from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Iterator
 from itertools import chain
 
+from kvstore.replay.lhd import LHDPolicy
+
 #: policies only the simulator runs: name -> class (built with the tier's slots)
-SIM_ONLY = ("arc", "s3fifo")
+SIM_ONLY = ("arc", "s3fifo", "lhd")
+#: the ones a report shows unless told otherwise
+DEFAULT_BASELINES = ("arc", "s3fifo")
 
 
 class ARCPolicy:
@@ -205,7 +212,9 @@ class S3FIFOPolicy:
         return list(self.victims())
 
 
-def make_baseline(name: str, slots: int) -> ARCPolicy | S3FIFOPolicy:
+def make_baseline(name: str, slots: int) -> ARCPolicy | S3FIFOPolicy | LHDPolicy:
+    if name == "lhd":
+        return LHDPolicy(slots)
     if name == "arc":
         return ARCPolicy(slots)
     if name == "s3fifo":

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from kvstore.errors import ConfigError, SizeError
 from kvstore.hints import PutHint
 from kvstore.keys import BlockKey
-from kvstore.replay.baselines import SIM_ONLY
+from kvstore.replay.baselines import DEFAULT_BASELINES, SIM_ONLY
 from kvstore.replay.driver import (
     ReplayResult,
     StoreSpec,
@@ -113,7 +113,7 @@ class ReplayPlan:
     store: bool = True  # False: the simulators only
     speed: float | None = None
     path: str | None = None
-    baselines: tuple[str, ...] = SIM_ONLY  # simulated beside them (kvstore.replay.baselines)
+    baselines: tuple[str, ...] = DEFAULT_BASELINES  # simulated beside them (kvstore.replay.baselines)
     hints: tuple[bool, ...] = (False,)  # without, and/or with each request's session hint
 
     @property
