@@ -29,7 +29,7 @@ log = logging.getLogger("kvstore.admin")
 if TYPE_CHECKING:
     import torch
 
-    from kvstore.tiers.disk import DiskRecord, DiskTier, ReadStatus
+    from kvstore.tiers.disk import DiskRecord, DiskTier, NamespaceInfo, ReadStatus
     from kvstore.tiers.disk import SegmentListing as Listing
 
 __all__ = ["VerifyProgress", "VerifyResult", "verify"]
@@ -173,8 +173,9 @@ def _read_back(ro: DiskTier, recs: list[DiskRecord], segdir: str,
                               + [r.raw_nbytes for r in recs]), dtype=torch.uint8)
     listings: dict[int, Listing] = {}
     findings: list[FindingEntry] = []
+    layouts = {n.namespace_id: n for n in ro.namespaces()}
     for batch in _batches(recs):
-        findings += _check_batch(ro, batch, scratch, listings, segdir)
+        findings += _check_batch(ro, batch, scratch, listings, segdir, layouts)
         done_blocks += len(batch)
         done_bytes += sum(r.raw_nbytes for r in batch)
         if progress is not None:
@@ -183,11 +184,13 @@ def _read_back(ro: DiskTier, recs: list[DiskRecord], segdir: str,
 
 
 def _check_batch(ro: DiskTier, batch: list[DiskRecord], scratch: torch.Tensor,
-                 listings: dict[int, Listing], segdir: str) -> list[FindingEntry]:
+                 listings: dict[int, Listing], segdir: str,
+                 layouts: dict[bytes, NamespaceInfo]) -> list[FindingEntry]:
     """One batch read into ``scratch``; a failed read confirmed as damage, a header that does
-    not list a block that verifies confirmed as repairable (``listings``: headers read so far,
-    by segment id)."""
-    from kvstore.tiers.disk import ReadStatus, listing_problem, segment_listing
+    not list a block that verifies (at its offset, with the dtype and shape its record and
+    its namespace's layout give: ``layouts``) confirmed as repairable (``listings``: headers
+    read so far, by segment id)."""
+    from kvstore.tiers.disk import ReadStatus, expected_tensor, listing_problem, segment_listing
 
     dsts, off = [], 0
     for r in batch:
@@ -200,7 +203,9 @@ def _check_batch(ro: DiskTier, batch: list[DiskRecord], scratch: torch.Tensor,
     for r, status in zip(batch, statuses, strict=True):
         if r.segment not in listings:
             listings[r.segment] = segment_listing(segdir, r.segment)
-        bad = listing_problem(listings[r.segment], r.key, r.offset, r.stored_nbytes)
+        bad = listing_problem(listings[r.segment], r.key, r.offset, r.stored_nbytes,
+                              expected_tensor(r.codec, r.stored_nbytes,
+                                              layouts.get(r.namespace_id)))
         if status is ReadStatus.OK:
             if bad is not None:
                 out.extend(_confirm_header_problem(ro, r, bad, segdir))

@@ -45,7 +45,13 @@ Guarantees:
 # The public names: what the store, the front ends (``kvstore.admin``, ``kvstore.packs``:
 # an import-linter contract keeps them to these) and the benchmarks use of the disk tier.
 from kvstore.tiers.base import ReadStatus
-from kvstore.tiers.disk.check import FixScope, RewriteResult, listing_problem, segment_listing
+from kvstore.tiers.disk.check import (
+    FixScope,
+    RewriteResult,
+    expected_tensor,
+    listing_problem,
+    segment_listing,
+)
 from kvstore.tiers.disk.check import Listing as SegmentListing
 from kvstore.tiers.disk.guard import missing_index_error, require_intact
 from kvstore.tiers.disk.index import (
@@ -111,6 +117,7 @@ __all__ = [
     "decode_namespace",
     "decode_record",
     "encode_namespace",
+    "expected_tensor",
     "fsync_dir",
     "listing_problem",
     "missing_index_error",

@@ -22,7 +22,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -52,7 +52,7 @@ from kvstore.tiers.disk.index import (
 )
 from kvstore.tiers.disk.inflight import in_flight, unlink_unless_in_flight
 from kvstore.tiers.disk.reads import UNAVAILABLE, read_payload, read_rec
-from kvstore.tiers.disk.records import Finding
+from kvstore.tiers.disk.records import Finding, NamespaceInfo, ns_cache_entry
 from kvstore.tiers.disk.txn import drop_damaged, drop_entries, unlink_segments, write_raw
 
 log = logging.getLogger("kvstore.disk")
@@ -303,7 +303,7 @@ def _verify_data(ctx: DiskContext, by_seg: dict[int, list[tuple[bytes, Rec]]], f
         for k, r in items:
             if k in flagged:
                 continue
-            problem = listing_problem(listing, k, r.offset, r.stored_nbytes)
+            problem = listing_problem(listing, k, r.offset, r.stored_nbytes, rec_expect(ctx, r))
             buf = scratch.get(r.raw_nbytes)
             if buf is None:
                 buf = scratch[r.raw_nbytes] = np.empty(r.raw_nbytes, dtype=np.uint8)
@@ -358,9 +358,18 @@ def _repair_records(ctx: DiskContext, fix: bool, allowed: Callable[[bytes], bool
 
 # -- segment headers ---------------------------------------------------------------------------
 
-#: ``name -> (absolute offset, nbytes)`` of a readable header, a string saying why the header
-#: is unreadable, or None when the file is gone (moved or removed meanwhile)
-Listing = dict[str, tuple[int, int]] | str | None
+class Listed(NamedTuple):
+    """One tensor of a segment header: where its bytes are, and what it says they are."""
+
+    offset: int  # absolute
+    nbytes: int
+    dtype: object  # as the header has them (not checked here)
+    shape: object
+
+
+#: ``name -> Listed`` of a readable header, a string saying why the header is unreadable, or
+#: None when the file is gone (moved or removed meanwhile)
+Listing = dict[str, Listed] | str | None
 
 
 def segment_listing(segdir: str, sid: int) -> Listing:
@@ -368,22 +377,47 @@ def segment_listing(segdir: str, sid: int) -> Listing:
     path = os.path.join(segdir, _seg.segment_name(sid))
     try:
         obj, start, _ = _seg.read_header(path)
-        return _seg.header_tensors(obj, start)
+        return {name: Listed(off, n, obj[name].get("dtype"), obj[name].get("shape"))
+                for name, (off, n) in _seg.header_tensors(obj, start).items()}
     except FileNotFoundError:
         return None
-    except (OSError, _seg.SegmentFormatError) as e:
+    except (OSError, _seg.SegmentFormatError, AttributeError) as e:
         return f"segment header unreadable: {e}"
 
 
-def listing_problem(listing: Listing, key: bytes, offset: int, nbytes: int) -> str | None:
+def expected_tensor(codec: str, stored_nbytes: int,
+                    ns: NamespaceInfo | None) -> tuple[str, list[int]] | None:
+    """The dtype and shape a segment header gives a block stored with ``codec`` in namespace
+    ``ns`` (format.md, "Segment files"); None when the namespace is not known."""
+    if codec != "none":
+        return "U8", [stored_nbytes]
+    if ns is None:
+        return None
+    c = ns_cache_entry(ns)
+    return c.st_dtype, list(c.shape)
+
+
+def rec_expect(ctx: DiskContext, rec: Rec) -> tuple[str, list[int]] | None:
+    """:func:`expected_tensor` of an index record, with the namespace the tier knows."""
+    ns = ctx.namespaces.get(rec.namespace_id)
+    return expected_tensor(_codec.CODEC_NAMES.get(rec.codec, "?"), rec.stored_nbytes,
+                           None if ns is None else ns.info)
+
+
+def listing_problem(listing: Listing, key: bytes, offset: int, nbytes: int,
+                    expect: tuple[str, list[int]] | None = None) -> str | None:
     """Why ``listing`` does not describe block ``key`` at ``offset`` (None: it does, or the
-    file is gone)."""
+    file is gone); with ``expect`` (:func:`expected_tensor`), also with that dtype and shape."""
     if listing is None:
         return None
     if isinstance(listing, str):
         return listing
-    if listing.get(key[-32:].hex()) != (offset, nbytes):  # the block key or its dbkey
+    got = listing.get(key[-32:].hex())  # the block key or its dbkey
+    if got is None or (got.offset, got.nbytes) != (offset, nbytes):
         return "segment header does not list this block at the recorded offset"
+    if expect is not None and (got.dtype, got.shape) != expect:
+        return (f"segment header says dtype {got.dtype!r} shape {got.shape!r}; the index "
+                f"record and the store's layout say {expect[0]!r} {expect[1]!r}")
     return None
 
 
@@ -442,7 +476,8 @@ def rewrite_unlisted(ctx: DiskContext, keys: Sequence[bytes],
         if listing is None:
             failed.append(k)  # no file: a read finds it missing (check reports that)
             continue
-        if listing_problem(listing, k, rec.offset, rec.stored_nbytes) is None:
+        if listing_problem(listing, k, rec.offset, rec.stored_nbytes,
+                           rec_expect(ctx, rec)) is None:
             unchanged.append(k)
             continue
         payload, damage = read_payload(ctx, k, rec)  # verified
