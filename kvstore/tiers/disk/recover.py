@@ -32,11 +32,13 @@ import lmdb
 
 from kvstore import filemodes as _modes
 from kvstore.errors import KVStoreError, StoreLockedError
+from kvstore.tiers import codec as _codec
 from kvstore.tiers.disk import env as _env
 from kvstore.tiers.disk import guard as _guard
 from kvstore.tiers.disk import index as di
 from kvstore.tiers.disk import segments as _seg
-from kvstore.tiers.disk.check import rebuild_side_indexes
+from kvstore.tiers.disk.check import expected_tensor, rebuild_side_indexes
+from kvstore.tiers.disk.records import NamespaceInfo
 from kvstore.tiers.disk.recover_scan import (
     Entry,
     Progress,
@@ -346,11 +348,13 @@ def recover(path: str | os.PathLike[str], *, dry_run: bool = False, force: bool 
         segs, bytes_read, read_s = scan_and_verify(segdir, sorted([*ids, *q]), threads,
                                                    findings, progress, q)
         skipped = len(ids) + len(q) - len(segs)
-        chosen, found, bad, dups = _choose(segs)
         olds = [os.path.join(index_dir, "data.mdb")] + sorted(
             os.path.join(store, d, "data.mdb") for d in os.listdir(store)
             if d.startswith("index.damaged-"))
-        ns_records, missing = _namespace_records(segs, chosen, olds, index_dir, findings)
+        known = _known_namespaces(segs, olds)
+        _check_layouts(segs, known, findings)  # before choosing: an older true copy may win
+        chosen, found, bad, dups = _choose(segs)
+        ns_records, missing = _namespace_records(chosen, known, index_dir, findings)
         next_segment = max(top + 1, _old_next_segment(olds[0])) + ID_MARGIN
         damaged = None
         done = False
@@ -408,15 +412,61 @@ def _choose(segs: list[Segment]) -> tuple[list[tuple[Segment, Entry]], int, int,
     return list(best.values()), found, bad, dups
 
 
-def _namespace_records(segs: list[Segment], chosen: list[tuple[Segment, Entry]],
-                       olds: list[str], index_dir: str, findings: list[RecoverFinding]
+def _known_namespaces(segs: list[Segment], olds: list[str]) -> dict[bytes, bytes]:
+    """The namespace records of every verified block: those the segments carry, then
+    whatever the old index files ``olds`` still hold (each hashing to its id)."""
+    wanted = {en.ns for s in segs for en in s.entries if en.ok}
+    known = {nid: r for s in segs for nid, r in s.namespaces.items() if nid in wanted}
+    known.update(salvage_namespaces(olds, wanted - known.keys()))
+    return known
+
+
+def _check_layouts(segs: list[Segment], known: dict[bytes, bytes],
+                   findings: list[RecoverFinding]) -> None:
+    """A verified block is trusted only as far as its namespace's layout agrees with what
+    its header says: raw bytes = the layout's block bytes, and the header's dtype and shape
+    those the tier writes (``check.expected_tensor``). Anything else is a header that lies
+    (or a namespace record of another layout): the entry is skipped (``layout_mismatch``),
+    never indexed. Blocks of a namespace with no record are kept (``missing_namespace``)."""
+    infos: dict[bytes, NamespaceInfo | None] = {}
+    for nid, rec in known.items():
+        try:
+            infos[nid] = NamespaceInfo(nid, *di.decode_namespace(rec))
+        except di.RecordError:
+            infos[nid] = None
+    for s in segs:
+        for en in s.entries:
+            if not en.ok or en.ns not in infos:
+                continue
+            info = infos[en.ns]
+            problem = _layout_problem(en, info)
+            if problem is not None:
+                en.ok = False
+                findings.append(RecoverFinding("layout_mismatch", s.path, en.key.hex(), problem))
+
+
+def _layout_problem(en: Entry, info: NamespaceInfo | None) -> str | None:
+    if info is None:
+        return f"namespace {en.ns.hex()[:16]}: its record does not decode"
+    if en.raw != info.block_nbytes:
+        return (f"{en.raw} raw bytes; namespace {en.ns.hex()[:16]} ({info.dtype}, "
+                f"{list(info.block_shape)}) has blocks of {info.block_nbytes}")
+    name = _codec.CODEC_NAMES.get(en.codec, "?")
+    want = expected_tensor(name, en.stored, info)
+    if (en.dtype, en.shape) != want:
+        assert want is not None
+        return (f"the header says dtype {en.dtype!r} shape {en.shape!r}; namespace "
+                f"{en.ns.hex()[:16]}'s layout and the block's codec say {want[0]!r} {want[1]!r}")
+    return None
+
+
+def _namespace_records(chosen: list[tuple[Segment, Entry]], known: dict[bytes, bytes],
+                       index_dir: str, findings: list[RecoverFinding]
                        ) -> tuple[dict[bytes, bytes], tuple[str, ...]]:
-    """The namespace records of the chosen blocks — those the segments carry, then whatever
-    the old index files ``olds`` still hold — and the ids (hex) found nowhere."""
+    """The namespace records of the chosen blocks (of ``known``), and the ids (hex) found
+    nowhere."""
     wanted = {en.ns for _s, en in chosen}
-    ns_records = {nid: r for s in segs for nid, r in s.namespaces.items() if nid in wanted}
-    ns_records.update((k, v) for k, v in salvage_namespaces(
-        olds, wanted - ns_records.keys()).items())
+    ns_records = {nid: r for nid, r in known.items() if nid in wanted}
     missing = tuple(sorted(n.hex() for n in wanted - ns_records.keys()))
     for n in missing:
         cnt = sum(1 for _s, en in chosen if en.ns.hex() == n)

@@ -36,7 +36,7 @@ Progress = Callable[[int, int, int, int], None]
 @dataclass(frozen=True, slots=True)
 class RecoverFinding:
     kind: str  # bad_segment | checksum_mismatch | short_segment | bad_entry | temp_file |
-    #            segment_id_mismatch | missing_namespace
+    #            segment_id_mismatch | missing_namespace | layout_mismatch
     path: str
     key: str | None  # block key (hex)
     detail: str
@@ -55,6 +55,8 @@ class Entry:
     offset: int  # absolute
     stored: int
     ok: bool = False
+    dtype: object = None  # as the header gives them (checked against the namespace's layout)
+    shape: object = None
 
 
 @dataclass(slots=True)
@@ -102,7 +104,8 @@ def _parse_entry(name: str, info: object, meta: object, start: int) -> Entry:
         di.check_record_bounds(cid, 1, start + b, stored, raw)
     except di.RecordError as ex:
         raise ValueError(str(ex)) from None
-    return Entry(key, ns, parent, cid, raw, checksum, start + b, stored)
+    return Entry(key, ns, parent, cid, raw, checksum, start + b, stored,
+                 dtype=info.get("dtype"), shape=info.get("shape"))  # type: ignore[union-attr]
 
 
 def _scan_segment(sid: int, path: str, findings: list[RecoverFinding]) -> Segment | None:
