@@ -532,15 +532,18 @@ class Client:
         s = self._session
         return s.hello.new_namespace if s is not None else ""
 
-    def close(self) -> None:
-        """Close the connection (the daemon gives back whatever it still holds for us)."""
+    def close(self, timeout: float | None = 30.0) -> None:
+        """Close the connection (the daemon gives back whatever it still holds for us),
+        waiting at most ``timeout`` seconds (``None``: no bound) for calls still in flight on
+        other threads; those then end as misses. What the daemon acknowledged stays with it:
+        its own store's ``flush`` and ``close`` vouch for it."""
         if not self._link.mark_closed():
             return
         if self._session is not None:
             self._report(0, 0, 0, now=True)
         s = self._link.detach()
         if s is not None:
-            s.close()
+            s.close(timeout)
 
     def __enter__(self) -> Client:
         return self

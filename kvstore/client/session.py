@@ -80,9 +80,11 @@ class Session:
                 if not self._active:
                     self._idle.notify_all()
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = 60.0) -> None:
+        """Close once the calls in flight are done, or after ``timeout`` seconds (``None``:
+        wait for them): a call still waiting then ends as a miss (its channel is closed)."""
         with self._idle:
-            self._idle.wait_for(lambda: not self._active, timeout=60)
+            self._idle.wait_for(lambda: not self._active, timeout=timeout)
         self.channel.close()
         if self.directory is not None:
             self.directory.close()

@@ -301,3 +301,24 @@ def test_a_put_hint_reaches_the_daemons_eviction_order(serve, tmp_path):
             c.put(job1, _kv(2), "job")  # type: ignore[arg-type]
     finally:
         c.close()
+
+
+def test_close_takes_a_timeout_and_is_bounded_by_it(shared):
+    """``KVCache.close(timeout=)`` is the protocol's: the daemon client takes it too (it was a
+    TypeError), and a call that never finishes on another thread holds ``close`` for at most
+    ``timeout`` seconds, not the session's 60."""
+    from kvstore.api import KVCache
+
+    c = connect(shared.socket_path, layout=LAYOUT, model_id="close-timeout", device="cpu")
+    assert isinstance(c, KVCache)
+    keys = c.block_keys(list(range(8)))
+    assert c.put(keys, _kv(2)).wait() == 2
+    stuck = c._session.copying()  # a copy in flight that never ends
+    stuck.__enter__()
+    t0 = time.monotonic()
+    c.close(timeout=0.3)
+    assert time.monotonic() - t0 < 5 and c.closed
+    c.close(timeout=0.3)  # twice: a no-op
+    with connect(shared.socket_path, layout=LAYOUT, model_id="close-timeout", device="cpu") as d:
+        assert torch.equal(d.fetch(keys).wait(), _kv(2))  # acknowledged: kept by the daemon
+        d.close(timeout=None)
