@@ -6,6 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 pytest.importorskip("vllm.distributed")  # the vLLM CI stage only (the connector imports vLLM)
 
@@ -259,3 +260,38 @@ def test_hits_below_memory_load_in_the_background(tmp_path, damage):
     assert w2.get_finished(meta) is None  # reported once
     w2.close()
     release_store(key)
+
+
+@pytest.mark.parametrize("role", ["kv_both", "kv_producer", "kv_consumer"])
+def test_kv_role_producer_never_loads_consumer_never_saves(store, role):
+    """``KVTransferConfig.kv_role`` was ignored: a ``kv_consumer`` engine (one that must not
+    write to a store others fill) saved every prompt, a ``kv_producer`` loaded hits."""
+    from kvstore.integrations.vllm.scheduler import kv_role_sides
+
+    tokens = [(5 * i) % 89 + 1 for i in range(70)]  # 4 full prompt blocks
+    seed = SchedulerSide(store, block_size=BS, namespace_id=bytes(store.namespace_id),
+                         stats=ConnectorStats("scheduler", "embedded", None))
+    seed_runs = _saved_runs(seed, _request("seed", tokens), prompt_len=70, total=70)
+    keys = [k for r in seed_runs for k in r.keys]
+    assert len(keys) == 4
+    store.put(keys, torch.zeros(_layout().batch_shape(4), dtype=torch.bfloat16)).wait()
+
+    side = SchedulerSide(store, block_size=BS, namespace_id=bytes(store.namespace_id),
+                         stats=ConnectorStats("scheduler", "embedded", None),
+                         **kv_role_sides(SimpleNamespace(kv_role=role)))
+    hit, _ = side.get_num_new_matched_tokens(_request("hit", tokens), 0)
+    assert hit == (0 if role == "kv_producer" else 4 * BS)
+    fresh = _request("new", [(7 * i) % 83 + 2 for i in range(70)])
+    side.get_num_new_matched_tokens(fresh, 0)
+    side.update_state_after_alloc(fresh, SimpleNamespace(get_block_ids=lambda: ([],)), 0)
+    saves = side.build_connector_meta(_new_step(fresh, list(range(200, 205)), 70)).saves
+    assert sum(len(r.keys) for r in saves) == (0 if role == "kv_consumer" else 4)
+
+
+def test_an_unknown_kv_role_is_a_config_error():
+    from kvstore.errors import ConfigError
+    from kvstore.integrations.vllm.scheduler import kv_role_sides
+
+    with pytest.raises(ConfigError, match="kv_role='kv_sender'"):
+        kv_role_sides(SimpleNamespace(kv_role="kv_sender"))
+    assert kv_role_sides(SimpleNamespace(kv_role=None)) == {"loads": True, "saves": True}

@@ -24,7 +24,7 @@ from kvstore.namespace import Namespace
 
 from .config import ConnectorConfig, engine_layout, model_identity, tp_rank_size
 from .metadata import KVStoreConnectorMetadata, KVStoreWorkerMetadata
-from .scheduler import SchedulerSide
+from .scheduler import SchedulerSide, kv_role_sides
 from .stats import ConnectorStats
 from .store_registry import open_connector_store, release_store
 from .worker import WorkerSide
@@ -109,7 +109,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             self._scheduler = SchedulerSide(
                 self.store, block_size=self.block_size, namespace_id=self.namespace_id,
                 stats=self._stats, save_decode_blocks=self.config.save_decode_blocks,
-                load_async=self.config.load_async)
+                load_async=self.config.load_async, **kv_role_sides(ktc))
         else:
             lw = self.config.layerwise
             self._worker = WorkerSide(

@@ -82,13 +82,26 @@ class _ReqState:
     suspect: bool = False  # its pages may include poisoned ones: checked whole next step
 
 
+def kv_role_sides(kv_transfer_config: object) -> dict[str, bool]:
+    """``loads`` / ``saves`` of :class:`SchedulerSide` from ``KVTransferConfig.kv_role``:
+    ``kv_both`` (and an unset role) both, ``kv_producer`` saves only, ``kv_consumer`` loads
+    only (an engine that must not write to a store others read, as in disaggregated prefill)."""
+    role = getattr(kv_transfer_config, "kv_role", None) or "kv_both"
+    if role not in ("kv_both", "kv_producer", "kv_consumer"):
+        raise ConfigError(f"kv_role={role!r}: one of 'kv_both', 'kv_producer', 'kv_consumer'")
+    return {"loads": role != "kv_producer", "saves": role != "kv_consumer"}
+
+
 class SchedulerSide:
     """The scheduler role's state and calls (``KVStoreConnector`` delegates to it)."""
 
     def __init__(self, store: KVCache, *, block_size: int, namespace_id: bytes,
                  stats: ConnectorStats, save_decode_blocks: bool = True,
-                 load_async: bool = True, load_cost: LoadCost | None = None) -> None:
+                 load_async: bool = True, load_cost: LoadCost | None = None,
+                 loads: bool = True, saves: bool = True) -> None:
         self.store = store
+        # KVTransferConfig.kv_role: a kv_producer never loads, a kv_consumer never saves
+        self.loads, self.saves = loads, saves
         # the engine step (timed here) and the worker's loads below memory (its samples come
         # in update_connector_output): whether a hit below memory is cheaper loaded now
         self.load_cost = load_cost or LoadCost()
@@ -164,7 +177,7 @@ class SchedulerSide:
         st.load_async = False
         st.load_now = ""
         st.tainted = st.suspect = False  # (re)starting: its pages are new
-        if st.keys is None:
+        if st.keys is None or not self.loads:
             return 0, False
         bs = self.block_size
         # never the whole prompt: vLLM must compute at least its last token
@@ -362,6 +375,8 @@ class SchedulerSide:
     def _plan_save(self, meta: KVStoreConnectorMetadata, req_id: str, st: _ReqState,
                    done_tokens: int) -> None:
         assert st.keys is not None
+        if not self.saves:
+            return
         if not self.save_decode_blocks:
             done_tokens = min(done_tokens, st.prompt_len)
         done = done_tokens // self.block_size
