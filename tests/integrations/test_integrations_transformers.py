@@ -455,3 +455,29 @@ def test_falcon_multi_query_layout_is_what_the_model_caches():
                     cpu_capacity="1MiB") as store, \
             pytest.raises(ConfigError, match="caches 1 K/V heads"):
         PrefixCachedModel(model, store)
+
+
+def test_connect_for_reaches_the_namespace_open_store_for_gives(serve, tmp_path):
+    """A daemon user of the bridge had to rebuild the model's identity by hand (layout, model
+    id, weights revision, the config digest): ``connect_for`` gives the client the namespace
+    ``open_store_for`` gives the embedded store, prefills through it are exact and hit, and
+    weights edited in place since are refused."""
+    from kvstore.integrations.transformers import connect_for
+
+    d = serve("--cpu-capacity", "8MiB", "--disk-capacity", "0")
+    model = make_model()
+    ids = tokens(3 * T + 5, seed=4)
+    with memory_store(model) as embedded, connect_for(model, d.socket_path, block_tokens=T,
+                                                      timeout=10) as client:
+        assert client.namespace_id == embedded.namespace_id
+        assert client.layout == embedded.layout and client.device == torch.device("cpu")
+        cached = PrefixCachedModel(model, client)
+        first = cached.prefill(ids)
+        first.put.wait()
+        again = cached.prefill(ids)
+        assert (first.cached_tokens, again.cached_tokens) == (0, 3 * T)
+        assert_exact_fp32(again, plain_logits(model, ids))
+        with torch.no_grad():
+            model.lm_head.weight.mul_(2.0)  # edited in place since connect_for
+        with pytest.raises(ConfigError, match="weights changed"):
+            PrefixCachedModel(model, client)

@@ -31,6 +31,7 @@ from kvstore.integrations.transformers.convert import (
 )
 from kvstore.integrations.transformers.identity import (
     cache_kwarg,
+    connect_for,
     eos_token_ids,
     layout_for,
     model_id_for,
@@ -54,6 +55,7 @@ __all__ = [
     "blocks_to_cache",
     "cache_kwarg",
     "cache_layers",
+    "connect_for",
     "eos_token_ids",
     "layout_for",
     "model_id_for",

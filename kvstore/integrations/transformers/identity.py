@@ -8,19 +8,22 @@ import inspect
 import json
 import os
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import DynamicCache
 
+from kvstore.client import Client, connect
 from kvstore.errors import ConfigError
 from kvstore.integrations.transformers.convert import cache_layers
 from kvstore.layout import KVLayout
 from kvstore.store import Store, open_store
 
-__all__ = ["cache_kwarg", "eos_token_ids", "layout_for", "model_id_for", "open_store_for",
+__all__ = ["cache_kwarg", "connect_for", "eos_token_ids", "layout_for", "model_id_for",
+           "open_store_for",
            "rope_exact_tokens", "weights_digest", "weights_stamp"]
 
 #: config keys that do not change what the model computes (left out of the model id)
@@ -217,13 +220,15 @@ def weights_stamp(model: torch.nn.Module) -> tuple[Any, ...]:
 
 
 #: store -> (the model open_store_for opened it for, that model's weights_stamp then)
-_OPENED_FOR: weakref.WeakKeyDictionary[Store, tuple[weakref.ref[torch.nn.Module], tuple[Any, ...]]]
+_OPENED_FOR: weakref.WeakKeyDictionary[Store | Client,
+                                       tuple[weakref.ref[torch.nn.Module], tuple[Any, ...]]]
 _OPENED_FOR = weakref.WeakKeyDictionary()
 
 
-def opened_stamp(store: Store, model: torch.nn.Module) -> tuple[Any, ...] | None:
+def opened_stamp(store: Store | Client, model: torch.nn.Module) -> tuple[Any, ...] | None:
     """The :func:`weights_stamp` ``model`` had when :func:`open_store_for` opened ``store``
-    for it (None: opened otherwise, or for another model object)."""
+    (or :func:`connect_for` connected it) for it (None: opened otherwise, or for another
+    model object)."""
     try:
         got = _OPENED_FOR.get(store)
     except TypeError:  # a KVCache of another kind that takes no weak reference, or no hash
@@ -252,17 +257,59 @@ def open_store_for(
     blocks with it.
     """
     stamp = weights_stamp(model)
+    ident = _identity(model, block_tokens, model_revision, dtype,
+                      store_kwargs.pop("namespace_extras", None))
+    store = open_store(path, layout=ident.layout, model_id=ident.model_id,
+                       model_revision=ident.revision, namespace_extras=ident.extras,
+                       **store_kwargs)
+    _OPENED_FOR[store] = (weakref.ref(model), stamp)
+    return store
+
+
+def connect_for(
+    model: torch.nn.Module,
+    socket_path: str | os.PathLike[str],
+    *,
+    block_tokens: int = 16,
+    model_revision: str | None = None,
+    dtype: torch.dtype | None = None,
+    **client_kwargs: Any,
+) -> Client:
+    """:func:`kvstore.connect` to a ``kvstore serve`` daemon with the identity
+    :func:`open_store_for` gives ``model`` (layout, model id, weights revision, the config
+    digest in the extras): the same namespace, so an embedded store and a daemon holding it
+    serve each other's blocks. The client fetches onto the model's device unless ``device``
+    is given; a :class:`PrefixCachedModel` over it refuses weights edited in place since."""
+    stamp = weights_stamp(model)
+    ident = _identity(model, block_tokens, model_revision, dtype,
+                      client_kwargs.pop("namespace_extras", None))
+    client_kwargs.setdefault("device", next(model.parameters()).device)
+    client = connect(socket_path, layout=ident.layout, model_id=ident.model_id,
+                     model_revision=ident.revision, namespace_extras=ident.extras,
+                     **client_kwargs)
+    _OPENED_FOR[client] = (weakref.ref(model), stamp)
+    return client
+
+
+@dataclass(frozen=True, slots=True)
+class _Identity:
+    layout: KVLayout
+    model_id: str
+    revision: str
+    extras: Mapping[str, object] | None
+
+
+def _identity(model: torch.nn.Module, block_tokens: int, model_revision: str | None,
+              dtype: torch.dtype | None, extras: Mapping[str, object] | None) -> _Identity:
+    """The namespace fields of ``model`` (see :func:`open_store_for`)."""
     layout = layout_for(model, dtype=dtype, block_tokens=block_tokens)
     rev = model_revision or getattr(model.config, "_commit_hash", None) or weights_digest(model)
     model_id = model_id_for(model)
     digest = _config_digest(_config_of(model))
     if not model_id.endswith(digest):
-        extras = dict(store_kwargs.pop("namespace_extras", None) or {})
+        extras = dict(extras or {})
         extras.setdefault("hf_config", digest)
-        store_kwargs["namespace_extras"] = extras
-    store = open_store(path, layout=layout, model_id=model_id, model_revision=rev, **store_kwargs)
-    _OPENED_FOR[store] = (weakref.ref(model), stamp)
-    return store
+    return _Identity(layout, model_id, rev, extras)
 
 
 def _longrope_original(module: Any, layer_type: str | None) -> int | None:
