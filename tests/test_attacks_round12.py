@@ -89,30 +89,53 @@ def test_writes_redis_refuses_for_hours_log_a_line_per_interval_not_per_block():
 
 # -- a store under put/flush churn: the disk index's file ----------------------------------------
 
-@pytest.mark.xfail(strict=True, reason="the disk tier's LMDB file grows with every put+flush "
-                   "although its records stay within the budget (kvstore/tiers/disk, owned by "
-                   "another pass: reported, not fixed here)")
-def test_the_index_file_stays_bounded_under_put_and_flush_churn(tmp_path):
+_DIES_READING = r"""
+import lmdb, os, signal, sys
+env = lmdb.open(sys.argv[1], max_readers=1024, max_dbs=16)  # kvstore's own settings
+txn = env.begin()  # a read transaction: one reader slot, at the index's current txn...
+txn.stat(env.open_db(b"blocks", txn=txn, create=False))
+os.kill(os.getpid(), signal.SIGKILL)  # ...kept by a process that died with it
+"""
+
+
+def test_the_index_file_stays_bounded_under_put_and_flush_churn(tmp_path, monkeypatch):
     """A store whose disk budget holds ~500 blocks, each put of 8 new blocks flushed (what an
     engine that flushes per request does for months): the index holds ~500 records and the
-    segments stay within the budget, yet ``index/data.mdb`` grew ~100 pages (400 KiB) per
-    300 puts, linearly (10 MiB after 8,000 puts of 8 blocks, for a few hundred records):
-    its freed pages are not reused. After a warm-up round of 80 puts, the next 160 grew it
-    by 62 pages; they must not grow it by more than 24."""
+    segments stay within the budget, but ``index/data.mdb`` grew ~100 pages (400 KiB) per 300
+    puts, to 10.5 MiB after 8,000 puts. Two causes:
+
+    - the tombstones database (``kvstore explain``'s trace of the blocks that left the index)
+      filling to its fixed bound, 65,536 traces at one page per ~27 evictions: ~2,630 pages
+      (10.3 MiB) from ~8,200 puts on, then no more (2,633 pages at 10,000 puts, 2,658 at
+      24,000). Bounded, so no leak: here its bound is 128 so that it fills in the warm-up;
+    - a process killed -9 inside a read transaction of the index (an engine's lookup): LMDB
+      counted its reader slot as a live reader as old as that transaction, so no page freed
+      after it was ever reused, and every commit grew the file (~50 pages per put+flush:
+      8,168 pages over these 160 puts) for as long as the store ran. Now each write
+      transaction first clears the slots of dead processes: 2 pages."""
+    import subprocess
+    import sys
+
     from support.attacks import LAY, T, attack_store
 
+    from kvstore.tiers.disk import tombstones
+
+    monkeypatch.setattr(tombstones, "GENERATION", 128)
     kv = torch.zeros(LAY.batch_shape(8), dtype=LAY.dtype)
     data = tmp_path / "st" / "index" / "data.mdb"
     sizes = []
     with attack_store(tmp_path / "st", model="round12/lmdb", warm=64, disk="256KiB") as s:
         i = 0
-        for _ in range(3):
+        for _ in range(4):
             for _ in range(80):
                 i += 1
                 s.put(s.block_keys([i * 1000 + x for x in range(8 * T)]), kv).wait()
                 s.flush()
             sizes.append(data.stat().st_size)
-    assert sizes[2] - sizes[0] <= 24 * 4096, sizes
+            if len(sizes) == 2:  # warmed up: an engine dies inside a read of the index
+                subprocess.run([sys.executable, "-c", _DIES_READING, str(data.parent)],
+                               check=False, timeout=60)
+    assert sizes[3] - sizes[1] <= 16 * 4096, sizes
 
 
 # -- a Redis Cluster whose masters move for months -----------------------------------------------
