@@ -534,9 +534,8 @@ class Client:
 
     def close(self, timeout: float | None = 30.0) -> None:
         """Close the connection (the daemon gives back whatever it still holds for us),
-        waiting at most ``timeout`` seconds (``None``: no bound) for calls still in flight on
-        other threads; those then end as misses. What the daemon acknowledged stays with it:
-        its own store's ``flush`` and ``close`` vouch for it."""
+        waiting at most ``timeout`` seconds (``None``: no bound) for calls in flight on other
+        threads, which then end as misses. What the daemon acknowledged stays with it."""
         if not self._link.mark_closed():
             return
         if self._session is not None:
