@@ -407,3 +407,52 @@ def test_clients_that_lease_put_pin_and_vanish_leave_the_daemon_as_it_was(serve)
     fds, threads, maps, shm = after400
     assert fds == after200[0] and shm == after200[3] == 2, (after200, after400)
     assert threads <= after200[1] + 2 and maps <= after200[2] + 8, (after200, after400)
+
+
+def test_new_namespaces_do_not_each_read_every_namespace_the_store_has(tmp_path, monkeypatch,
+                                                                       caplog):
+    """The daemon's "new namespace" note read every namespace record of the store for each
+    namespace it had not opened before: a daemon whose namespaces churn (tenants, adapters)
+    paid time in the number of stored namespaces on every new one (60 ms each at 600), so
+    quadratic over its life. The list is now read once per minute at most, with the
+    namespaces the daemon opens since added to it; the note still names a near miss."""
+    import asyncio
+
+    from kvstore import KVLayout
+    from kvstore.daemon import namespaces
+    from kvstore.daemon.config import DaemonConfig
+    from kvstore.daemon.security import Limits
+    from kvstore.namespace import Namespace
+
+    lay = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, dtype=torch.bfloat16,
+                   block_tokens=4)
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    cfg = DaemonConfig(tmp_path / "store", tmp_path / "s.sock", cpu_capacity=16 * lay.block_nbytes,
+                       disk_capacity=1 << 20, limits=Limits(max_namespaces=4))
+    reads = []
+    real = namespaces._stored_namespaces
+    monkeypatch.setattr(namespaces, "_stored_namespaces",
+                        lambda c: reads.append(1) or real(c))
+
+    async def run_blocking(fn, *args):
+        return fn(*args)
+
+    async def main():
+        reg = namespaces.NamespaceRegistry(cfg, shm, run_blocking)
+        try:
+            for j in range(12):
+                ns = Namespace.create("org/Model-8B", lay, extras={"adapter": str(j)})
+                entry = await reg.acquire(ns, None, "client")
+                await reg.release(entry, "client")
+            typo = Namespace.create("org/Model-8b", lay, extras={"adapter": "3"})
+            await reg.release(await reg.acquire(typo, None, "client"), "client")
+        finally:
+            await reg.close_all()
+
+    with caplog.at_level(logging.INFO, logger="kvstore"):
+        asyncio.run(main())
+    assert len(reads) == 1  # 13 new namespaces, one read of the store's list
+    notes = [r.getMessage() for r in caplog.records if "new namespace" in r.getMessage()]
+    assert len(notes) == 13
+    assert "differing in one field only" in notes[-1] and "org/Model-8B" in notes[-1]

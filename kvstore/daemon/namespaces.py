@@ -27,6 +27,7 @@ from kvstore.namespace import Namespace
 from kvstore.sizes import format_size
 from kvstore.stats import StoreStats
 from kvstore.store import Store, open_store
+from kvstore.tiers.disk import NamespaceInfo
 from kvstore.wire.errors import BadRequest, ErrorCode
 
 if TYPE_CHECKING:
@@ -38,6 +39,9 @@ log = logging.getLogger("kvstore.daemon")
 RunBlocking = Callable[..., Awaitable]
 #: namespaces the registry remembers having opened (for the "new namespace" note)
 _SEEN_MAX = 4096
+#: how long the store's namespace list is reused for the "new namespace" note (a namespace
+#: another process stored meanwhile is named as new at most this late: an INFO line)
+_STORED_TTL_S = 60.0
 
 
 @dataclass(eq=False, slots=True)
@@ -103,6 +107,15 @@ def _describe(ns: Namespace) -> str:
             f"{ns.tp_rank}/{ns.tp_size}{extras}")
 
 
+def _info_of(ns: Namespace) -> NamespaceInfo:
+    """The record the disk tier keeps of ``ns`` (as ``DiskTier.register_namespace`` writes)."""
+    lay = ns.layout
+    return NamespaceInfo(ns.id, ns.model_id, ns.model_revision, dtype_name(lay.dtype),
+                         lay.num_layers, lay.kv_planes, lay.block_tokens, lay.num_kv_heads,
+                         lay.head_dim, ns.tp_rank, ns.tp_size, ns.format_version,
+                         tuple(ns.extras))
+
+
 def _differences(ns: Namespace, info) -> list[str]:
     """Which fields of ``ns`` differ from a stored namespace's (``NamespaceInfo``)."""
     lay = ns.layout
@@ -143,6 +156,7 @@ class NamespaceRegistry:
         self._close_failed = False
         # namespaces opened by this daemon (the latest _SEEN_MAX: namespaces come and go)
         self._seen: OrderedDict[bytes, None] = OrderedDict()
+        self._stored_cache: tuple[float, list] | None = None  # (when read, namespaces)
 
     def _new_namespace_note(self, ns: Namespace) -> str | None:
         """An INFO line when ``ns`` is new to the store (nothing was ever stored under it),
@@ -150,7 +164,7 @@ class NamespaceRegistry:
         client's typo'd model id otherwise silently gets an empty cache."""
         if ns.id in self._seen:
             return None
-        known = _stored_namespaces(self._config) if self._config.disk_capacity else []
+        known = self._stored() if self._config.disk_capacity else []
         if any(i.namespace_id == ns.id for i in known):
             return None
         near = [f"{i.namespace_id.hex()[:16]} ({', '.join(d)})" for i in known
@@ -158,6 +172,15 @@ class NamespaceRegistry:
         return (f"new namespace {ns.id.hex()[:16]}: {_describe(ns)}; nothing is stored under "
                 "it yet" + (f"; the store has namespace(s) differing in one field only: "
                             f"{'; '.join(near[:4])}" if near else ""))
+
+    def _stored(self) -> list:
+        """The store's namespaces, read at most every :data:`_STORED_TTL_S` seconds: reading
+        them costs time in their number (~0.1 ms each), and a daemon whose namespaces churn
+        (tenants, adapters) would pay it on every new one (60 ms each at 600)."""
+        now = time.monotonic()
+        if self._stored_cache is None or now - self._stored_cache[0] > _STORED_TTL_S:
+            self._stored_cache = (now, _stored_namespaces(self._config))
+        return self._stored_cache[1]
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -274,6 +297,10 @@ class NamespaceRegistry:
         self._seen.move_to_end(ns.id)
         if len(self._seen) > _SEEN_MAX:  # bounded: a forgotten one is looked up on disk again
             self._seen.popitem(last=False)
+        if not memory_only and self._stored_cache is not None:  # now stored (its record)
+            known = self._stored_cache[1]
+            if all(i.namespace_id != ns.id for i in known):
+                known.append(_info_of(ns))
         log.info("opened namespace %s (model %s): %d warm slots of %s (%s), shm %s",
                  ns.id.hex()[:16], ns.model_id, slab.shape[0], format_size(bn),
                  format_size(slab.shape[0] * bn), shm)
