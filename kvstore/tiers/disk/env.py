@@ -27,6 +27,7 @@ from kvstore.tiers.disk.index import (
     DB_BLOCKS,
     DB_META,
     DB_NAMES,
+    DB_NS,
     DISK_FORMAT_VERSION,
     META_FORMAT,
     META_NEXT_SEGMENT,
@@ -36,6 +37,7 @@ from kvstore.tiers.disk.index import (
     U64,
     RecordError,
     decode_u32,
+    legacy_key_space,
 )
 
 log = logging.getLogger("kvstore.disk")
@@ -291,6 +293,18 @@ def init_dbs(env: lmdb.Environment, index_dir: str, *, create: bool) -> dict[byt
             f"the disk tier at {os.path.dirname(index_dir)} has on-disk format version {found}, "
             f"but this kvstore reads and writes format version {DISK_FORMAT_VERSION}; open it "
             f"with a kvstore release for format {found}, or point the store at a new directory"
+        )
+    with env.begin() as txn:
+        legacy = legacy_key_space(txn, dbs[DB_BLOCKS], dbs[DB_NS])
+    if legacy:
+        store = os.path.dirname(index_dir)
+        raise FormatVersionError(
+            f"the disk tier at {store} has on-disk format version 2 as written before "
+            "namespaces had key spaces of their own (kvstore before commit 067ffff: its index "
+            "keys are 32 bytes), but this kvstore reads format 2 with 64-byte keys (namespace "
+            "id + key): every lookup would miss. Run 'kvstore recover --store "
+            f"{store}' to rebuild the index in this format (every block is kept, the old "
+            "index stays as index.damaged-*), or point the store at a new directory"
         )
     return dbs
 

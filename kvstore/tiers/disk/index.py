@@ -162,6 +162,26 @@ def dbkey(namespace_id: bytes, key: bytes) -> bytes:
     return namespace_id + key
 
 
+def legacy_key_space(txn: lmdb.Transaction, blocks: object, ns: object) -> bool:
+    """True for an index of format 2 as written before every namespace had a key space of
+    its own (kvstore before commit 067ffff): ``blocks`` holds records, all under the bare
+    32-byte key, none under :func:`dbkey`. This kvstore would find none of them (every
+    lookup a miss); ``kvstore recover`` rebuilds such an index, keeping every block. An index
+    with records of both kinds (a rollback to such a release wrote some) is this format: its
+    32-byte records are ``bad_record`` findings. Cost: one seek per namespace."""
+    cur = txn.cursor(db=blocks)
+    if not cur.first() or len(cur.key()) != 32:
+        return False
+    for nid in txn.cursor(db=ns).iternext(values=False):
+        if cur.set_range(nid):
+            for k in cur.iternext(values=False):  # a bare key equal to nid sorts first
+                if k[:32] != nid:
+                    break
+                if len(k) == 64:
+                    return False
+    return True
+
+
 def lru_key(last_access_us: int, ck: bytes) -> bytes:
     """``lru`` key: last access (u64 BE) ‖ the block's :func:`dbkey`."""
     return BE64.pack(last_access_us) + ck

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import lmdb
 
 from kvstore import filemodes as _modes
-from kvstore.errors import KVStoreError, StoreLockedError
+from kvstore.errors import FormatVersionError, KVStoreError, StoreLockedError
 from kvstore.tiers import codec as _codec
 from kvstore.tiers.disk import env as _env
 from kvstore.tiers.disk import guard as _guard
@@ -293,6 +293,9 @@ def _index_state(index_dir: str) -> tuple[str, str | None]:
         db = env.open_db(di.DB_META, create=False)
         with env.begin() as txn:
             raw = txn.get(di.META_FORMAT, db=db)
+            legacy = (raw == di.U32.pack(di.DISK_FORMAT_VERSION) and di.legacy_key_space(
+                txn, env.open_db(di.DB_BLOCKS, txn=txn, create=False),
+                env.open_db(di.DB_NS, txn=txn, create=False)))
     except lmdb.Error as e:
         return "damaged", f"LMDB cannot read it: {e}"
     finally:
@@ -302,9 +305,23 @@ def _index_state(index_dir: str) -> tuple[str, str | None]:
     except di.RecordError as e:
         return "damaged", str(e)
     if found != di.DISK_FORMAT_VERSION:
-        return "damaged", (f"format version {found}, this kvstore uses "
-                           f"{di.DISK_FORMAT_VERSION}")
+        # 0 or >= 1000: a damaged record; any other: a store of another kvstore release,
+        # whose segments this one cannot read either (it must never swap that index out)
+        return ("damaged" if found == 0 or found >= 1000 else "other_format"), (
+            f"format version {found}, this kvstore uses {di.DISK_FORMAT_VERSION}")
+    if legacy:  # its segments are this format: a rebuild keeps every block
+        return "damaged", ("format 2 from before per-namespace key spaces (32-byte index "
+                           "keys): rebuilt with this kvstore's keys")
     return "intact", None
+
+
+def _refuse_other_format(store: str, problem: str | None) -> FormatVersionError:
+    return FormatVersionError(
+        f"the index of {store} has another on-disk {problem}: it was written by another "
+        "kvstore release, and recovering would replace it with an index of this format "
+        "holding none of its blocks (that release could not read the store any more). Open "
+        "the store with a kvstore release of its format, or point this one at a new "
+        "directory; --force rebuilds it anyway (for a format record that is damaged)")
 
 
 
@@ -329,6 +346,10 @@ def recover(path: str | os.PathLike[str], *, dry_run: bool = False, force: bool 
     state, problem = _index_state(index_dir)
     findings: list[RecoverFinding] = []
     ids, top = _guard.segment_ids(segdir)
+    if state == "other_format":
+        if not force:
+            raise _refuse_other_format(store, problem)
+        state = "damaged"
     if state == "intact" and not force:
         return RecoverResult(store, dry_run, state, None, False, len(ids), 0, 0, 0, 0, 0, 0,
                              (), 0, 0, 0, 0, None, time.perf_counter() - t0, 0.0)
