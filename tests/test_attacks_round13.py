@@ -19,12 +19,14 @@ from __future__ import annotations
 import os
 
 import lmdb
+import msgpack
 import pytest
 import torch
 from support.admin import build_store, kv_for, open_test_store, small_layout
 
 from kvstore.cli import main as cli
 from kvstore.errors import FormatVersionError
+from kvstore.events.codec import decode_batch
 from kvstore.packs import PackError, export_pack, import_pack
 from kvstore.tiers.disk import index as di
 from kvstore.tiers.disk.recover import recover
@@ -189,3 +191,13 @@ def test_pack_of_another_pack_format_is_refused_naming_both(tmp_path):
     assert "'2'" in str(ei.value) and "format 1" in str(ei.value)
     assert not os.path.exists(os.path.join(dst, "index"))
 
+
+def test_event_batch_with_a_newer_publisher_trailing_field_is_read():
+    """A newer publisher (vLLM's msgspec EventBatch) appending a field to the batch array:
+    every batch was refused (EventFormatError, a debug log), so a router fed by it kept an
+    empty index. Trailing fields are now ignored, as they already were in array events."""
+    ev = ["BlockStored", [b"k" * 32], None, [1, 2, 3, 4], 4, None, "cpu", None]
+    payload = msgpack.packb([1.5, [ev], 0, {"future": 1}], use_bin_type=True)
+    batch = decode_batch(payload)
+    assert batch.data_parallel_rank == 0 and len(batch.events) == 1
+    assert batch.events[0].block_hashes == (b"k" * 32,)

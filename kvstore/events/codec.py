@@ -10,8 +10,9 @@ event is a msgspec *tagged* struct, in one of two layouts:
 
 ``encode_batch`` writes the bytes vLLM's own encoder writes for the same events (pinned by
 ``tests/vllm/test_vllm_kv_events.py``); ``decode_batch`` reads either layout, bounded and
-strict, and raises :class:`EventFormatError` for anything else. Unknown event types are skipped
-and unknown map fields ignored, so a newer publisher's additions do not break the reader.
+strict, and raises :class:`EventFormatError` for anything else. Unknown event types are skipped,
+and unknown map fields and trailing fields (of an array event or of the batch) ignored, so a
+newer publisher's additions do not break the reader.
 """
 
 from __future__ import annotations
@@ -177,13 +178,14 @@ def decode_batch(payload: bytes, max_payload: int = DEFAULT_MAX_PAYLOAD) -> Even
         obj = unpack(payload, limits_for(max_payload))
     except CodecError as e:
         raise _fail(str(e)) from None
-    if type(obj) is not list or len(obj) not in (2, 3):
+    # fields after data_parallel_rank are a newer publisher's (msgspec appends them): ignored
+    if type(obj) is not list or not 2 <= len(obj) <= 64:
         raise _fail("a batch is an array [ts, events, data_parallel_rank]")
     ts, events = obj[0], obj[1]
     if type(ts) not in (float, int):
         raise _fail(f"ts must be a number, got {type(ts).__name__}")
     if type(events) is not list:
         raise _fail(f"events must be an array, got {type(events).__name__}")
-    rank = _int(obj[2], "data_parallel_rank", optional=True) if len(obj) == 3 else None
+    rank = _int(obj[2], "data_parallel_rank", optional=True) if len(obj) >= 3 else None
     decoded = tuple(e for e in map(_event, events) if e is not None)
     return EventBatch(float(ts), decoded, rank)
