@@ -32,12 +32,19 @@ NATIVE = Extension(
 
 #: the batched engine's one-pass RMSNorm (ext/rmsnorm.c); without it the model's own runs
 RMSNORM = Extension("kvstore._rmsnorm", sources=["ext/rmsnorm.c"], optional=True)
-#: more flags per extension (gcc/clang): the loops' simd pragmas, no OpenMP runtime
-_FLAGS = {"kvstore._rmsnorm": ["-fopenmp-simd"]}
+#: the batched engine's float32 attention (ext/attention.c); without it torch's flash kernel.
+#: OpenMP: it needs libgomp.so.1, which torch's wheel bundles (one runtime, torch's threads)
+ATTENTION = Extension("kvstore._attention", sources=["ext/attention.c"], optional=True)
+#: more flags per extension (gcc/clang): RMSNorm's simd pragmas (no OpenMP runtime), the
+#: attention kernel's OpenMP (linked to libgomp.so.1: torch's own once torch is imported)
+_FLAGS = {"kvstore._rmsnorm": ["-fopenmp-simd"],
+          "kvstore._attention": ["-fopenmp", "-fno-math-errno", "-Wno-psabi"]}
+_LINK_FLAGS = {"kvstore._attention": ["-fopenmp"]}
 #: what a failed build of each extension costs
 _FALLBACK = {
     "kvstore._native": "kvstore will use its pure-Python key path (identical keys, slower).",
     "kvstore._rmsnorm": "the batched engine will run the model's own RMSNorm (slower).",
+    "kvstore._attention": "the batched engine will run torch's attention kernel (slower).",
 }
 
 
@@ -67,6 +74,7 @@ class OptionalBuildExt(build_ext):
             ext.extra_compile_args = ["/O2"]
         else:
             ext.extra_compile_args = ["-O3", "-fvisibility=hidden", *_FLAGS.get(ext.name, ())]
+            ext.extra_link_args = list(_LINK_FLAGS.get(ext.name, ()))
             if os.environ.get("KVSTORE_NATIVE_DEBUG"):
                 ext.extra_compile_args += ["-O0", "-g", "-Wall", "-Wextra"]
         try:
@@ -96,4 +104,4 @@ class OptionalBuildExt(build_ext):
         return mapping
 
 
-setup(ext_modules=[NATIVE, RMSNORM], cmdclass={"build_ext": OptionalBuildExt})
+setup(ext_modules=[NATIVE, RMSNORM, ATTENTION], cmdclass={"build_ext": OptionalBuildExt})

@@ -20,7 +20,9 @@ with the forward's :class:`ForwardPlan` in a context variable. Its ``cache`` arg
 :class:`PlanCache`, whose ``update`` writes the new K/V into the suffix buffers.
 
 The math is the model's own attention (scaling, GQA head mapping, sliding window, logit
-soft-capping) in another summation order: float32 results agree to rounding.
+soft-capping) in another summation order: float32 results agree to rounding. Calls without a
+mask (a prompt's causal part, queries against a prefix without a window) go to the engine's
+own kernel where it applies (:mod:`.flash`), the rest to torch's flash kernel.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from typing import Any
 import torch
 
 from kvstore.errors import ConfigError
+from kvstore.integrations.batch.engines import flash
 from kvstore.integrations.batch.engines.split import wide
 
 ATTENTION_NAME = "kvstore_shared_prefix"
@@ -237,6 +240,10 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     ``mask`` as 0 / -inf in ``q``'s dtype, if the caller has it. ``sees_one``: every query
     sees at least one key (no check for those that see none).
     """
+    if mask is None and additive is None and not softcap:
+        done = flash.attend(q, k, v, scale, causal)  # the engine's own kernel, if it applies
+        if done is not None:
+            return done
     if _flash_ok(q, softcap):
         add = additive
         if mask is not None and add is None:
@@ -351,9 +358,13 @@ def _one_part(plan: SuffixPart, positions: torch.Tensor, layer: int, q: torch.Te
         for row, a, n in plan.fresh:
             qh = q[:, :, a:a + n].reshape(1, Hkv * G, n, D)
             kh, vh = k[row:row + 1, :, :n], v[row:row + 1, :, :n]
-            if G > 1:
-                kh, vh = kh.repeat_interleave(G, dim=1), vh.repeat_interleave(G, dim=1)
-            oh, lh = _attend(qh, kh, vh, scale, softcap, None, causal=True)
+            done = None if softcap else flash.attend(qh, kh, vh, scale, True)  # GQA as is
+            if done is not None:
+                oh, lh = done
+            else:
+                if G > 1:
+                    kh, vh = kh.repeat_interleave(G, dim=1), vh.repeat_interleave(G, dim=1)
+                oh, lh = _attend(qh, kh, vh, scale, softcap, None, causal=True)
             o[:, :, a:a + n] = oh.view(Hkv, G, n, D)
             lse[:, :, a:a + n] = lh.view(Hkv, G, n)
         return o, lse
