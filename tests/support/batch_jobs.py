@@ -60,3 +60,20 @@ def save_llama(path: Any, vocab: int, *, hidden: int, layers: int, heads: int, k
                     p.normal_(0.0, 1.0 / p.shape[1] ** 0.5)
     m.save_pretrained(path)
     return path
+
+
+def spread_saved(cfg: Any, path: Any) -> Any:
+    """A seeded random model of ``cfg`` with weights spread wider than the default init (so
+    greedy choices have clear margins), saved to ``path`` and loaded back in float32: what a
+    user's ``from_pretrained`` gives, exact on the engine's tests."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    m = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if p.dim() == 2 and "embed" not in name:
+                p.normal_(0.0, 1.0 / p.shape[1] ** 0.5)
+    m.save_pretrained(path)
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

@@ -112,19 +112,13 @@ VOCAB = 512
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     """A Llama with head_dim 64 (the kernel's) and GQA."""
-    torch.manual_seed(0)
+    from support.batch_jobs import spread_saved
+
     cfg = transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024,
         pad_token_id=0)
-    m = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if p.dim() == 2 and "embed" not in name:
-                p.normal_(0.0, 1.0 / p.shape[1] ** 0.5)
-    path = tmp_path_factory.mktemp("llama-d64")
-    m.save_pretrained(path)
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return spread_saved(cfg, tmp_path_factory.mktemp("llama-d64"))
 
 
 @needs_kernel

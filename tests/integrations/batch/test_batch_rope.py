@@ -21,20 +21,14 @@ VOCAB, ORIGINAL = 512, 64
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    torch.manual_seed(0)
+    from support.batch_jobs import spread_saved
+
     cfg = transformers.Phi3Config(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
         original_max_position_embeddings=ORIGINAL, pad_token_id=0,
         rope_scaling={"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [4.0] * 8})
-    m = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if p.dim() == 2 and "embed" not in name:
-                p.normal_(0.0, 1.0 / p.shape[1] ** 0.5)
-    path = tmp_path_factory.mktemp("phi3-longrope")
-    m.save_pretrained(path)
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return spread_saved(cfg, tmp_path_factory.mktemp("phi3-longrope"))
 
 
 def hf_generate(model, prompt, max_new):
