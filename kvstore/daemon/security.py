@@ -78,17 +78,15 @@ class PeerPolicy:
     def __init__(self, allowed_uids: Iterable[int] | None = None) -> None:
         uids = set(allowed_uids or ())
         self.allowed_uids = frozenset(uids or {os.getuid()})
-        self._log_every = Every(REFUSAL_LOG_S)
-        self._unlogged = 0  # refusals since the last one logged
+        self._log_every = Every(REFUSAL_LOG_S)  # refusals, counted between the lines logged
 
     def refusal_to_log(self, cred: PeerCredentials) -> str | None:
         """The line to log for refusing ``cred``, or None while the last one is recent: a
         refused engine retries for as long as it runs (every 5 s with the client's backoff,
         other processes as fast as they like), and each attempt logged its own WARNING."""
-        self._unlogged += 1
-        if not self._log_every.due():
+        n = self._log_every.tally()
+        if not n:
             return None
-        n, self._unlogged = self._unlogged, 0
         since = f" ({n - 1} more refused since the last such line)" if n > 1 else ""
         return (f"refused pid {cred.pid} uid {cred.uid}: not in the allow-list{since}; "
                 f"logged at most every {REFUSAL_LOG_S:g} s")

@@ -158,7 +158,6 @@ class RemoteTier:
         self._wbuf: np.ndarray | None = None
         self._warn_lock = threading.Lock()
         self._warned = Every(_WARN_EVERY_S)  # writes Redis refused (a lasting fault)
-        self._refused_since = 0
         self._pid = os.getpid()
         self._pool = cf.ThreadPoolExecutor(config.workers, thread_name_prefix="kvstore-remote")
         self._closed = False
@@ -503,10 +502,9 @@ class RemoteTier:
         logged once per :data:`_WARN_EVERY_S` with how many were refused since (each block
         logged its own line before: thousands a second), never per block."""
         with self._warn_lock:
-            self._refused_since += len(refused)
-            if not self._warned.due():
-                return
-            n, self._refused_since = self._refused_since, 0
+            n = self._warned.tally(len(refused))
+        if not n:
+            return
         key, err = refused[0]
         log.warning("remote tier %s: Redis refused %d block write(s)%s, e.g. %s: %s "
                     "(logged at most every %g s)", self._url, n,
