@@ -147,7 +147,7 @@ class SharedEnv:
                 raise _guard.corrupt_error(self.realpath, e) from e
         raise DiskError(errno.ENOSPC, f"LMDB index at {self.realpath} cannot grow its map")
 
-    def _reap_dead_readers(self) -> None:
+    def _reap_dead_readers(self) -> int:
         """Free the reader slots of processes that died inside a read transaction, before
         each write transaction. LMDB reuses a freed page only once no reader older than the
         transaction that freed it remains, and it counts a dead process's slot as such a
@@ -155,15 +155,16 @@ class SharedEnv:
         one engine killed -9 inside a read pinned every page freed after it, and the index
         file grew by every page each later commit copied (~50 pages a put+flush) for as long
         as the others ran. The check scans the reader table, a lock probe per process: well
-        under a microsecond beside a commit's fsync."""
+        under a microsecond beside a commit's fsync. Returns how many slots it cleared."""
         try:
             cleared = self.env.reader_check()
-        except lmdb.Error:  # pragma: no cover - best effort; the write itself reports errors
-            return
+        except lmdb.Error:  # pragma: no cover - best effort; the caller reports what follows
+            return 0
         if cleared:
             log.warning("LMDB index %s: cleared %d reader slot(s) left by processes that died "
-                        "inside a read (they kept its freed pages from reuse)", self.realpath,
-                        cleared)
+                        "inside a read (they held slots and kept freed pages from reuse)",
+                        self.realpath, cleared)
+        return cleared
 
     def _clear_stale_readers(self, e: lmdb.ReadersFullError) -> None:
         """Every reader slot is taken. A process killed inside a read transaction keeps its
@@ -171,12 +172,9 @@ class SharedEnv:
         only when asked): after enough such kills, every read of every process failed with
         MDB_READERS_FULL. Clear those slots; raise when none was stale (the table is full of
         live readers)."""
-        cleared = self.env.reader_check()
-        if not cleared:
+        if not self._reap_dead_readers():
             raise DiskError(errno.EAGAIN, f"the LMDB index at {self.realpath} has no free reader "
                             f"slot ({e}); too many processes and threads read it at once") from e
-        log.warning("LMDB index %s: cleared %d reader slot(s) left by processes that died "
-                    "inside a read", self.realpath, cleared)
 
     def _grow(self) -> None:
         with self.gate.exclusive():
