@@ -107,15 +107,6 @@ def _describe(ns: Namespace) -> str:
             f"{ns.tp_rank}/{ns.tp_size}{extras}")
 
 
-def _info_of(ns: Namespace) -> NamespaceInfo:
-    """The record the disk tier keeps of ``ns`` (as ``DiskTier.register_namespace`` writes)."""
-    lay = ns.layout
-    return NamespaceInfo(ns.id, ns.model_id, ns.model_revision, dtype_name(lay.dtype),
-                         lay.num_layers, lay.kv_planes, lay.block_tokens, lay.num_kv_heads,
-                         lay.head_dim, ns.tp_rank, ns.tp_size, ns.format_version,
-                         tuple(ns.extras))
-
-
 def _differences(ns: Namespace, info) -> list[str]:
     """Which fields of ``ns`` differ from a stored namespace's (``NamespaceInfo``)."""
     lay = ns.layout
@@ -300,7 +291,7 @@ class NamespaceRegistry:
         if not memory_only and self._stored_cache is not None:  # now stored (its record)
             known = self._stored_cache[1]
             if all(i.namespace_id != ns.id for i in known):
-                known.append(_info_of(ns))
+                known.append(NamespaceInfo.of(ns))
         log.info("opened namespace %s (model %s): %d warm slots of %s (%s), shm %s",
                  ns.id.hex()[:16], ns.model_id, slab.shape[0], format_size(bn),
                  format_size(slab.shape[0] * bn), shm)

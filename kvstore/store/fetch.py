@@ -269,14 +269,13 @@ class Fetcher:
             return tier.read(found, dsts, mirrors)
         except (StoreClosedError, TensorMismatchError):  # the caller's buffers: its to fix
             raise
-        except DiskError as e:  # cannot be read now (no index reader slot, ...): a miss
+        except Exception as e:  # a counted miss, never wrong KV: a DiskError is a read that
+            # cannot be made now (no index reader slot, ...), anything else a damaged index/tier
+            now = isinstance(e, DiskError)
             log.warning("fetch: reading %d block(s) from the %s tier failed (%s: %s); "
-                        "treating them as misses", len(dsts), tier.name, type(e).__name__, e)
-            return [ReadStatus.MISSING] * len(dsts)
-        except Exception as e:  # a damaged index or tier: a counted miss, never wrong KV
-            log.warning("fetch: reading %d block(s) from the %s tier failed (%s: %s); "
-                        "treating them as damaged", len(dsts), tier.name, type(e).__name__, e)
-            return [ReadStatus.DAMAGED] * len(dsts)
+                        "treating them as %s", len(dsts), tier.name, type(e).__name__, e,
+                        "misses" if now else "damaged")
+            return [ReadStatus.MISSING if now else ReadStatus.DAMAGED] * len(dsts)
 
     def fill_warm(self, plan: FetchPlan) -> None:
         """Read the durable tiers' blocks of a direct fetch into their reserved warm slots,

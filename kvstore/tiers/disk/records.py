@@ -18,6 +18,8 @@ from kvstore.tiers.disk.index import Rec
 if TYPE_CHECKING:  # torch is imported by whoever hands us tensors: listing needs none
     import torch
 
+    from kvstore.namespace import Namespace
+
 
 @dataclass(frozen=True, slots=True)
 class DiskWrite:
@@ -61,6 +63,24 @@ class NamespaceInfo:
     tp_size: int
     format_version: int
     extras: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def of(cls, ns: Namespace) -> NamespaceInfo:
+        """The record the disk tier keeps of ``ns``."""
+        from kvstore.layout import dtype_name
+
+        lay = ns.layout
+        return cls(ns.id, ns.model_id, ns.model_revision, dtype_name(lay.dtype), lay.num_layers,
+                   lay.kv_planes, lay.block_tokens, lay.num_kv_heads, lay.head_dim, ns.tp_rank,
+                   ns.tp_size, ns.format_version, tuple(ns.extras))
+
+    @property
+    def fields(self) -> tuple:
+        """Every field but the id, in :func:`~kvstore.tiers.disk.index.encode_namespace`'s
+        order."""
+        return (self.model_id, self.model_revision, self.dtype, self.num_layers,
+                self.kv_planes, self.block_tokens, self.num_kv_heads, self.head_dim,
+                self.tp_rank, self.tp_size, self.format_version, self.extras)
 
     @property
     def block_shape(self) -> tuple[int, int, int, int, int]:

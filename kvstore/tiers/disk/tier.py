@@ -172,21 +172,16 @@ class DiskTier:
     # -- namespaces -----------------------------------------------------------------------
     def register_namespace(self, ns: Namespace) -> None:
         """Persist the namespace's layout record (idempotent)."""
-        from kvstore.layout import dtype_name
         from kvstore.namespace import Namespace
 
         ctx = self._ensure()
         sh = ctx.sh
         if not isinstance(ns, Namespace):
             raise ConfigError(f"register_namespace takes a kvstore Namespace, got {type(ns).__name__}")
-        lay = ns.layout
-        fields = (ns.model_id, ns.model_revision, dtype_name(lay.dtype), lay.num_layers,
-                  lay.kv_planes, lay.block_tokens, lay.num_kv_heads, lay.head_dim, ns.tp_rank,
-                  ns.tp_size, ns.format_version, tuple(ns.extras))
         nid = ns.id
-        info = NamespaceInfo(nid, *fields)
+        info = NamespaceInfo.of(ns)
         if not ctx.namespaces.cached(nid):
-            value = encode_namespace(fields)
+            value = encode_namespace(info.fields)
             with sh.read() as txn:
                 present = txn.get(nid, db=sh.dbs[DB_NS]) is not None
             if not present:
