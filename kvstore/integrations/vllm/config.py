@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -62,11 +63,15 @@ _EXTRA_KEYS = {
     "store_path", "cpu_capacity", "disk_capacity", "gpu_capacity", "admission", "disk_codec",
     "eviction", "socket", "warm_capacity", "salt_policy", "model_id", "model_revision", "stats_path",
     "timeout", "prefault", "layerwise", "wait_for_daemon", "save_decode_blocks",
-    "load_async",
+    "load_async", "load_timeout",
 }
 #: keys that only mean something in one mode: given in the other, they would do nothing
 _EMBEDDED_ONLY = ("cpu_capacity", "disk_capacity", "gpu_capacity", "admission", "eviction",
                   "disk_codec", "prefault")
+#: ``load_timeout``'s default: seconds a background load may take before vLLM gets its
+#: request back as failed (to recompute): far above a healthy load (milliseconds to a second
+#: or two for a long prompt from a slow disk), far below a client giving up on a request
+DEFAULT_LOAD_TIMEOUT_S = 30.0
 _DAEMON_ONLY = ("warm_capacity", "salt_policy", "timeout", "wait_for_daemon")
 _SIZE_KEYS = ("cpu_capacity", "disk_capacity", "gpu_capacity", "warm_capacity", "prefault")
 
@@ -95,6 +100,9 @@ class ConnectorConfig:
     ``load_async`` (default on): a hit that must come from below memory (disk, the daemon,
     Redis) is loaded in the background while the engine runs other requests (vLLM's
     ``load_kv_async``); off = every load before the step's forward.
+    ``load_timeout`` (seconds, default 30): how long such a background load may take; past
+    it vLLM gets the request back with its blocks as load errors (it recomputes them) and
+    nothing the abandoned read does reaches vLLM's pages (``loads.py``).
     """
 
     socket: str | None = None
@@ -116,6 +124,7 @@ class ConnectorConfig:
     layerwise: bool | None = None
     save_decode_blocks: bool = True
     load_async: bool = True
+    load_timeout: float = DEFAULT_LOAD_TIMEOUT_S
 
     @property
     def mode(self) -> str:
@@ -152,6 +161,8 @@ class ConnectorConfig:
                 + ("'socket' is set: the daemon's own options size its cache, e.g. "
                    "'kvstore serve --cpu-capacity'" if daemon else "no 'socket'") + ")"
             )
+        if "load_timeout" in extra:
+            extra["load_timeout"] = float(extra["load_timeout"])
         return cls(**extra)
 
 
@@ -181,6 +192,11 @@ def _check_values(extra: Mapping[str, Any]) -> None:
     t = extra.get("timeout")
     if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):
         raise bad("timeout", "a number of seconds > 0")
+    if "load_timeout" in extra:
+        t = extra["load_timeout"]
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < math.inf:
+            raise bad("load_timeout", "a number of seconds > 0 (how long a background load "
+                      "may take before vLLM recomputes its blocks; leave the key out for 30)")
 
 
 def kvstore_transfer(extra: Mapping[str, Any], policy: str = "recompute") -> dict[str, Any]:

