@@ -11,8 +11,11 @@ its own forward on random rows when the engine is built (a module whose results 
 left alone), and swaps their ``forward`` during :meth:`FusedNorms.active`. The sum of squares
 adds in another order than torch's: float32 results agree to rounding (3.6e-7 relative at
 most on the check), as the engine's attention and packed linear layers do. Inputs the kernel
-does not take (another dtype or device, not contiguous, autograd on) run the module's own
-forward.
+does not take (another dtype or device, not contiguous, 0-d, autograd on) run the module's own
+forward, and so does a module whose weight changed since the check into one the kernel does
+not take (``model.half()``, ``.to(dtype)``, ``weight.data = ...`` cast it in place): the
+weight is looked at on every call (about 0.8 us). A build whose ``rms_norm`` is missing or
+takes other arguments (a stale one) fuses nothing.
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ __all__ = ["FusedNorms", "fused_norm_available"]
 
 try:  # optional: built from ext/rmsnorm.c where a C compiler was found
     from kvstore import _rmsnorm as _kernel  # type: ignore[attr-defined]
-except ImportError:  # pragma: no cover - a build without it
+except ImportError:  # pragma: no cover - a build without it (or a corrupt or foreign file)
+    _kernel = None
+if not callable(getattr(_kernel, "rms_norm", None)):  # a stale build of another era
     _kernel = None
 
 #: RMSNorm classes whose forward is ``weight * (x * rsqrt(mean(x^2) + eps))`` in float32
@@ -52,12 +57,17 @@ def _fusable(m: torch.nn.Module) -> bool:
 
 
 def _fused_forward(m: torch.nn.Module, own: Callable[..., Any]) -> Callable[..., Any]:
-    w, eps, dim = m.weight, float(m.variance_epsilon), m.weight.numel()
+    eps, dim, f32 = float(m.variance_epsilon), m.weight.numel(), torch.float32
     run = _kernel.rms_norm  # type: ignore[union-attr]
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        if (x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous()
-                or x.shape[-1] != dim or (torch.is_grad_enabled() and x.requires_grad)):
+        # the weight as it is now: model.half() / .to() / weight.data = ... change it in place
+        # after the check, and the kernel reads ``dim`` float32 from it
+        w = m.weight
+        if (x.dtype != f32 or x.device.type != "cpu" or not x.is_contiguous() or x.dim() == 0
+                or x.shape[-1] != dim or w.dtype != f32 or w.device.type != "cpu"
+                or not w.is_contiguous() or w.numel() != dim
+                or (torch.is_grad_enabled() and x.requires_grad)):
             return own(x)
         out = torch.empty_like(x)
         if x.numel():
@@ -82,7 +92,10 @@ class FusedNorms:
                     continue
                 x = torch.randn((7, m.weight.numel()), generator=g) * 3
                 want = m(x)
-                got = _fused_forward(m, m.forward)(x)
+                try:
+                    got = _fused_forward(m, m.forward)(x)
+                except (TypeError, ValueError):  # a build whose signature is not this one's
+                    continue
                 if want.shape == got.shape and torch.allclose(got, want, rtol=CHECK_RTOL,
                                                               atol=1e-6):
                     self.modules.append(m)
