@@ -139,7 +139,7 @@ def _array_to_u32le(token_ids: object) -> bytes:
             raise TokenError(f"token_ids tensor must have an integer dtype, not {t.dtype}")
         _check_one_row(tuple(t.shape))
         try:
-            a = t.detach().to("cpu").reshape(-1).numpy()
+            a = t.detach().to("cpu").resolve_neg().reshape(-1).numpy()  # a lazy negation
         except (RuntimeError, NotImplementedError) as e:  # a meta tensor, a lost device
             raise TokenError(f"token_ids tensor on {t.device} cannot be read ({e}); pass "
                              "token ids that hold values (a list, a CPU tensor)") from None

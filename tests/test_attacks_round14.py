@@ -198,6 +198,15 @@ def test_native_keys_survive_hostile_items_and_sizes():
             n.chain_keys(bytes(32), memoryview(bytes(64)).cast(fmt), 16)
 
 
+def test_a_lazily_negated_token_tensor_is_keyed_by_its_values():
+    """torch's negative bit: the memory holds the negatives, numpy() refuses; the ids are
+    the values (was a TokenError, "cannot be read", on both paths)."""
+    t = torch._neg_view(torch.tensor([-5, -6] * 16))
+    want = _outcome([5, 6] * 16, 16)
+    assert want[0] == "ok"
+    assert _outcome(t, 16) == want and _outcome(t, 16, native=False) == want
+
+
 @needs_native
 def test_native_keys_from_threads_at_once_equal_one_thread():
     toks = np.random.default_rng(0).integers(0, 2**32, 16 * 3000, dtype=np.uint32)
@@ -382,6 +391,19 @@ def test_a_nan_query_gives_nan_not_zero(every_size):
 
 
 @needs_attention
+@pytest.mark.xfail(strict=True, reason=(
+    "engines/flash.py _takes: a tensor with torch's negative bit (torch._neg_view and its "
+    "views; public ops materialise it) is taken, and the kernel reads its memory: the "
+    "negatives"))
+def test_a_lazily_negated_input_is_read_as_its_values(every_size):
+    torch.manual_seed(5)
+    q, k, v = torch.randn(1, 2, 64, 64), torch.randn(1, 2, 128, 64), torch.randn(1, 2, 128, 64)
+    got = flash.attend(q, torch._neg_view(k), v, 0.125, False, threads=2)
+    assert got is None or torch.allclose(got[0].double(), _reference(q, -k, v, 0.125, False)[0],
+                                         atol=2e-5)
+
+
+@needs_attention
 def test_attend_rows_equals_the_reference_per_sequence():
     if getattr(flash, "attend_rows", None) is None or not hasattr(flash._kernel, "attend_rows"):
         pytest.skip("no attend_rows in this build")
@@ -548,7 +570,7 @@ def test_the_fused_norm_takes_any_input_the_module_takes():
               torch.full((2, 64), float("nan")), torch.full((2, 64), float("inf")),
               torch.randn(2, 64) * 3e19, torch.full((2, 64), 1e-40), torch.zeros(2, 64),
               torch.randn(1, 64).expand(5, 64), torch.randn(10, 64)[3:],
-              torch.randn(2, 3, 4, 64)]
+              torch.randn(2, 3, 4, 64), torch._neg_view(torch.randn(3, 64))]
     with torch.no_grad():
         for x in inputs:
             want = m(x)

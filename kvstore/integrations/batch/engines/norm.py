@@ -11,11 +11,12 @@ its own forward on random rows when the engine is built (a module whose results 
 left alone), and swaps their ``forward`` during :meth:`FusedNorms.active`. The sum of squares
 adds in another order than torch's: float32 results agree to rounding (3.6e-7 relative at
 most on the check), as the engine's attention and packed linear layers do. Inputs the kernel
-does not take (another dtype or device, not contiguous, 0-d, autograd on) run the module's own
-forward, and so does a module whose weight changed since the check into one the kernel does
-not take (``model.half()``, ``.to(dtype)``, ``weight.data = ...`` cast it in place): the
-weight is looked at on every call (about 0.8 us). A build whose ``rms_norm`` is missing or
-takes other arguments (a stale one) fuses nothing.
+does not take (another dtype or device, not contiguous, 0-d, a lazily negated view whose
+memory holds the values' negatives, autograd on) run the module's own forward, and so does a
+module whose weight changed since the check into one the kernel does not take
+(``model.half()``, ``.to(dtype)``, ``weight.data = ...`` cast it in place): the weight is
+looked at on every call (about 0.8 us). A build whose ``rms_norm`` is missing or takes other
+arguments (a stale one) fuses nothing.
 """
 
 from __future__ import annotations
@@ -65,8 +66,8 @@ def _fused_forward(m: torch.nn.Module, own: Callable[..., Any]) -> Callable[...,
         # after the check, and the kernel reads ``dim`` float32 from it
         w = m.weight
         if (x.dtype != f32 or x.device.type != "cpu" or not x.is_contiguous() or x.dim() == 0
-                or x.shape[-1] != dim or w.dtype != f32 or w.device.type != "cpu"
-                or not w.is_contiguous() or w.numel() != dim
+                or x.shape[-1] != dim or x.is_neg() or w.dtype != f32 or w.device.type != "cpu"
+                or not w.is_contiguous() or w.numel() != dim or w.is_neg()
                 or (torch.is_grad_enabled() and x.requires_grad)):
             return own(x)
         out = torch.empty_like(x)
