@@ -96,6 +96,9 @@ def _containers():
     for dt in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
         yield f"torch {dt}", t.to(dt).clamp_min(0)
         yield f"torch {dt} strided", t.to(dt).clamp_min(0)[::2]
+    for dt in (torch.uint16, torch.uint32, torch.uint64):  # torch's unsigned shell dtypes
+        yield f"torch {dt}", t.clamp_min(0).to(dt)
+    yield "torch uint64 past 2**32", torch.full((40,), 2**32 + 1, dtype=torch.uint64)
     yield "int subclass", [type("I", (int,), {})(7)] * 40
     yield "__index__ objects", [_Index(5)] * 40
     yield "numpy scalars in a list", [np.int64(3), np.uint32(4)] * 20
