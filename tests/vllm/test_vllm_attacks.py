@@ -276,10 +276,10 @@ def test_background_load_aborted_in_flight_or_short_then_retried(tmp_path):
         w = _worker(store, dst)
         gate, entered, lease = threading.Event(), threading.Event(), w._lease
 
-        def held_back(run):
+        def held_back(run, *into):
             entered.set()
             assert gate.wait(30)
-            return lease(run)
+            return lease(run, *into)
 
         w._lease = held_back
         w.start_load_kv(meta)

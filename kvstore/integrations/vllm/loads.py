@@ -20,6 +20,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -47,26 +48,17 @@ class Loader:
 
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="kvstore-vllm-load", daemon=True)
+        # the thread holds the queue, not the loader: a loader dropped without stop() is
+        # collected, and its finalizer ends the thread (as a ThreadPoolExecutor's would)
+        self._thread = threading.Thread(target=_serve, args=(self._jobs,),
+                                        name="kvstore-vllm-load", daemon=True)
         self._thread.start()
+        weakref.finalize(self, self._jobs.put, None)
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
         f: Future = Future()
         self._jobs.put((f, fn, args))
         return f
-
-    def _run(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            f, fn, args = job
-            if not f.set_running_or_notify_cancel():  # cancelled while queued
-                continue
-            try:
-                f.set_result(fn(*args))
-            except BaseException as e:  # the caller's future carries it
-                f.set_exception(e)
 
     def hand_over(self, to: Loader) -> None:
         """Move the calls not started yet to ``to`` and stop this loader's thread once its
@@ -86,6 +78,22 @@ class Loader:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+
+def _serve(jobs: queue.SimpleQueue[_Job | None]) -> None:
+    """A loader's thread: run its calls in order until told to stop (None)."""
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        f, fn, args = job
+        if not f.set_running_or_notify_cancel():  # cancelled while queued
+            continue
+        try:
+            f.set_result(fn(*args))
+        except BaseException as e:  # the caller's future carries it
+            f.set_exception(e)
+        del job, f, fn, args  # nothing of a finished call kept while waiting for the next
 
 
 @dataclass(slots=True)

@@ -101,7 +101,7 @@ class WorkerSide:
         self._zc: ZeroCopy | None = None  # the store, on the direct path
         # the direct path's lease of a run, chosen once by register_kv_caches: lease_into
         # (an embedded store: blocks only on disk read straight into the pages) or lease_warm
-        self._lease: Callable[[BlockRun], _Leased] | None = None
+        self._lease: Callable[..., _Leased] | None = None  # (run, into=None)
         self._embedded: Store | None = None  # the store, when lease_into is the lease
         self._blocks: torch.Tensor | None = None  # the warm slab as [slots, L, P, T, H, D]
         self._page_bytes: PageBytes | None = None  # the CPU pages as bytes (direct reads)
@@ -433,14 +433,13 @@ class WorkerSide:
         ld = AsyncLoad(run, time.monotonic() + self.load_timeout)
         try:
             if self._direct:
+                assert self._lease is not None
+                into = None  # lease_warm: every block comes back as a warm slot
                 if self._embedded is not None:
                     lay = self.layout
                     ld.staged = self._rows.take(n)
                     into = staged_pieces(ld.staged, lay.layer_nbytes, lay.num_layers)
-                    ld.future = self._loaders.submit(self._lease_into, run, into)
-                else:
-                    assert self._lease is not None
-                    ld.future = self._loaders.submit(self._lease, run)
+                ld.future = self._loaders.submit(self._lease, run, into)
             else:
                 lay = self.layout
                 assert self._pages is not None
@@ -479,8 +478,9 @@ class WorkerSide:
             self.load_samples.append((time.perf_counter() - t0, lease.n - len(lease.copies)))
         return lease.n, lease.pinned, lease.copies
 
-    def _lease_warm(self, run: BlockRun) -> _Leased:
-        """A daemon's lease of ``run``: every block leased in its warm slot."""
+    def _lease_warm(self, run: BlockRun, into: object = None) -> _Leased:
+        """A daemon's lease of ``run``: every block leased in its warm slot (``into``, the
+        pages or rows of a direct read, is unused)."""
         assert self._zc is not None
         got, slots = self._zc.lease_warm(self._chain(run))
         return len(got), got, tuple(enumerate(slots))
