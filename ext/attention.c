@@ -11,6 +11,13 @@
  * (degree 7, under an ulp), the weighted sum of values in a second register-tiled product.
  * Sums run in another order than torch's kernels: float32 results agree to rounding.
  *
+ * An item of at most TR rows (a decode step: one query per head) skips the transposition and
+ * takes each key's scores as dot products, then the row's softmax at once. ``attend_rows``
+ * runs sequences of different lengths (each its own rows of q and its own row of k/v, read in
+ * place: a forward's suffix parts without padding or masks), a KV head's G query heads folded
+ * into one item's rows; ``attend`` may take a prefix's keys already transposed (kept by the
+ * caller across decode steps).
+ *
  * Work items (b, h, query block) are shared by ``threads`` OpenMP threads, interleaved
  * (causal blocks grow with i: interleaving balances them). Built with -fopenmp, the module
  * needs libgomp.so.1: imported after torch, that is torch's own (its wheel bundles it under
@@ -81,7 +88,31 @@ typedef struct {
     Py_ssize_t qs[3], ks[3], vs[3]; /* strides (elements) of batch, head, row */
     float scale;
     int causal;
+    /* varlen (attend_rows): sequence b's queries are rows qstart[b].. of every head of q
+     * (no batch stride), its mlen[b] queries see the first klen[b] keys of k/v batch row
+     * krow[b]; o [Hq, N, D], lse [Hq, N] (N = M: every query row of q). A KV head's G
+     * query heads are folded into one item's rows. NULL in the dense attend. */
+    const int64_t *qstart, *mlen, *krow, *klen;
+    Py_ssize_t *first; /* varlen: first item of each sequence (B + 1 entries) */
+    /* dense: the keys already transposed, [B, Hkv, D, ktpad] contiguous and zero past K (a
+     * shared prefix's, kept across decode steps by the caller), or NULL */
+    const float *ktc;
+    Py_ssize_t ktpad;
 } Job;
+
+/* One work item: up to QB query rows against one KV head. Row r reads q at qr[r], writes
+ * o at orow[r] and its log-sum-exp at lrow[r], and sees the first see[r] keys. */
+typedef struct {
+    const float *kh, *vh;
+    const float *kth;    /* the head's keys transposed by the caller (row stride ktpad), or NULL */
+    Py_ssize_t kst, vst; /* row strides of the keys and values */
+    Py_ssize_t kfull;    /* the head's keys (what a transposition covers) */
+    Py_ssize_t kend;     /* keys any row sees: max see[r] */
+    Py_ssize_t rows;
+    const float *qr[QB];
+    float *orow[QB], *lrow[QB];
+    Py_ssize_t see[QB];
+} Item;
 
 /* s[r][c] for r < TR rows of qp (row stride D) and c < TC columns of kt (row stride ld) */
 static inline __attribute__((always_inline)) void score_tile(const float *qp, const float *kt, Py_ssize_t ld, Py_ssize_t D,
@@ -126,127 +157,226 @@ static inline __attribute__((always_inline)) void pv_tile(const float *p, Py_ssi
             store16(o + r * D + c * 16, a[r][c]);
 }
 
-KV_CLONES
-static void run_items(const Job *J, Py_ssize_t first, Py_ssize_t step, float *kt, float *qp,
-                      float *s, float *acc, float *vb) {
-    const Py_ssize_t D = J->D, M = J->M, K = J->K, G = J->Hq / J->Hkv;
-    const Py_ssize_t qblocks = (M + QB - 1) / QB;
-    const Py_ssize_t kpad = (K + TC - 1) / TC * TC;
-    const Py_ssize_t items = J->B * J->Hq * qblocks;
-    const Py_ssize_t shift = K - M; /* causal: query i sees keys j <= i + shift */
-    Py_ssize_t have_b = -1, have_h = -1;
-    float m[QB], l[QB], alpha[QB];
-    for (Py_ssize_t it = first; it < items; it += step) {
+static inline __attribute__((always_inline)) float hsum16(v16 a) {
+    a += __builtin_shuffle(a, (i16){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    a += __builtin_shuffle(a, (i16){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+    a += __builtin_shuffle(a, (i16){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+    return a[0] + a[1];
+}
+
+static Py_ssize_t item_count(const Job *J) {
+    if (!J->qstart)
+        return J->B * J->Hq * ((J->M + QB - 1) / QB);
+    return J->first[J->B];
+}
+
+/* The rows, keys and addresses of item ``it`` */
+static void make_item(const Job *J, Py_ssize_t it, Item *x) {
+    const Py_ssize_t D = J->D, G = J->Hq / J->Hkv;
+    if (!J->qstart) { /* dense: (b, h, block of QB queries) */
+        const Py_ssize_t qblocks = (J->M + QB - 1) / QB;
         Py_ssize_t b = it / (J->Hq * qblocks), rest = it % (J->Hq * qblocks);
-        Py_ssize_t h = rest / qblocks, i0 = (rest % qblocks) * QB;
-        Py_ssize_t hk = h / G, rows = M - i0 < QB ? M - i0 : QB;
-        const float *kh = J->k + b * J->ks[0] + hk * J->ks[1];
-        const float *vh = J->v + b * J->vs[0] + hk * J->vs[1];
-        if (b != have_b || hk != have_h) { /* this KV head's keys, transposed: kt[d][j] */
-            for (Py_ssize_t j = 0; j < kpad; j++)
-                for (Py_ssize_t d = 0; d < D; d++)
-                    kt[d * kpad + j] = j < K ? kh[j * J->ks[2] + d] : 0.0f;
-            have_b = b, have_h = hk;
+        Py_ssize_t h = rest / qblocks, i0 = (rest % qblocks) * QB, hk = h / G;
+        x->rows = J->M - i0 < QB ? J->M - i0 : QB;
+        x->kh = J->k + b * J->ks[0] + hk * J->ks[1], x->kst = J->ks[2];
+        x->vh = J->v + b * J->vs[0] + hk * J->vs[1], x->vst = J->vs[2];
+        x->kth = J->ktc ? J->ktc + (b * J->Hkv + hk) * D * J->ktpad : NULL;
+        x->kfull = J->K, x->kend = 0;
+        for (Py_ssize_t r = 0; r < x->rows; r++) {
+            Py_ssize_t i = i0 + r, see = J->K;
+            if (J->causal && i + J->K - J->M + 1 < see)
+                see = i + J->K - J->M + 1;
+            x->see[r] = see < 0 ? 0 : see;
+            x->kend = x->see[r] > x->kend ? x->see[r] : x->kend;
+            x->qr[r] = J->q + b * J->qs[0] + h * J->qs[1] + i * J->qs[2];
+            x->orow[r] = J->o + ((b * J->Hq + h) * J->M + i) * D;
+            x->lrow[r] = J->lse + (b * J->Hq + h) * J->M + i;
         }
-        const float *qh = J->q + b * J->qs[0] + h * J->qs[1];
-        for (Py_ssize_t r = 0; r < QB; r++) {
-            for (Py_ssize_t d = 0; d < D; d++)
-                qp[r * D + d] = r < rows ? qh[(i0 + r) * J->qs[2] + d] * J->scale : 0.0f;
-            m[r] = -INFINITY, l[r] = 0.0f;
-        }
-        memset(acc, 0, sizeof(float) * QB * D);
-        Py_ssize_t kend = J->causal ? i0 + rows + shift : K; /* keys any row of the block sees */
-        if (kend > K)
-            kend = K;
-        for (Py_ssize_t j0 = 0; j0 < kend; j0 += KB) {
-            Py_ssize_t n = kend - j0 < KB ? kend - j0 : KB;
-            Py_ssize_t ncol = (n + TC - 1) / TC * TC;
-            for (Py_ssize_t r = 0; r < QB; r += TR)
-                for (Py_ssize_t c = 0; c < ncol; c += TC)
-                    score_tile(qp + r * D, kt + j0 + c, kpad, D, s + r * KB + c, KB);
-            for (Py_ssize_t r = 0; r < QB; r++) {
-                float *sr = s + r * KB;
-                /* columns a row sees: all n, fewer on the diagonal, none for padding rows */
-                Py_ssize_t see = r >= rows ? 0 : n;
-                if (J->causal && r < rows && i0 + r + shift + 1 - j0 < see)
-                    see = i0 + r + shift + 1 - j0;
-                if (see < 0)
-                    see = 0;
-                for (Py_ssize_t c = see; c < ncol; c++)
-                    sr[c] = -INFINITY;
-                float mx = m[r];
-                for (Py_ssize_t c = 0; c < see; c++)
-                    mx = sr[c] > mx ? sr[c] : mx;
-                if (mx == -INFINITY) { /* nothing seen yet: p = 0, nothing to rescale */
-                    alpha[r] = 1.0f;
-                    memset(sr, 0, sizeof(float) * ncol);
-                    continue;
-                }
-                v16 sum = splat(0.0f), mv = splat(mx);
-                for (Py_ssize_t c = 0; c < ncol; c += 16) {
-                    v16 e = exp16(load16(sr + c) - mv);
-                    store16(sr + c, e);
-                    sum += e;
-                }
-                float tot = 0.0f;
-                for (int z = 0; z < 16; z++)
-                    tot += sum[z];
-                alpha[r] = m[r] == -INFINITY ? 0.0f : expf(m[r] - mx);
-                l[r] = l[r] * alpha[r] + tot;
-                m[r] = mx;
-            }
-            for (Py_ssize_t r = 0; r < QB; r += 4)
-                for (Py_ssize_t dc = 0; dc < D; dc += 64) {
-                    /* values of this block, contiguous per d-chunk: vb[j][0:64] */
-                    if (r == 0)
-                        for (Py_ssize_t j = 0; j < n; j++)
-                            memcpy(vb + (dc / 64) * KB * 64 + j * 64, vh + (j0 + j) * J->vs[2] + dc,
-                                   sizeof(float) * 64);
-                    pv_tile(s + r * KB, KB, n, vb + (dc / 64) * KB * 64, 64, acc + r * D + dc, D,
-                            alpha + r);
-                }
-        }
-        float *oh = J->o + ((b * J->Hq + h) * M + i0) * D;
-        float *lh = J->lse + (b * J->Hq + h) * M + i0;
-        for (Py_ssize_t r = 0; r < rows; r++) {
-            float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-            for (Py_ssize_t d = 0; d < D; d++)
-                oh[r * D + d] = acc[r * D + d] * inv;
-            lh[r] = l[r] > 0.0f ? m[r] + logf(l[r]) : -INFINITY;
-        }
+        return;
+    }
+    /* varlen: (sequence b, KV head hk, block of QB of its G * mlen[b] folded rows) */
+    Py_ssize_t lo = 0, hi = J->B; /* the sequence: first[b] <= it < first[b + 1] */
+    while (hi - lo > 1) {
+        Py_ssize_t mid = (lo + hi) / 2;
+        if (J->first[mid] <= it)
+            lo = mid;
+        else
+            hi = mid;
+    }
+    const Py_ssize_t b = lo, m = J->mlen[b], kb = J->klen[b];
+    const Py_ssize_t per = (G * m + QB - 1) / QB; /* items per KV head */
+    const Py_ssize_t hk = (it - J->first[b]) / per, f0 = ((it - J->first[b]) % per) * QB;
+    x->rows = G * m - f0 < QB ? G * m - f0 : QB;
+    x->kh = J->k + J->krow[b] * J->ks[0] + hk * J->ks[1], x->kst = J->ks[2];
+    x->vh = J->v + J->krow[b] * J->vs[0] + hk * J->vs[1], x->vst = J->vs[2];
+    x->kth = NULL, x->kfull = kb, x->kend = 0;
+    for (Py_ssize_t r = 0; r < x->rows; r++) {
+        Py_ssize_t f = f0 + r, h = hk * G + f / m, i = f % m, see = kb;
+        if (J->causal && i + kb - m + 1 < see)
+            see = i + kb - m + 1;
+        x->see[r] = see < 0 ? 0 : see;
+        x->kend = x->see[r] > x->kend ? x->see[r] : x->kend;
+        Py_ssize_t t = J->qstart[b] + i; /* the query's row in q, o and lse */
+        x->qr[r] = J->q + h * J->qs[1] + t * J->qs[2];
+        x->orow[r] = J->o + (h * J->M + t) * D;
+        x->lrow[r] = J->lse + h * J->M + t;
     }
 }
 
-PyDoc_STRVAR(attend_doc,
-"attend(q, k, v, o, lse, B, Hq, Hkv, M, K, D, qstrides, kstrides, vstrides, scale, causal,\n"
-"       threads) -> None\n\n"
-"Attention of float32 ``q [B, Hq, M, D]`` over ``k``, ``v [B, Hkv, K, D]`` (last dimension\n"
-"contiguous; strides in elements of batch, head and row as 3-tuples) into contiguous ``o\n"
-"[B, Hq, M, D]`` and ``lse [B, Hq, M]``; addresses as ints. ``D`` a multiple of 64, ``Hq``\n"
-"a multiple of ``Hkv``; on ``threads`` OpenMP threads.");
+/* o and lse of a row from its accumulated values, weight sum and maximum */
+static inline void finish_row(const Item *x, Py_ssize_t r, const float *acc, Py_ssize_t D,
+                              float m, float l) {
+    const int any = l > 0.0f || l != l; /* NaN: the row's NaN, not "no key" */
+    float inv = any ? 1.0f / l : 0.0f;
+    for (Py_ssize_t d = 0; d < D; d++)
+        x->orow[r][d] = acc[d] * inv;
+    *x->lrow[r] = any ? m + logf(l) : -INFINITY;
+}
 
-static PyObject *attend(PyObject *self, PyObject *args) {
-    unsigned long long q, k, v, o, lse;
-    Job J;
-    double scale;
-    int threads;
-    (void)self;
-    if (!PyArg_ParseTuple(args, "KKKKKnnnnnn(nnn)(nnn)(nnn)dpi", &q, &k, &v, &o, &lse, &J.B,
-                          &J.Hq, &J.Hkv, &J.M, &J.K, &J.D, &J.qs[0], &J.qs[1], &J.qs[2],
-                          &J.ks[0], &J.ks[1], &J.ks[2], &J.vs[0], &J.vs[1], &J.vs[2], &scale,
-                          &J.causal, &threads))
-        return NULL;
-    if (J.B < 1 || J.Hkv < 1 || J.Hq % J.Hkv || J.M < 1 || J.K < 1 || J.D < 64 || J.D % 64
-        || J.D > 512 || threads < 1 || !q || !k || !v || !o || !lse) {
-        PyErr_SetString(PyExc_ValueError,
-                        "attend: B, M, K >= 1, Hq a multiple of Hkv, D a multiple of 64 up to "
-                        "512, threads >= 1 and non-null addresses");
-        return NULL;
+/* Few rows (a decode step's query heads on one KV head): each key's scores as dot products
+ * straight from the keys (no transposition, which costs more than the products here), the
+ * row's softmax over all its keys at once, then the values. s: TR rows of ``ld`` floats. */
+KV_CLONES
+static void item_small(const Job *J, const Item *x, float *qp, float *s, Py_ssize_t ld,
+                       float *acc) {
+    const Py_ssize_t D = J->D, rows = x->rows, n = x->kend, r4 = (rows + 3) / 4 * 4;
+    float m[TR], l[TR], one[4] = {1.0f, 1.0f, 1.0f, 1.0f};
+    for (Py_ssize_t r = 0; r < rows; r++)
+        for (Py_ssize_t d = 0; d < D; d++)
+            qp[r * D + d] = x->qr[r][d] * J->scale;
+    for (Py_ssize_t j = 0; j < n; j++) {
+        const float *kj = x->kh + j * x->kst;
+        for (Py_ssize_t r = 0; r < rows; r++) {
+            v16 a = splat(0.0f);
+            for (Py_ssize_t d = 0; d < D; d += 16)
+                a += load16(qp + r * D + d) * load16(kj + d);
+            s[r * ld + j] = hsum16(a);
+        }
     }
-    J.q = (const float *)(uintptr_t)q, J.k = (const float *)(uintptr_t)k;
-    J.v = (const float *)(uintptr_t)v, J.o = (float *)(uintptr_t)o;
-    J.lse = (float *)(uintptr_t)lse, J.scale = (float)scale;
-    const Py_ssize_t kpad = (J.K + TC - 1) / TC * TC;
+    const Py_ssize_t npad = (n + 15) / 16 * 16;
+    for (Py_ssize_t r = 0; r < r4; r++) {
+        float *sr = s + r * ld;
+        Py_ssize_t see = r < rows ? x->see[r] : 0;
+        for (Py_ssize_t c = see; c < npad; c++)
+            sr[c] = -INFINITY;
+        float mx = -INFINITY;
+        for (Py_ssize_t c = 0; c < see; c++)
+            mx = sr[c] > mx || sr[c] != sr[c] ? sr[c] : mx; /* NaN wins */
+        m[r] = mx, l[r] = 0.0f;
+        if (mx == -INFINITY) {
+            memset(sr, 0, sizeof(float) * npad);
+            continue;
+        }
+        v16 sum = splat(0.0f), mv = splat(mx);
+        for (Py_ssize_t c = 0; c < npad; c += 16) {
+            v16 e = exp16(load16(sr + c) - mv);
+            store16(sr + c, e);
+            sum += e;
+        }
+        l[r] = hsum16(sum);
+    }
+    memset(acc, 0, sizeof(float) * r4 * D);
+    for (Py_ssize_t r = 0; r < r4; r += 4)
+        for (Py_ssize_t dc = 0; dc < D; dc += 64)
+            pv_tile(s + r * ld, ld, n, x->vh + dc, x->vst, acc + r * D + dc, D, one);
+    for (Py_ssize_t r = 0; r < rows; r++)
+        finish_row(x, r, acc + r * D, D, m[r], l[r]);
+}
+
+/* Up to QB rows: blocks of KB keys, the scores in register tiles against the head's keys
+ * transposed (kt, ``kpad`` columns; *have names the head it holds), online softmax. */
+KV_CLONES
+static void item_tiled(const Job *J, const Item *x, float *kt, Py_ssize_t kpad,
+                       const float **have, Py_ssize_t *have_n, float *qp, float *s, float *acc,
+                       float *vb) {
+    const Py_ssize_t D = J->D, rows = x->rows;
+    const Py_ssize_t rt = (rows + TR - 1) / TR * TR, r4 = (rows + 3) / 4 * 4;
+    float m[QB], l[QB], alpha[QB];
+    if (x->kth) { /* transposed by the caller */
+        kt = (float *)x->kth, kpad = J->ktpad;
+    } else if (*have != x->kh || *have_n != x->kfull) { /* the head's keys, transposed: kt[d][j] */
+        const Py_ssize_t kp = (x->kfull + TC - 1) / TC * TC;
+        for (Py_ssize_t j = 0; j < kp; j++)
+            for (Py_ssize_t d = 0; d < D; d++)
+                kt[d * kpad + j] = j < x->kfull ? x->kh[j * x->kst + d] : 0.0f;
+        *have = x->kh, *have_n = x->kfull;
+    }
+    for (Py_ssize_t r = 0; r < rt; r++) {
+        for (Py_ssize_t d = 0; d < D; d++)
+            qp[r * D + d] = r < rows ? x->qr[r][d] * J->scale : 0.0f;
+        m[r] = -INFINITY, l[r] = 0.0f;
+    }
+    memset(acc, 0, sizeof(float) * r4 * D);
+    for (Py_ssize_t j0 = 0; j0 < x->kend; j0 += KB) {
+        Py_ssize_t n = x->kend - j0 < KB ? x->kend - j0 : KB;
+        Py_ssize_t ncol = (n + TC - 1) / TC * TC;
+        for (Py_ssize_t r = 0; r < rt; r += TR)
+            for (Py_ssize_t c = 0; c < ncol; c += TC)
+                score_tile(qp + r * D, kt + j0 + c, kpad, D, s + r * KB + c, KB);
+        for (Py_ssize_t r = 0; r < r4; r++) {
+            float *sr = s + r * KB;
+            /* columns a row sees: all n, fewer on the diagonal, none for padding rows */
+            Py_ssize_t see = r >= rows ? 0 : x->see[r] - j0;
+            if (see > n)
+                see = n;
+            if (see < 0)
+                see = 0;
+            for (Py_ssize_t c = see; c < ncol; c++)
+                sr[c] = -INFINITY;
+            float mx = m[r];
+            for (Py_ssize_t c = 0; c < see; c++)
+                mx = sr[c] > mx || sr[c] != sr[c] ? sr[c] : mx; /* NaN wins */
+            if (mx == -INFINITY) { /* nothing seen yet: p = 0, nothing to rescale */
+                alpha[r] = 1.0f;
+                memset(sr, 0, sizeof(float) * ncol);
+                continue;
+            }
+            v16 sum = splat(0.0f), mv = splat(mx);
+            for (Py_ssize_t c = 0; c < ncol; c += 16) {
+                v16 e = exp16(load16(sr + c) - mv);
+                store16(sr + c, e);
+                sum += e;
+            }
+            alpha[r] = m[r] == -INFINITY ? 0.0f : expf(m[r] - mx);
+            l[r] = l[r] * alpha[r] + hsum16(sum);
+            m[r] = mx;
+        }
+        for (Py_ssize_t dc = 0; dc < D; dc += 64) {
+            /* values of this block, contiguous per d-chunk: vb[j][0:64] */
+            for (Py_ssize_t j = 0; j < n; j++)
+                memcpy(vb + (dc / 64) * KB * 64 + j * 64, x->vh + (j0 + j) * x->vst + dc,
+                       sizeof(float) * 64);
+            for (Py_ssize_t r = 0; r < r4; r += 4)
+                pv_tile(s + r * KB, KB, n, vb + (dc / 64) * KB * 64, 64, acc + r * D + dc, D,
+                        alpha + r);
+        }
+    }
+    for (Py_ssize_t r = 0; r < rows; r++)
+        finish_row(x, r, acc + r * D, D, m[r], l[r]);
+}
+
+typedef struct {
+    float *kt, *qp, *s, *acc, *vb, *ss;
+} Scratch;
+
+static void run_items(const Job *J, Py_ssize_t first, Py_ssize_t step, const Scratch *w,
+                      Py_ssize_t kpad) {
+    const float *have = NULL;
+    Py_ssize_t have_n = 0;
+    Item x;
+    for (Py_ssize_t it = first, n = item_count(J); it < n; it += step) {
+        make_item(J, it, &x);
+        if (x.rows <= TR)
+            item_small(J, &x, w->qp, w->ss, kpad, w->acc);
+        else
+            item_tiled(J, &x, w->kt, kpad, &have, &have_n, w->qp, w->s, w->acc, w->vb);
+    }
+}
+
+/* Run the job's items on ``threads`` OpenMP threads (the GIL released); 0, or -1 when out of
+ * memory. ``kmax``: the most keys any item's head has. */
+static int run_job(const Job *J, Py_ssize_t kmax, int threads) {
+    const Py_ssize_t kpad = (kmax + TC - 1) / TC * TC + 16;
     int failed = 0;
     Py_BEGIN_ALLOW_THREADS
 #pragma omp parallel num_threads(threads) reduction(| : failed)
@@ -255,25 +385,129 @@ static PyObject *attend(PyObject *self, PyObject *args) {
 #ifdef _OPENMP
         nth = omp_get_num_threads(), me = omp_get_thread_num();
 #endif
-        float *kt = malloc(sizeof(float) * J.D * kpad);
-        float *qp = malloc(sizeof(float) * QB * J.D);
-        float *s = malloc(sizeof(float) * QB * KB);
-        float *acc = malloc(sizeof(float) * QB * J.D);
-        float *vb = malloc(sizeof(float) * KB * J.D);
-        if (kt && qp && s && acc && vb)
-            run_items(&J, me, nth, kt, qp, s, acc, vb);
+        Scratch w = {malloc(sizeof(float) * J->D * kpad), malloc(sizeof(float) * QB * J->D),
+                     malloc(sizeof(float) * QB * KB), malloc(sizeof(float) * QB * J->D),
+                     malloc(sizeof(float) * KB * J->D), malloc(sizeof(float) * TR * kpad)};
+        if (w.kt && w.qp && w.s && w.acc && w.vb && w.ss)
+            run_items(J, me, nth, &w, kpad);
         else
             failed = 1;
-        free(kt), free(qp), free(s), free(acc), free(vb);
+        free(w.kt), free(w.qp), free(w.s), free(w.acc), free(w.vb), free(w.ss);
     }
     Py_END_ALLOW_THREADS
-    if (failed)
+    return failed ? -1 : 0;
+}
+
+PyDoc_STRVAR(attend_doc,
+"attend(q, k, v, o, lse, B, Hq, Hkv, M, K, D, qstrides, kstrides, vstrides, scale, causal,\n"
+"       threads[, kt, ktpad]) -> None\n\n"
+"Attention of float32 ``q [B, Hq, M, D]`` over ``k``, ``v [B, Hkv, K, D]`` (last dimension\n"
+"contiguous; strides in elements of batch, head and row as 3-tuples) into contiguous ``o\n"
+"[B, Hq, M, D]`` and ``lse [B, Hq, M]``; addresses as ints. ``D`` a multiple of 64, ``Hq``\n"
+"a multiple of ``Hkv``; on ``threads`` OpenMP threads. ``kt``, ``ktpad`` (optional): ``k``\n"
+"already transposed, contiguous ``[B, Hkv, D, ktpad]``, zero past ``K``.");
+
+static int check_job(const Job *J, int threads, const char *name) {
+    if (J->B < 1 || J->Hkv < 1 || J->Hq % J->Hkv || J->M < 1 || J->K < 1 || J->D < 64
+        || J->D % 64 || J->D > 512 || threads < 1 || !J->q || !J->k || !J->v || !J->o
+        || !J->lse) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: B, M, K >= 1, Hq a multiple of Hkv, D a multiple of 64 up to 512, "
+                     "threads >= 1 and non-null addresses", name);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *attend(PyObject *self, PyObject *args) {
+    unsigned long long q, k, v, o, lse;
+    Job J = {0};
+    double scale;
+    int threads;
+    (void)self;
+    unsigned long long kt = 0;
+    if (!PyArg_ParseTuple(args, "KKKKKnnnnnn(nnn)(nnn)(nnn)dpi|Kn", &q, &k, &v, &o, &lse, &J.B,
+                          &J.Hq, &J.Hkv, &J.M, &J.K, &J.D, &J.qs[0], &J.qs[1], &J.qs[2],
+                          &J.ks[0], &J.ks[1], &J.ks[2], &J.vs[0], &J.vs[1], &J.vs[2], &scale,
+                          &J.causal, &threads, &kt, &J.ktpad))
+        return NULL;
+    J.ktc = (const float *)(uintptr_t)kt;
+    if (J.ktc && (J.ktpad < J.K || J.ktpad % TC)) {
+        PyErr_Format(PyExc_ValueError, "attend: transposed keys need ktpad >= K, a multiple of %d",
+                     TC);
+        return NULL;
+    }
+    J.q = (const float *)(uintptr_t)q, J.k = (const float *)(uintptr_t)k;
+    J.v = (const float *)(uintptr_t)v, J.o = (float *)(uintptr_t)o;
+    J.lse = (float *)(uintptr_t)lse, J.scale = (float)scale;
+    if (check_job(&J, threads, "attend") < 0)
+        return NULL;
+    if (run_job(&J, J.K, threads) < 0)
+        return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(attend_rows_doc,
+"attend_rows(q, k, v, o, lse, qstart, mlen, krow, klen, S, Hq, Hkv, N, D, qstrides,\n"
+"            kstrides, vstrides, scale, causal, threads) -> None\n\n"
+"Attention of ``S`` sequences of different lengths. Sequence ``b``'s ``mlen[b]`` queries are\n"
+"rows ``qstart[b]``.. of float32 ``q [Hq, N, D]`` (strides of head and row as a 2-tuple);\n"
+"they see the first ``klen[b]`` keys of batch row ``krow[b]`` of ``k``, ``v [*, Hkv, *, D]``\n"
+"(``causal``: query ``i`` sees keys ``j <= i + klen[b] - mlen[b]``). ``qstart``, ``mlen``,\n"
+"``krow``, ``klen``: addresses of int64 arrays of ``S`` entries. Writes rows ``qstart[b]``..\n"
+"of contiguous ``o [Hq, N, D]`` and ``lse [Hq, N]``, no other.");
+
+static PyObject *attend_rows(PyObject *self, PyObject *args) {
+    unsigned long long q, k, v, o, lse, qstart, mlen, krow, klen;
+    Job J = {0};
+    double scale;
+    int threads;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "KKKKKKKKKnnnnn(nn)(nnn)(nnn)dpi", &q, &k, &v, &o, &lse,
+                          &qstart, &mlen, &krow, &klen, &J.B, &J.Hq, &J.Hkv, &J.M, &J.D,
+                          &J.qs[1], &J.qs[2], &J.ks[0], &J.ks[1], &J.ks[2], &J.vs[0], &J.vs[1],
+                          &J.vs[2], &scale, &J.causal, &threads))
+        return NULL;
+    J.q = (const float *)(uintptr_t)q, J.k = (const float *)(uintptr_t)k;
+    J.v = (const float *)(uintptr_t)v, J.o = (float *)(uintptr_t)o;
+    J.lse = (float *)(uintptr_t)lse, J.scale = (float)scale;
+    J.qstart = (const int64_t *)(uintptr_t)qstart, J.mlen = (const int64_t *)(uintptr_t)mlen;
+    J.krow = (const int64_t *)(uintptr_t)krow, J.klen = (const int64_t *)(uintptr_t)klen;
+    J.K = 1;
+    if (check_job(&J, threads, "attend_rows") < 0)
+        return NULL;
+    if (!J.qstart || !J.mlen || !J.krow || !J.klen) {
+        PyErr_SetString(PyExc_ValueError, "attend_rows: non-null length arrays");
+        return NULL;
+    }
+    const Py_ssize_t G = J.Hq / J.Hkv;
+    Py_ssize_t kmax = 1;
+    J.first = PyMem_Malloc(sizeof(Py_ssize_t) * (J.B + 1));
+    if (!J.first)
+        return PyErr_NoMemory();
+    J.first[0] = 0;
+    for (Py_ssize_t b = 0; b < J.B; b++) {
+        int64_t m = J.mlen[b], kb = J.klen[b], t = J.qstart[b];
+        if (m < 1 || kb < 1 || t < 0 || t + m > J.M || J.krow[b] < 0) {
+            PyMem_Free(J.first);
+            PyErr_Format(PyExc_ValueError,
+                         "attend_rows: sequence %zd needs mlen, klen >= 1, qstart >= 0, "
+                         "qstart + mlen <= N and krow >= 0", b);
+            return NULL;
+        }
+        kmax = kb > kmax ? kb : kmax;
+        J.first[b + 1] = J.first[b] + J.Hkv * ((G * m + QB - 1) / QB);
+    }
+    int rc = run_job(&J, kmax, threads);
+    PyMem_Free(J.first);
+    if (rc < 0)
         return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
 
 static PyMethodDef methods[] = {
     {"attend", attend, METH_VARARGS, attend_doc},
+    {"attend_rows", attend_rows, METH_VARARGS, attend_rows_doc},
     {NULL, NULL, 0, NULL},
 };
 

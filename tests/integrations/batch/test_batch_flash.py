@@ -106,6 +106,86 @@ def test_bad_arguments_are_a_value_error():
                           0.1, False, 1)
 
 
+def rows_reference(q, k, v, qstart, mlen, krow, klen, scale, causal):
+    """Per sequence: its queries (rows of ``q [Hq, N, D]``) against its buffer row's keys."""
+    outs = []
+    for a, m, r, n in zip(qstart, mlen, krow, klen, strict=True):
+        o, lse = reference(q[:, a:a + m].unsqueeze(0), k[r:r + 1, :, :n], v[r:r + 1, :, :n],
+                           scale, causal)
+        outs.append((a, m, o[0], lse[0]))
+    return outs
+
+
+ROWS = [  # Hkv, G, D, per sequence (queries, keys), causal
+    (4, 3, 64, [(1, 120), (1, 7), (1, 300), (1, 1)], True),  # a decode step: one query each
+    (2, 7, 64, [(1, 250), (1, 33)], True),  # 7 query heads on a KV head (a 0.5B's 14 / 2)
+    (2, 2, 128, [(5, 5), (70, 70), (3, 140)], True),  # prefills and a multi-token step
+    (1, 1, 64, [(65, 300), (2, 2)], False),
+]
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", ROWS)
+def test_rows_equal_a_float64_reference_per_sequence(shape):
+    """Sequences of different lengths, each against its own (not leading) buffer row, queries
+    strided as the packed forward hands them; rows no sequence covers are left alone."""
+    Hkv, G, D, seqs, causal = shape
+    g = torch.Generator().manual_seed(len(seqs) * 13 + D)
+    C = max(n for _, n in seqs) + 3
+    k = torch.randn(len(seqs) + 2, Hkv, C, D, generator=g)
+    v = torch.randn(len(seqs) + 2, Hkv, C, D, generator=g)
+    qstart, at = [], 1
+    for m, _ in seqs:
+        qstart.append(at)
+        at += m + 1  # a gap between sequences
+    q = (torch.randn(at, Hkv * G, D, generator=g) * 3).transpose(0, 1)  # [Hq, N, D], strided
+    krow = list(range(len(seqs) + 1, 1, -1))[:len(seqs)]
+    idx = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
+    mlen, klen = [m for m, _ in seqs], [n for _, n in seqs]
+    args = (q, k, v, idx(qstart), idx(mlen), idx(krow), idx(klen), D ** -0.5, causal)
+    one = flash.attend_rows(*args, threads=1)
+    assert one is not None
+    for a, m, ro, rl in rows_reference(q, k, v, qstart, mlen, krow, klen, D ** -0.5, causal):
+        torch.testing.assert_close(one[0][:, a:a + m], ro, rtol=0, atol=2e-5)
+        torch.testing.assert_close(one[1][:, a:a + m], rl, rtol=0, atol=2e-5)
+    two = flash.attend_rows(*args, threads=2)
+    for a, m, *_ in rows_reference(q, k, v, qstart, mlen, krow, klen, D ** -0.5, causal):
+        assert torch.equal(two[0][:, a:a + m], one[0][:, a:a + m])
+
+
+@needs_kernel
+def test_rows_outside_their_tensors_are_a_value_error():
+    q, k = torch.randn(2, 10, 64), torch.randn(3, 2, 16, 64)
+    idx = lambda *xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
+    ok = (idx(0), idx(4), idx(2), idx(16))
+    assert flash.attend_rows(q, k, k, *ok, 0.1) is not None
+    for bad in ((idx(8), idx(4), idx(2), idx(16)),  # queries past N
+                (idx(0), idx(4), idx(3), idx(16)),  # no buffer row 3
+                (idx(0), idx(4), idx(2), idx(17)),  # more keys than columns
+                (idx(0), idx(0), idx(2), idx(16))):  # no query
+        with pytest.raises(ValueError, match="outside"):
+            flash.attend_rows(q, k, k, *bad, 0.1)
+    assert flash.attend_rows(q, k, k, idx(0), idx(4), idx(2).int(), idx(16), 0.1) is None
+
+
+@needs_kernel
+def test_keys_transposed_once_give_the_same_bits(monkeypatch):
+    """A shared prefix's keys transposed once (kept across decode steps) against the kernel
+    transposing them itself; no call is then too small for the kernel."""
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(1, 4, 12, 64, generator=g)
+    k, v = torch.randn(1, 4, 301, 64, generator=g), torch.randn(1, 4, 301, 64, generator=g)
+    kt = flash.transposed_keys(k)
+    assert kt.shape == (1, 4, 64, 320) and not kt[..., 301:].any()
+    with_kt = flash.attend(q, k, v, 0.125, False, kt=kt)
+    assert with_kt is not None  # 12 x 301 x 4 is below MIN_WORK: taken for kt's sake
+    monkeypatch.setattr(flash, "MIN_WORK", 0)
+    plain = flash.attend(q, k, v, 0.125, False)
+    assert torch.equal(with_kt[0], plain[0]) and torch.equal(with_kt[1], plain[1])
+    with pytest.raises(ValueError, match="transposed_keys"):
+        flash.attend(q, k, v, 0.125, False, kt=kt[..., :300])
+
+
 VOCAB = 512
 
 
@@ -143,4 +223,47 @@ def test_engine_with_the_kernel_in_every_call_equals_hf_generate(model, monkeypa
         with torch.no_grad():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6,
                                  do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert got[i] == out[0, len(p):].tolist(), i
+
+
+@needs_kernel
+def test_engine_with_rows_and_kept_prefix_keys_equals_hf_generate(model, monkeypatch):
+    """Every suffix part on ``attend_rows`` (decode steps, prefills, continuous batching's
+    mixed forwards) and every prefix call on keys transposed once: HF ``generate``'s tokens."""
+    calls = {"rows": 0, "kt": 0, "transposed": 0}
+    real_rows, real_attend, real_t = flash.attend_rows, flash.attend, flash.transposed_keys
+
+    def rows(*a, **kw):
+        calls["rows"] += 1
+        return real_rows(*a, **kw)
+
+    def attend(*a, **kw):
+        calls["kt"] += kw.get("kt") is not None
+        return real_attend(*a, **kw)
+
+    def transposed(k):
+        calls["transposed"] += 1
+        return real_t(k)
+
+    monkeypatch.setattr(flash, "attend_rows", rows)
+    monkeypatch.setattr(flash, "attend", attend)
+    monkeypatch.setattr(flash, "transposed_keys", transposed)
+    rng = random.Random(5)
+    toks = lambda n: [rng.randrange(3, VOCAB) for _ in range(n)]  # noqa: E731
+    system = toks(120)
+    ps = [system + toks(rng.randrange(5, 50)) for _ in range(7)] + [toks(60)]
+    engine = TransformersEngine(model, eos_token_id=(), continuous=True)
+    reqs = [BatchRequest(str(i), tuple(p), SamplingParams(max_tokens=rng.randrange(2, 9)))
+            for i, p in enumerate(ps)]
+    got = {}
+    engine.run(reqs, on_done=lambda i, c: got.__setitem__(i, list(c.token_ids)))
+    layers = model.config.num_hidden_layers
+    assert calls["rows"] and calls["kt"] > calls["transposed"] > 0
+    assert calls["transposed"] % layers == 0  # once per prefix and layer, not per step
+    for i, p in enumerate(ps):
+        ids = torch.tensor([p])
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids),
+                                 max_new_tokens=reqs[i].params.max_tokens, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0)
         assert got[i] == out[0, len(p):].tolist(), i

@@ -108,6 +108,11 @@ class SuffixPart:
     #: the additive mask of :attr:`mask` (0 / -inf) for the flash kernel, built at its first
     #: use in a forward and shared by every layer without a sliding window
     additive: dict[int, torch.Tensor] = field(default_factory=dict)
+    #: per row (int64, CPU, for the engine's kernel): its first token in the part, its token
+    #: count, and the suffix columns its last token sees (start + count)
+    q_first: torch.Tensor | None = None
+    q_counts: torch.Tensor | None = None
+    key_lens: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,6 +201,7 @@ def _part(sp: PartSpec, at: int, device: torch.device) -> tuple[SuffixPart, torc
         leading=list(sp.rows) == list(range(R)),
         fresh=tuple(zip(sp.rows, (int(x) for x in first), sp.counts, strict=True))
         if not any(sp.starts) else (),
+        q_first=first, q_counts=counts, key_lens=starts + counts,
     )
     return part, prefix[seq_of_token] + cols
 
@@ -231,17 +237,18 @@ _FLASH_CPU = getattr(getattr(torch.ops.aten, "_scaled_dot_product_flash_attentio
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
             softcap: float | None, mask: torch.Tensor | None, causal: bool = False,
-            additive: torch.Tensor | None = None, sees_one: bool = False
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+            additive: torch.Tensor | None = None, sees_one: bool = False,
+            kt: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``softmax(q k^T) v`` and its log-sum-exp (-inf where a query sees no key), in float32.
 
     ``q [B, H, M, D]``, ``k``/``v [B, H, K, D]``, ``mask`` boolean, broadcastable to
     ``[B, H, M, K]``; ``causal``: query ``i`` sees keys ``<= i`` (``M == K``). ``additive``:
     ``mask`` as 0 / -inf in ``q``'s dtype, if the caller has it. ``sees_one``: every query
-    sees at least one key (no check for those that see none).
+    sees at least one key (no check for those that see none). ``kt``: ``k`` as
+    :func:`.flash.transposed_keys` gives it, where the caller keeps one.
     """
     if mask is None and additive is None and not softcap:
-        done = flash.attend(q, k, v, scale, causal)  # the engine's own kernel, if it applies
+        done = flash.attend(q, k, v, scale, causal, kt=kt)  # the engine's own kernel, if it applies
         if done is not None:
             return done
     if _flash_ok(q, softcap):
@@ -295,6 +302,25 @@ def _chunks(rows: int, per_row: int) -> Iterator[tuple[int, int]]:
         yield a, min(rows, a + step)
 
 
+#: the attribute of a shared prefix's key tensor that holds it as the kernel reads it: made at
+#: the first step that reads the prefix, gone with the tensor; every later decode step's call
+#: skips the transposition (which cost more than the products at a step's few queries)
+_TRANSPOSED = "_kvstore_transposed"
+
+
+def _transposed(pk: torch.Tensor) -> torch.Tensor | None:
+    """``pk [H_kv, P, D]`` transposed for the kernel (kept on ``pk``, remade if ``pk`` is
+    written in place), or ``None`` where the kernel does not take it."""
+    if not flash.kernel_available() or pk.dtype != torch.float32 or pk.device.type != "cpu":
+        return None
+    have = getattr(pk, _TRANSPOSED, None)
+    if have is not None and have[0] == pk._version:
+        return have[1]
+    kt = flash.transposed_keys(pk.unsqueeze(0))
+    setattr(pk, _TRANSPOSED, (pk._version, kt))
+    return kt
+
+
 def _prefix_part(plan: ForwardPlan, layer: int, q: torch.Tensor, scale: float,
                  softcap: float | None, window: int | None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -314,12 +340,14 @@ def _prefix_part(plan: ForwardPlan, layer: int, q: torch.Tensor, scale: float,
         pos = plan.positions[sel].repeat(G)
         og = torch.empty((Hkv, G * n, D), **f32)
         lg = torch.empty((Hkv, G * n), **f32)
+        kt = _transposed(pk) if window is None and not softcap else None
         for a, b in _chunks(G * n, Hkv * g.prefix_len):
             mask = None
             if window is not None and int(pos[a:b].max()) - window >= 0:
                 kpos = torch.arange(g.prefix_len, device=q.device)
                 mask = kpos.unsqueeze(0) > (pos[a:b].unsqueeze(1) - window)
-            oc, lc = _attend(qg[:, :, a:b], pk.unsqueeze(0), pv.unsqueeze(0), scale, softcap, mask)
+            oc, lc = _attend(qg[:, :, a:b], pk.unsqueeze(0), pv.unsqueeze(0), scale, softcap, mask,
+                             kt=kt)
             og[:, a:b], lg[:, a:b] = oc[0], lc[0]
         o[:, :, sel] = og.view(Hkv, G, n, D)
         lse[:, :, sel] = lg.view(Hkv, G, n)
@@ -350,6 +378,14 @@ def _one_part(plan: SuffixPart, positions: torch.Tensor, layer: int, q: torch.Te
     R, S = plan.q_index.shape
     C = plan.key_len
     k, v = plan.kv.k[layer], plan.kv.v[layer]
+    if window is None and not softcap and plan.q_first is not None:
+        # each row's tokens against its own buffer row in place (no gather, no padding to
+        # the longest row, no mask): the engine's kernel, where it applies
+        rows = plan.rows if plan.rows.device.type == "cpu" else plan.rows.cpu()
+        done = flash.attend_rows(q.reshape(Hkv * G, N, D), k, v, plan.q_first, plan.q_counts,
+                                 rows, plan.key_lens, scale)
+        if done is not None:
+            return done[0].view(Hkv, G, N, D), done[1].view(Hkv, G, N)
     if plan.fresh and window is None:
         # each sequence's first tokens (a prefill): plain causal attention per sequence, its
         # queries straight from the packed forward (no padding to the longest)

@@ -10,7 +10,12 @@ module links libgomp.so.1, which torch's wheel bundles: one runtime, whose threa
 right after torch's operations; a pool of other threads fought them for the cores and lost
 the gain). Sums run in another order: float32 results agree to rounding.
 
-:func:`attend` returns ``None`` for what the kernel does not take (no build, another dtype or
+:func:`attend_rows` is the same kernel over sequences of different lengths (a forward's
+suffix parts: each row's new tokens against its own suffix buffer row, read in place, no
+padding to the longest row and no mask); a KV head's query heads are one work item's rows, so
+a decode step's few queries per head are dot products straight from the keys.
+
+:func:`attend` and :func:`attend_rows` return ``None`` for what the kernel does not take (no build, another dtype or
 device, a head size not a multiple of 64, a last dimension not contiguous, a call too small to
 gain): the caller then runs torch's kernel.
 """
@@ -21,7 +26,7 @@ import torch
 
 from kvstore.integrations.batch.engines.split import wide_threads
 
-__all__ = ["attend", "kernel_available"]
+__all__ = ["attend", "attend_rows", "kernel_available"]
 
 try:  # optional: built from ext/attention.c where a C compiler with OpenMP was found
     from kvstore import _attention as _kernel  # type: ignore[attr-defined]
@@ -40,28 +45,100 @@ def kernel_available() -> bool:
 
 
 def _takes(t: torch.Tensor) -> bool:
+    # a view with torch's negative bit holds the negatives in memory: the kernel reads memory
     return (t.dtype == torch.float32 and t.device.type == "cpu" and t.dim() == 4
-            and t.stride(-1) == 1 and not t.requires_grad)
+            and t.stride(-1) == 1 and not t.requires_grad and not t.is_neg())
+
+
+#: the most threads a call asks OpenMP for
+_MAX_THREADS = 512
+#: key columns of :func:`transposed_keys` come in multiples of this (the kernel's score tile)
+_TILE = 32
+
+
+def transposed_keys(k: torch.Tensor) -> torch.Tensor:
+    """``k [B, Hkv, K, D]`` as the kernel's tiles read it, ``[B, Hkv, D, Kpad]`` (zero past
+    ``K``): made once for keys many calls read (a shared prefix's, every decode step)."""
+    B, H, K, D = k.shape
+    out = torch.zeros((B, H, D, (K + _TILE - 1) // _TILE * _TILE), dtype=k.dtype)
+    out[..., :K] = k.transpose(-1, -2)
+    return out
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
-           threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+           threads: int | None = None, kt: torch.Tensor | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``softmax(scale q k^T) v`` and its log-sum-exp for ``q [B, Hq, M, D]`` over ``k``,
     ``v [B, Hkv, K, D]`` (query head ``h`` on KV head ``h // (Hq / Hkv)``); ``causal``: query
     ``i`` sees keys ``j <= i + K - M``. ``o [B, Hq, M, D]`` and ``lse [B, Hq, M]`` in float32,
     or ``None`` where the kernel does not apply. ``threads``: the run's (the ones
-    :func:`~.split.wide` gives a large kernel), else torch's."""
-    if _kernel is None or not (_takes(q) and _takes(k) and _takes(v)):
+    :func:`~.split.wide` gives a large kernel), else torch's. ``kt``: :func:`transposed_keys`
+    of ``k``, if the caller keeps it (then no call is too small for the kernel)."""
+    if getattr(_kernel, "attend", None) is None or not (_takes(q) and _takes(k) and _takes(v)):
         return None
     B, Hq, M, D = q.shape
     Bk, Hkv, K, Dk = k.shape
     if (Bk != B or Dk != D or tuple(v.shape) != tuple(k.shape) or D % 64 or D > 512
-            or Hkv < 1 or Hq % Hkv or M < 1 or K < 1 or B * Hq * M * K < MIN_WORK):
+            or Hkv < 1 or Hq % Hkv or M < 1 or K < 1
+            or (kt is None and B * Hq * M * K < MIN_WORK)):
         return None
+    extra: tuple[int, ...] = ()
+    if kt is not None:
+        if (kt.dtype != torch.float32 or not kt.is_contiguous() or kt.dim() != 4
+                or tuple(kt.shape[:3]) != (B, Hkv, D) or kt.shape[3] < K or kt.shape[3] % _TILE):
+            raise ValueError("attend: kt must be transposed_keys(k)")
+        extra = (kt.data_ptr(), int(kt.shape[3]))
     o = torch.empty((B, Hq, M, D), dtype=torch.float32)
     lse = torch.empty((B, Hq, M), dtype=torch.float32)
     n = threads if threads is not None else (wide_threads() or torch.get_num_threads())
     _kernel.attend(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
                    B, Hq, Hkv, M, K, D, tuple(q.stride()[:3]), tuple(k.stride()[:3]),
-                   tuple(v.stride()[:3]), float(scale), bool(causal), max(1, int(n)))
+                   tuple(v.stride()[:3]), float(scale), bool(causal), _team(n), *extra)
+    return o, lse
+
+
+def _team(n: int) -> int:
+    # libgomp exits the process when it cannot start the threads asked for (~60k here)
+    return max(1, min(int(n), _MAX_THREADS))
+
+
+def _index(t: torch.Tensor) -> bool:
+    return t.dtype == torch.int64 and t.device.type == "cpu" and t.dim() == 1 and t.is_contiguous()
+
+
+def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qstart: torch.Tensor,
+                mlen: torch.Tensor, krow: torch.Tensor, klen: torch.Tensor, scale: float,
+                causal: bool = True, threads: int | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Attention of sequences of different lengths: sequence ``b``'s ``mlen[b]`` queries,
+    rows ``qstart[b]``.. of ``q [Hq, N, D]``, over the first ``klen[b]`` keys of row
+    ``krow[b]`` of ``k``, ``v [rows, Hkv, C, D]`` (``causal``: query ``i`` sees keys
+    ``j <= i + klen[b] - mlen[b]``). ``o [Hq, N, D]`` and ``lse [Hq, N]`` (rows no sequence
+    covers are left unwritten), or ``None`` where the kernel does not apply. The four index
+    tensors: int64, CPU, contiguous, one entry per sequence."""
+    if getattr(_kernel, "attend_rows", None) is None or not (_takes(k) and _takes(v)) \
+            or q.dim() != 3:
+        return None
+    if not (q.dtype == torch.float32 and q.device.type == "cpu" and q.stride(-1) == 1
+            and not q.requires_grad and not q.is_neg()):
+        return None
+    Hq, N, D = q.shape
+    rows, Hkv, C, Dk = k.shape
+    S = int(qstart.shape[0]) if qstart.dim() == 1 else 0
+    if (Dk != D or tuple(v.shape) != tuple(k.shape) or D % 64 or D > 512 or Hkv < 1
+            or Hq % Hkv or N < 1 or C < 1 or S < 1
+            or not all(_index(t) and t.shape[0] == S for t in (qstart, mlen, krow, klen))):
+        return None
+    # the kernel reads these addresses: every index must name a real row and column
+    if (int(krow.min()) < 0 or int(krow.max()) >= rows or int(klen.min()) < 1
+            or int(klen.max()) > C or int(mlen.min()) < 1 or int(qstart.min()) < 0
+            or int((qstart + mlen).max()) > N):
+        raise ValueError("attend_rows: a sequence's rows or lengths fall outside its tensors")
+    o = torch.empty((Hq, N, D), dtype=torch.float32)
+    lse = torch.empty((Hq, N), dtype=torch.float32)
+    n = threads if threads is not None else (wide_threads() or torch.get_num_threads())
+    _kernel.attend_rows(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
+                        qstart.data_ptr(), mlen.data_ptr(), krow.data_ptr(), klen.data_ptr(),
+                        S, Hq, Hkv, N, D, tuple(q.stride()[:2]), tuple(k.stride()[:3]),
+                        tuple(v.stride()[:3]), float(scale), bool(causal), _team(n))
     return o, lse
