@@ -280,3 +280,43 @@ def test_load_timeout_defaults_to_30_seconds_in_both_modes():
     assert ConnectorConfig.from_extra({"store_path": "/x"}).load_timeout == 30.0
     assert ConnectorConfig.from_extra({"socket": "/s", "load_timeout": 2}).load_timeout == 2.0
     assert ConnectorConfig.from_extra({"load_timeout": 0.25}).load_timeout == 0.25
+
+
+def test_staging_rows_are_reused_smallest_fit_first_and_bounded():
+    from kvstore.integrations.vllm.loads import StagingPool
+
+    pool = StagingPool(1 << 20, keep=3, keep_bytes=100 << 20)
+    bufs = [pool.take(n) for n in (10, 50, 200, 20)]
+    for b in bufs:
+        pool.give(b)
+    # the 200-row buffer is over keep_bytes: dropped; the rest kept, largest first
+    assert [b.shape[0] for b in pool._free] == [50, 20, 10] and pool.free_bytes == 80 << 20
+    assert pool.take(15) is bufs[3]  # the smallest that fits, whichever place it has
+    assert pool.take(60).shape[0] == 60  # none fits: a new one
+    assert [b.shape[0] for b in pool._free] == [50, 10]
+
+
+def test_background_loads_in_flight_together_each_fill_their_own_pages(tmp_path):
+    """Several background loads at once (staging rows taken from the pool while others are
+    still out), twice: every request's pages get its own blocks."""
+    with _open(tmp_path) as s:
+        runs = [_on_disk(s, seed) for seed in (4, 5, 6)]
+        pages = _pages()
+        w = _worker(s, pages, timeout=30.0)
+        try:
+            for _ in range(2):
+                where = [[1, 2, 3, 4], [5, 6, 7, 8][:3], [9, 10, 11, 12][:2]]
+                for i, ((keys, _), ids) in enumerate(zip(runs, where, strict=True)):
+                    w.start_load_kv(_async(s, f"r{i}", keys[:len(ids)], ids))
+                done: set[str] = set()
+                t0 = time.monotonic()
+                while len(done) < 3:
+                    done |= w.get_finished(KVStoreConnectorMetadata(idle=True)) or set()
+                    assert time.monotonic() - t0 < 10
+                assert w.get_block_ids_with_load_errors() == set()
+                for (_, kv), ids in zip(runs, where, strict=True):
+                    assert _holds(pages, ids, kv)
+                _recompute(pages, list(range(NPAGES)), 0.0)
+            assert w._rows.free_bytes > 0
+        finally:
+            w.close()

@@ -59,6 +59,11 @@ CONNECTOR_CLASS = "KVStoreConnector"
 PAGE_LAYOUT_CPU = "vllm-cpu/v1 [num_kv_heads, block_size, 2*head_size] per layer, opaque bytes"
 PAGE_LAYOUT_FLASH = "vllm-flash/v1 [2, num_blocks, block_size, num_kv_heads, head_size]"
 
+#: ``load_timeout``'s default: seconds a background load may take before vLLM gets its
+#: request back as failed (to recompute): far above a healthy load (milliseconds to a second
+#: or two for a long prompt from a slow disk), far below a client giving up on a request
+DEFAULT_LOAD_TIMEOUT_S = 30.0
+
 _EXTRA_KEYS = {
     "store_path", "cpu_capacity", "disk_capacity", "gpu_capacity", "admission", "disk_codec",
     "eviction", "socket", "warm_capacity", "salt_policy", "model_id", "model_revision", "stats_path",
@@ -68,10 +73,6 @@ _EXTRA_KEYS = {
 #: keys that only mean something in one mode: given in the other, they would do nothing
 _EMBEDDED_ONLY = ("cpu_capacity", "disk_capacity", "gpu_capacity", "admission", "eviction",
                   "disk_codec", "prefault")
-#: ``load_timeout``'s default: seconds a background load may take before vLLM gets its
-#: request back as failed (to recompute): far above a healthy load (milliseconds to a second
-#: or two for a long prompt from a slow disk), far below a client giving up on a request
-DEFAULT_LOAD_TIMEOUT_S = 30.0
 _DAEMON_ONLY = ("warm_capacity", "salt_policy", "timeout", "wait_for_daemon")
 _SIZE_KEYS = ("cpu_capacity", "disk_capacity", "gpu_capacity", "warm_capacity", "prefault")
 

@@ -5,8 +5,8 @@ A background load has until ``load_timeout`` seconds after it started (a
 ``kv_connector_extra_config`` key; default 30). Past it the worker reports
 the request to vLLM as finished with every block a load error (vLLM recomputes them into the
 same pages, or frees them for another request) and *abandons* the load. Nothing an abandoned
-load does can reach vLLM's pages, because no read ever writes them: a background load reads
-into buffers of its own (:class:`AsyncLoad`: ``staged`` on the direct path, ``out`` on the
+load does can reach vLLM's pages, because no background read writes them: it reads into
+buffers of its own (:class:`AsyncLoad`: ``staged`` on the direct path, ``out`` on the
 fetch path), and vLLM's pages are written only on the engine's thread, by the worker's
 ``_finish_async``, for a load it still holds; a load leaves the worker's table once, finished
 or abandoned. A read stuck in the kernel (``preadv`` on a dead mount) cannot be cancelled;
@@ -122,26 +122,35 @@ class AsyncLoad:
 class StagingPool:
     """The direct path's staging rows, reused: a fresh buffer is faulted in by the read that
     fills it (measured: 5x the read's time for 128 MiB), a reused one is not. Taken and
-    given back on the engine's thread; an abandoned load's rows are never given back."""
+    given back on the engine's thread; an abandoned load's rows are never given back. Keeps
+    at most ``keep`` free buffers and ``keep_bytes`` in all (the largest that fit)."""
 
-    def __init__(self, row_nbytes: int, keep: int = 4) -> None:
+    def __init__(self, row_nbytes: int, keep: int = 4, keep_bytes: int = 1 << 30) -> None:
         self.row_nbytes = row_nbytes
         self.keep = keep
+        self.keep_bytes = keep_bytes
         self._free: list[torch.Tensor] = []
 
     def take(self, rows: int) -> torch.Tensor:
         """A ``[>= rows, row_nbytes]`` uint8 buffer: the smallest free one that fits, or new."""
-        fits = [b for b in self._free if b.shape[0] >= rows]
-        if fits:
-            buf = min(fits, key=lambda b: b.shape[0])
-            self._free.remove(buf)
-            return buf
+        fits = [i for i, b in enumerate(self._free) if b.shape[0] >= rows]
+        if fits:  # by index: == on tensors compares their elements
+            return self._free.pop(min(fits, key=lambda i: self._free[i].shape[0]))
         return torch.empty((max(rows, 8), self.row_nbytes), dtype=torch.uint8)
 
     def give(self, buf: torch.Tensor) -> None:
         self._free.append(buf)
-        if len(self._free) > self.keep:  # keep the largest
-            self._free.remove(min(self._free, key=lambda b: b.shape[0]))
+        self._free.sort(key=lambda b: -b.shape[0])
+        kept, total = [], 0
+        for b in self._free:
+            if len(kept) < self.keep and total + b.nbytes <= self.keep_bytes:
+                kept.append(b)
+                total += b.nbytes
+        self._free = kept
+
+    @property
+    def free_bytes(self) -> int:
+        return sum(b.nbytes for b in self._free)
 
 
 def staged_pieces(staged: torch.Tensor, page_nbytes: int,
