@@ -323,6 +323,7 @@ def test_background_load_aborted_in_flight_or_short_then_retried(tmp_path):
     {"store_path": "/x", "gpu_capacity": [1]}, {"socket": "/s", "warm_capacity": -1},
     {"store_path": "/x", "stats_path": 5}, {"store_path": "/x", "model_id": 5},
     {"store_path": "/x", "model_revision": ["r"]}, {"store_path": "/x", "eviction": 3},
+    {"store_path": "/x", "load_timeout": 0}, {"socket": "/s", "load_timeout": "30s"},
     {"socket": "/s", "cpu_capacity": "16GiB"}, {"socket": "/s", "disk_capacity": "1TiB"},
     {"store_path": "/x", "timeout": 3}, {"store_path": "/x", "warm_capacity": "1GiB"},
     {"cpu_capacity": "1GiB", "salt_policy": "per-uid"},
