@@ -114,6 +114,22 @@ typedef struct {
     Py_ssize_t see[QB];
 } Item;
 
+/* max(mx, s[0:n]), NaN winning (a NaN score must give a NaN row, as torch's) */
+static inline __attribute__((always_inline)) float row_max(const float *s, Py_ssize_t n, float mx) {
+    v16 m = splat(mx);
+    Py_ssize_t c = 0;
+    for (; c + 16 <= n; c += 16) {
+        v16 x = load16(s + c);
+        i16 take = (x > m) | (x != x);
+        m = (v16)(((i16)x & take) | ((i16)m & ~take));
+    }
+    for (int z = 0; z < 16; z++)
+        mx = m[z] > mx || m[z] != m[z] ? m[z] : mx;
+    for (; c < n; c++)
+        mx = s[c] > mx || s[c] != s[c] ? s[c] : mx;
+    return mx;
+}
+
 /* s[r][c] for r < TR rows of qp (row stride D) and c < TC columns of kt (row stride ld) */
 static inline __attribute__((always_inline)) void score_tile(const float *qp, const float *kt, Py_ssize_t ld, Py_ssize_t D,
                               float *s, Py_ssize_t sld) {
@@ -259,9 +275,7 @@ static void item_small(const Job *J, const Item *x, float *qp, float *s, Py_ssiz
         Py_ssize_t see = r < rows ? x->see[r] : 0;
         for (Py_ssize_t c = see; c < npad; c++)
             sr[c] = -INFINITY;
-        float mx = -INFINITY;
-        for (Py_ssize_t c = 0; c < see; c++)
-            mx = sr[c] > mx || sr[c] != sr[c] ? sr[c] : mx; /* NaN wins */
+        float mx = row_max(sr, see, -INFINITY);
         m[r] = mx, l[r] = 0.0f;
         if (mx == -INFINITY) {
             memset(sr, 0, sizeof(float) * npad);
@@ -323,9 +337,7 @@ static void item_tiled(const Job *J, const Item *x, float *kt, Py_ssize_t kpad,
                 see = 0;
             for (Py_ssize_t c = see; c < ncol; c++)
                 sr[c] = -INFINITY;
-            float mx = m[r];
-            for (Py_ssize_t c = 0; c < see; c++)
-                mx = sr[c] > mx || sr[c] != sr[c] ? sr[c] : mx; /* NaN wins */
+            float mx = row_max(sr, see, m[r]);
             if (mx == -INFINITY) { /* nothing seen yet: p = 0, nothing to rescale */
                 alpha[r] = 1.0f;
                 memset(sr, 0, sizeof(float) * ncol);
