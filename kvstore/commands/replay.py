@@ -171,7 +171,7 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=integer(minimum=0), default=0, metavar="N",
                    help="seed of --generate and --chat (default 0)")
     p.add_argument("--baselines", metavar="LIST",
-                   help="published policies simulated beside the store's: arc, s3fifo, lhd "
+                   help="published policies simulated beside the store's: arc, s3fifo, lhd, lrb "
                    "(default arc,s3fifo; none for none)")
     p.add_argument("--capacity", default="2%,5%,10%", metavar="LIST",
                    help="warm-tier capacities, comma-separated: shares of the trace's unique "

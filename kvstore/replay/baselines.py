@@ -20,6 +20,10 @@ not a use), as :class:`~kvstore.tiers.reuse_policy.ReusePolicy` counts uses.
 * ``"lhd"``: hit density per use class and age (LHD's shape, Beckmann et al., NSDI'18),
   issue 30's candidate that was not adopted: :mod:`kvstore.replay.lhd`. Only on request
   (``--baselines lhd``), not among :data:`DEFAULT_BASELINES`.
+* ``"lrb"``: a learned next-use ranking (LRB's shape, Song et al., NSDI'20): an online
+  logistic regression over recency, uses and prefix-tree features scores sampled
+  candidates; issue 30's second candidate, not adopted: :mod:`kvstore.replay.lrb`. Only on
+  request (``--baselines lrb``).
 """
 
 from __future__ import annotations
@@ -29,9 +33,10 @@ from collections.abc import Hashable, Iterable, Iterator
 from itertools import chain
 
 from kvstore.replay.lhd import LHDPolicy
+from kvstore.replay.lrb import LRBPolicy
 
 #: policies only the simulator runs: name -> class (built with the tier's slots)
-SIM_ONLY = ("arc", "s3fifo", "lhd")
+SIM_ONLY = ("arc", "s3fifo", "lhd", "lrb")
 #: the ones a report shows unless told otherwise
 DEFAULT_BASELINES = ("arc", "s3fifo")
 
@@ -212,7 +217,9 @@ class S3FIFOPolicy:
         return list(self.victims())
 
 
-def make_baseline(name: str, slots: int) -> ARCPolicy | S3FIFOPolicy | LHDPolicy:
+def make_baseline(name: str, slots: int) -> ARCPolicy | S3FIFOPolicy | LHDPolicy | LRBPolicy:
+    if name == "lrb":
+        return LRBPolicy(slots)
     if name == "lhd":
         return LHDPolicy(slots)
     if name == "arc":

@@ -200,8 +200,13 @@ class LHDPolicy:
         """The list heads by density, each list oldest first (a merge: exact where a class's
         density falls with age)."""
         return (k for _, _, _, k in heapq.merge(*(
-            ((self._score(c, k), c, i, k) for i, k in enumerate(d))
-            for c, d in enumerate(self._lists) if d)))
+            self._ranked(c, d) for c, d in enumerate(self._lists) if d)))
+
+    def _ranked(self, c: int, d: OrderedDict[Hashable, None],
+                ) -> Iterator[tuple[float, int, int, Hashable]]:
+        # a function of its own: a generator expression nested in victims() would read the
+        # class ``c`` late (the last class's, for every list)
+        return ((self._score(c, k), c, i, k) for i, k in enumerate(d))
 
     def order(self) -> list[Hashable]:
         return list(self.victims())

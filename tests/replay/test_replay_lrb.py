@@ -1,0 +1,139 @@
+"""The learned (LRB-style) baseline of the replay simulator (kvstore/replay/lrb.py): its order
+lists exactly the blocks held, it infers the prefix tree from the store's calls, it labels
+its samples from the future (ghosts included), and what it learns pays."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvstore.replay.baselines import DEFAULT_BASELINES, SIM_ONLY, make_baseline
+from kvstore.replay.lrb import (
+    _F_DEPTH,
+    _F_FAN,
+    _F_PARENT,
+    _F_PLACE,
+    _F_RUN,
+    FEATURES,
+    LRB_CLASSES,
+    TREE_FEATURES,
+    LRBPolicy,
+)
+from kvstore.replay.simulate import simulate_belady, simulate_policy
+
+ops_st = st.lists(st.tuples(st.sampled_from(["insert", "touch", "evict", "drop"]),
+                            st.integers(0, 30), st.integers(1, 5)), max_size=300)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=ops_st, slots=st.integers(1, 12), sample=st.integers(0, 8), tail=st.integers(0, 4))
+def test_order_lists_exactly_the_keys_held(ops, slots, sample, tail):
+    """Whatever the calls, ``victims()`` is every held key once, ``peek()`` its first (the
+    same key until the tier changes, though candidates are drawn at random), and a key's
+    class stays a use class. Blocks leave leaf first, as the store removes them (a block
+    with children by the policy's own inference stays), so an inferred parent is held."""
+    p = LRBPolicy(slots, sample=sample, tail=tail, train_shift=0)
+    held: set[int] = set()
+    for op, k, n in ops:
+        if op == "insert" and k not in held:
+            p.insert(k)
+            held.add(k)
+        elif op == "touch":
+            p.touch([k + i for i in range(n)])
+        elif op in ("evict", "drop") and held:
+            inner = {p.parent(h) for h in held}
+            first = p.peek() if op == "evict" else min(held)
+            assert first in held
+            victim = next((v for v in ([first] + p.order()) if v not in inner), None)
+            if victim is not None:
+                p.remove(victim, for_room=op == "evict")
+                held.discard(victim)
+        order = p.order()
+        assert sorted(order) == sorted(held) and len(p) == len(held)
+        assert p.peek() == (order[0] if order else None)
+        for h in held:
+            assert 0 <= p.uses_class(h) < LRB_CLASSES
+            assert p.parent(h) is None or p.parent(h) in held
+        assert len(p.weights) == FEATURES
+
+
+def _serve(p: LRBPolicy, chain: list[int], held: set[int]) -> None:
+    """One request as the simulator (and the store) calls a policy: the fetch touches the
+    held run leaf first, the put touches, inserts root first and touches its new blocks."""
+    n = 0
+    while n < len(chain) and chain[n] in held:
+        n += 1
+    if n:
+        p.touch(chain[n - 1::-1])
+    new = chain[n:]
+    if new:
+        p.touch(new[::-1])
+        for k in new:
+            p.insert(k)
+            held.add(k)
+        p.touch(new[::-1])
+
+
+def test_it_infers_the_prefix_tree_from_the_calls():
+    p = LRBPolicy(100)
+    held: set[int] = set()
+    _serve(p, [1, 2, 3], held)
+    assert [p.parent(k) for k in (1, 2, 3)] == [None, 1, 2]
+    _serve(p, [1, 2, 4, 5], held)  # a branch off 2: the fetch found 1, 2
+    assert p.parent(4) == 2 and p.parent(5) == 4
+    _serve(p, [7, 8], held)  # nothing cached: a new root, not the last put's leaf
+    assert p.parent(7) is None and p.parent(8) == 7
+    f = dict(zip(TREE_FEATURES, p.features(5)[3:], strict=True))
+    # 5 is the put's leaf (not its first block): known once the put's touch came
+    assert f["place"] == _F_PLACE + 2
+    assert dict(zip(TREE_FEATURES, p.features(4)[3:], strict=True))["place"] == _F_PLACE + 1
+
+
+def test_a_sample_is_labelled_by_its_next_use_ghosts_included():
+    p = LRBPolicy(4, horizon=1.0, sample=0, tail=4, train_shift=0)  # horizon: 4 inserts
+    for k in range(4):  # four puts of one block each (a touch call between: not a chain)
+        p.insert(k)
+        p.touch([9])
+    victim = p.peek()  # candidates: every key (tail 4), each a pending sample
+    assert victim == 0 and p.labels == (0, 0)
+    p.remove(0, for_room=True)
+    p.insert(0)  # back after eviction within the horizon: a use
+    assert p.labels == (0, 1)
+    for k in range(10, 20):  # the horizon passes for the others
+        p.insert(k)
+    p.peek()
+    assert p.labels == (3, 1)
+
+
+def test_it_keeps_a_loop_that_lru_loses_to_a_scan():
+    """A loop LRU loses to a scan: the loop's keys come back from the ghost list one class
+    up; the model learns that class 0 (the scan) is not asked for again, and keeps them."""
+    reqs, new = [], 10**6
+    for _ in range(30):
+        for i in range(150):
+            reqs.append([i])
+            reqs.append([new])
+            new += 1
+    assert simulate_policy(reqs, 200, "lru").hit_ratio == 0.0
+    got = simulate_policy(reqs, 200, "lrb").hit_ratio
+    assert 0.3 < got <= simulate_belady(reqs, 200).hit_ratio
+
+
+def test_tree_features_can_be_left_out():
+    p = LRBPolicy(10, tree=())
+    held: set[int] = set()
+    _serve(p, [1, 2, 3], held)
+    _serve(p, [1, 2, 3, 4], held)
+    firsts = (_F_DEPTH, _F_PLACE, _F_RUN, _F_PARENT, _F_FAN)
+    assert p.features(4)[3:] == firsts  # every tree feature at its first bin
+    q = LRBPolicy(10)
+    held = set()
+    _serve(q, [1, 2, 3], held)
+    _serve(q, [1, 2, 3, 4], held)
+    assert q.features(4)[3:] != firsts
+    with pytest.raises(ValueError):
+        LRBPolicy(10, tree=("color",))
+
+
+def test_it_is_a_baseline_on_request_only():
+    assert "lrb" in SIM_ONLY and "lrb" not in DEFAULT_BASELINES
+    assert isinstance(make_baseline("lrb", 8), LRBPolicy)
