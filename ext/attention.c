@@ -35,11 +35,19 @@
 #include <omp.h>
 #endif
 
-#if defined(__GNUC__) && defined(__x86_64__) && defined(__linux__) && !defined(__clang__)
-#define KV_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define KV_CLONES
+/* One build per instruction set (setup.py: kvstore._attention, _attention_avx2 and
+ * _attention_avx512 from ext/attention_avx2.c and ext/attention_avx512.c, which define
+ * KV_MODULE and include this file; engines/flash.py imports the one torch's CPU capability
+ * allows). GCC's target_clones ran this code at about half the speed of a plain -mavx512f
+ * build (the clone's vectors went through the default target's lowering). */
+#ifndef KV_MODULE
+#define KV_MODULE _attention
 #endif
+#define KV_PASTE2(a, b) a##b
+#define KV_PASTE(a, b) KV_PASTE2(a, b)
+#define KV_STR2(a) #a
+#define KV_STR(a) KV_STR2(a)
+#define KV_CLONES
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t i16 __attribute__((vector_size(64)));
@@ -524,9 +532,9 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "kvstore._attention",
+    PyModuleDef_HEAD_INIT, "kvstore." KV_STR(KV_MODULE),
     "float32 attention with its log-sum-exp for the batched engine (ext/attention.c)", -1,
     methods, NULL, NULL, NULL, NULL,
 };
 
-PyMODINIT_FUNC PyInit__attention(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC KV_PASTE(PyInit_, KV_MODULE)(void) { return PyModule_Create(&module); }

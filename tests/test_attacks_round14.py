@@ -489,6 +489,10 @@ def test_a_forked_child_with_one_torch_thread_runs_the_kernels():
 
 # -- import robustness ---------------------------------------------------------------------
 
+#: every extension module, the attention kernel's builds per instruction set included
+BROKEN = ("_native", "_rmsnorm", "_attention", "_attention_avx2", "_attention_avx512")
+
+
 @pytest.mark.parametrize("how", ["missing", "corrupt", "foreign", "stale"])
 def test_a_broken_extension_on_the_path_means_the_fallback(tmp_path, how):
     """Each extension missing, a corrupt file, another module's build under its name, or a
@@ -497,7 +501,7 @@ def test_a_broken_extension_on_the_path_means_the_fallback(tmp_path, how):
     import sysconfig
 
     suffix = sysconfig.get_config_var("EXT_SUFFIX")
-    for name in ("_native", "_rmsnorm", "_attention"):
+    for name in BROKEN:
         if how == "corrupt":
             (tmp_path / f"{name}{suffix}").write_bytes(b"\x7fELF not really" + bytes(64))
         elif how == "foreign":  # a real extension module, built for another name
@@ -513,7 +517,7 @@ def test_a_broken_extension_on_the_path_means_the_fallback(tmp_path, how):
         import kvstore
         how = {how!r}
         if how == "missing":
-            for name in ("_native", "_rmsnorm", "_attention"):
+            for name in {BROKEN!r}:
                 sys.modules["kvstore." + name] = None
         else:
             kvstore.__path__.insert(0, {str(tmp_path)!r})

@@ -186,6 +186,69 @@ def test_keys_transposed_once_give_the_same_bits(monkeypatch):
         flash.attend(q, k, v, 0.125, False, kt=kt[..., :300])
 
 
+BUILDS = ("_attention", "_attention_avx2", "_attention_avx512")
+
+
+def _build(name):
+    import importlib
+
+    runs = {"_attention": True, "_attention_avx2": torch.backends.cpu.get_cpu_capability()
+            in ("AVX2", "AVX512"), "_attention_avx512":
+            torch.backends.cpu.get_cpu_capability() == "AVX512"}
+    if not runs[name]:
+        pytest.skip(f"this CPU does not run kvstore.{name}")
+    try:
+        return importlib.import_module(f"kvstore.{name}")
+    except ImportError:
+        pytest.skip(f"kvstore.{name} was not built")
+
+
+@pytest.mark.parametrize("name", BUILDS)
+def test_every_build_equals_the_reference(monkeypatch, name):
+    """The generic, AVX2 and AVX-512 builds of ext/attention.c: the same results."""
+    monkeypatch.setattr(flash, "_kernel", _build(name))
+    monkeypatch.setattr(flash, "MIN_WORK", 0)
+    g = torch.Generator().manual_seed(11)
+    q, k = torch.randn(1, 6, 130, 64, generator=g), torch.randn(1, 2, 400, 64, generator=g)
+    v = torch.randn(1, 2, 400, 64, generator=g)
+    o, lse = flash.attend(q, k, v, 0.125, True)
+    ref_o, ref_lse = reference(q, k, v, 0.125, True)
+    torch.testing.assert_close(o, ref_o, rtol=0, atol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, rtol=0, atol=1e-5)
+    idx = lambda *xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
+    o, lse = flash.attend_rows(q[0, :, :3], k, v, idx(0, 1), idx(1, 2), idx(0, 0), idx(7, 400),
+                               0.125)
+    for a, m, ro, rl in rows_reference(q[0, :, :3], k, v, (0, 1), (1, 2), (0, 0), (7, 400),
+                                       0.125, True):
+        torch.testing.assert_close(o[:, a:a + m], ro, rtol=0, atol=1e-5)
+        torch.testing.assert_close(lse[:, a:a + m], rl, rtol=0, atol=1e-5)
+
+
+def test_the_best_build_the_cpu_runs_is_imported(monkeypatch):
+    """By torch's CPU capability, never a build for an instruction set the CPU lacks (it would
+    die of SIGILL); a build that is missing gives way to the next."""
+    import importlib
+
+    tried = []
+
+    def fake(name):
+        tried.append(name)
+        if name.endswith("avx512"):
+            raise ImportError(name)
+        return name
+
+    monkeypatch.setattr(importlib, "import_module", fake)
+    assert flash._load("AVX512") == "kvstore._attention_avx2"
+    assert flash._load("AVX2") == "kvstore._attention_avx2"
+    assert flash._load("DEFAULT") == "kvstore._attention"
+    assert flash._load("ZVECTOR") == "kvstore._attention"
+    assert tried == ["kvstore._attention_avx512", "kvstore._attention_avx2",
+                     "kvstore._attention_avx2", "kvstore._attention", "kvstore._attention"]
+    monkeypatch.setattr(importlib, "import_module",
+                        lambda name: (_ for _ in ()).throw(ImportError(name)))
+    assert flash._load("AVX512") is None
+
+
 VOCAB = 512
 
 
