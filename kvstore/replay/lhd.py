@@ -26,7 +26,8 @@ noise cost more than the lists' assumption that a class's density falls with age
 joins at least its child's class on a touch, as under ``"adaptive"``, so leaves go first.
 Uses as the store counts them: a touch in a later touch call than the block's last one. Runs
 under admission ``"always"`` and without hints (the simulator's baselines), so it has no
-probation.
+probation. (The 20.3 % above was measured before :meth:`LHDPolicy.victims` was fixed, on
+2026-12-07, to rank each list by its own class: 21.0 % since; docs/benchmarks.md.)
 """
 
 from __future__ import annotations
