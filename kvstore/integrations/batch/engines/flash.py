@@ -16,8 +16,8 @@ padding to the longest row and no mask); a KV head's query heads are one work it
 a decode step's few queries per head are dot products straight from the keys.
 
 The kernel is built three times (generic, AVX2, AVX-512: ext/attention_*.c); the best build
-torch's CPU capability allows is imported (a plain ``-mavx512f`` build ran twice as fast as
-one with GCC's ``target_clones``).
+torch's CPU capability allows is imported (with GCC's ``target_clones`` the per-item kernel's
+AVX-512 clone ran at half a plain ``-mavx512f`` build's speed).
 
 :func:`attend` and :func:`attend_rows` return ``None`` for what the kernel does not take (no
 build, another dtype or device, a head size not a multiple of 64, a last dimension not
