@@ -137,7 +137,8 @@ class TransformersEngine:
     with ``salt``). ``max_batch_tokens`` bounds the tokens of one packed forward (joining
     rows' suffixes, one per running row), ``max_batch_rows`` the rows in flight,
     ``max_prefix_tokens`` the shared-prefix tokens held at once (default: 32 x
-    ``max_batch_tokens``). ``continuous=False``: static batches instead (each runs until its
+    ``max_batch_tokens``; each holds its K/V in every layer, and with the attention kernel
+    its keys once more, transposed). ``continuous=False``: static batches instead (each runs until its
     last row stops before the next starts). ``eos_token_id``: an
     int or a list; by default the model's ``generation_config.eos_token_id``. ``threads``:
     torch's intra-op threads during :meth:`run` (default: the cores this process may use
