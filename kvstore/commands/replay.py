@@ -123,7 +123,7 @@ def _print(report, a, *, plot: str | None) -> None:
     cols = [("CAPACITY", "right"), ("BLOCKS", "right")]
     for p in report.policies:
         cols += [(f"{p.upper()} SIM", "right"), (f"{p.upper()} STORE", "right")]
-    base = [s.policy for s in report.rows[0].simulated if s.policy in SIM_ONLY] \
+    base = [s.label for s in report.rows[0].simulated if s.policy in SIM_ONLY] \
         if report.rows else []
     cols += [(f"{b.upper()} SIM", "right") for b in base]
     cols += [("BELADY", "right"), ("UNBOUNDED", "right")]

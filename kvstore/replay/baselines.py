@@ -37,6 +37,8 @@ from kvstore.replay.lrb import LRBPolicy
 
 #: policies only the simulator runs: name -> class (built with the tier's slots)
 SIM_ONLY = ("arc", "s3fifo", "lhd", "lrb")
+#: the ones that take a put's hint (as a feature of the put's blocks, not a placement)
+HINTED = ("lrb",)
 #: the ones a report shows unless told otherwise
 DEFAULT_BASELINES = ("arc", "s3fifo")
 

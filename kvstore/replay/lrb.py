@@ -41,8 +41,10 @@ horizon passing labels it 0, and one SGD step follows. Evicted keys keep their p
 samples (the ghost side of the label), so what the policy evicts is still learned from.
 
 Uses as the store counts them: a touch in a later touch call than the block's last one. Runs
-under admission ``"always"`` and without hints (the simulator's baselines), so it has no
-probation.
+under admission ``"always"``. With hints (``kvstore replay --hints``, the one simulator
+baseline that takes them: :data:`~kvstore.replay.baselines.HINTED`) a put the session hint
+sends to probation (it branched off its session's last put) is a feature of its blocks, one
+more thing to learn from, not a place in the order: it has no probation.
 """
 
 from __future__ import annotations
@@ -78,7 +80,10 @@ _F_PLACE = _F_DEPTH + 5  # inner, first, leaf, first and leaf
 _F_RUN = _F_PLACE + 4  # the request's cached run
 _F_PARENT = _F_RUN + 5  # no parent, then its use class
 _F_FAN = _F_PARENT + 1 + LRB_CLASSES  # children the parent took before: 0, 1, 2-3, 4+
-FEATURES = _F_FAN + 4
+# the put's hint sent it to probation (its session branched); absent otherwise, so that runs
+# without hints learn exactly as before the feature was added (a second bias would not)
+_F_HINT = _F_FAN + 4
+FEATURES = _F_HINT + 1
 
 _PLACE_FIRST, _PLACE_LEAF = 1, 2
 #: the prefix-tree features, in the order of the static feature tuple
@@ -269,7 +274,8 @@ class LRBPolicy:
         on = self._tree
         static = (_F_DEPTH + (_depth_bin(depth) if on[0] else 0), _F_PLACE + (place if on[1] else 0),
                   _F_RUN + (_run_bin(self._anchor_run) if on[2] else 0),
-                  _F_PARENT + (pclass if on[3] else 0), _F_FAN + (_fan_bin(fan) if on[4] else 0))
+                  _F_PARENT + (pclass if on[3] else 0), _F_FAN + (_fan_bin(fan) if on[4] else 0)
+                  ) + ((_F_HINT,) if probation else ())
         self._info[key] = [c, self._call, clock, -1, static, len(self._keys), parent, 0]
         self._keys.append(key)
         self._lru[key] = None

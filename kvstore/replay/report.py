@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from kvstore.errors import ConfigError, SizeError
 from kvstore.hints import PutHint
 from kvstore.keys import BlockKey
-from kvstore.replay.baselines import DEFAULT_BASELINES, SIM_ONLY
+from kvstore.replay.baselines import DEFAULT_BASELINES, HINTED, SIM_ONLY
 from kvstore.replay.driver import (
     ReplayResult,
     StoreSpec,
@@ -149,8 +149,11 @@ def run_report(trace: Trace, plan: ReplayPlan, *,
     for b in plan.baselines:
         if b not in SIM_ONLY:
             raise ConfigError(f"unknown baseline {b!r}; choose from {', '.join(SIM_ONLY)}")
-    variants = plan.variants + tuple((b, DEFAULT_ADMISSION, False) for b in plan.baselines
-                                     if (b, DEFAULT_ADMISSION, False) not in plan.variants)
+    # a baseline that takes hints (HINTED) runs in each hint mode asked for, the others without
+    variants = plan.variants + tuple(
+        (b, DEFAULT_ADMISSION, h) for b in plan.baselines
+        for h in (plan.hints if b in HINTED else (False,))
+        if (b, DEFAULT_ADMISSION, h) not in plan.variants)
     hints = [session_hint(r) for r in trace.requests] if any(plan.hints) else None
     top = unbounded(blocks)
     rows = []

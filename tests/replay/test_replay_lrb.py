@@ -6,10 +6,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvstore.errors import ConfigError
+from kvstore.hints import PutHint
 from kvstore.replay.baselines import DEFAULT_BASELINES, SIM_ONLY, make_baseline
+from kvstore.replay.families import generate
 from kvstore.replay.lrb import (
     _F_DEPTH,
     _F_FAN,
+    _F_HINT,
     _F_PARENT,
     _F_PLACE,
     _F_RUN,
@@ -18,6 +22,7 @@ from kvstore.replay.lrb import (
     TREE_FEATURES,
     LRBPolicy,
 )
+from kvstore.replay.report import ReplayPlan, parse_capacity, run_report
 from kvstore.replay.simulate import simulate_belady, simulate_policy
 
 ops_st = st.lists(st.tuples(st.sampled_from(["insert", "touch", "evict", "drop"]),
@@ -82,10 +87,10 @@ def test_it_infers_the_prefix_tree_from_the_calls():
     assert p.parent(4) == 2 and p.parent(5) == 4
     _serve(p, [7, 8], held)  # nothing cached: a new root, not the last put's leaf
     assert p.parent(7) is None and p.parent(8) == 7
-    f = dict(zip(TREE_FEATURES, p.features(5)[3:], strict=True))
+    f = dict(zip(TREE_FEATURES, p.features(5)[3:8], strict=True))
     # 5 is the put's leaf (not its first block): known once the put's touch came
     assert f["place"] == _F_PLACE + 2
-    assert dict(zip(TREE_FEATURES, p.features(4)[3:], strict=True))["place"] == _F_PLACE + 1
+    assert dict(zip(TREE_FEATURES, p.features(4)[3:8], strict=True))["place"] == _F_PLACE + 1
 
 
 def test_a_sample_is_labelled_by_its_next_use_ghosts_included():
@@ -124,14 +129,45 @@ def test_tree_features_can_be_left_out():
     _serve(p, [1, 2, 3], held)
     _serve(p, [1, 2, 3, 4], held)
     firsts = (_F_DEPTH, _F_PLACE, _F_RUN, _F_PARENT, _F_FAN)
-    assert p.features(4)[3:] == firsts  # every tree feature at its first bin
+    assert p.features(4)[3:8] == firsts  # every tree feature at its first bin
     q = LRBPolicy(10)
     held = set()
     _serve(q, [1, 2, 3], held)
     _serve(q, [1, 2, 3, 4], held)
-    assert q.features(4)[3:] != firsts
+    assert q.features(4)[3:8] != firsts
     with pytest.raises(ValueError):
         LRBPolicy(10, tree=("color",))
+
+
+def test_a_put_hinted_to_probation_is_a_feature_not_a_place():
+    """The session hint's verdict (a put that branched off its session's last one) is what
+    the model learns from; the block joins the order as any other."""
+    p = LRBPolicy(10)
+    p.insert(1)
+    p.touch([1])
+    p.insert(2, probation=True)
+    p.touch([2])
+    assert _F_HINT not in p.features(1) and p.features(2)[-1] == _F_HINT
+    assert sorted(p.order()) == [1, 2]
+
+
+def test_the_simulator_passes_it_hints():
+    reqs = [[1, 2], [1, 3], [1, 4], [1, 2]]
+    hints = [PutHint(session="a")] * 4
+    with_hints = simulate_policy(reqs, 3, "lrb", hints=hints)
+    assert with_hints.hints and with_hints.references == 8
+    with pytest.raises(ConfigError):
+        simulate_policy(reqs, 3, "lhd", hints=hints)
+
+
+def test_a_report_runs_it_in_each_hint_mode_and_the_others_without():
+    trace = generate("batch", 200, 1)
+    plan = ReplayPlan(capacities=(parse_capacity("5%"),), policies=("lru",), store=False,
+                      baselines=("lrb", "arc"), hints=(False, True))
+    row = run_report(trace, plan).rows[0]
+    labels = [s.label for s in row.simulated]
+    assert {"lrb", "lrb+hints", "arc"} <= set(labels) and "arc+hints" not in labels
+    assert row.sim("lrb+hints").hints and not row.sim("lrb").hints
 
 
 def test_it_is_a_baseline_on_request_only():
