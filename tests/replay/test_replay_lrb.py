@@ -173,3 +173,22 @@ def test_a_report_runs_it_in_each_hint_mode_and_the_others_without():
 def test_it_is_a_baseline_on_request_only():
     assert "lrb" in SIM_ONLY and "lrb" not in DEFAULT_BASELINES
     assert isinstance(make_baseline("lrb", 8), LRBPolicy)
+
+
+chains_st = st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=6), min_size=1,
+                     max_size=80)
+
+
+@settings(max_examples=40, deadline=None)
+@given(paths=chains_st, cap=st.integers(1, 12), hinted=st.booleans())
+def test_in_the_simulator_it_never_beats_belady_nor_loses_a_put(paths, cap, hinted):
+    """Requests along a small prefix tree (a block id is its path from the root, so equal ids
+    are equal prefixes): whatever the model learns, the simulator's rules hold it (leaf
+    first, every put kept while a leaf can go) and it hits no more than the farthest-next-use
+    bound."""
+    reqs = [[tuple(p[:i + 1]) for i in range(len(p))] for p in paths]
+    hints = [PutHint(session=str(len(p) % 2)) for p in paths] if hinted else None
+    got = simulate_policy(reqs, cap, "lrb", hints=hints)
+    assert got.hits <= simulate_belady(reqs, cap).hits
+    # a put drops blocks only when nothing else can go: its own chain fills the tier
+    assert got.dropped == 0 or max(map(len, reqs)) > cap
