@@ -310,7 +310,24 @@ class ClusterTopology(Topology):
         """Read the slot table from the first node that answers (known masters first, then
         the startup nodes). Raises the last error when none answers."""
         cands = [n for n in self.nodes() if n.breaker.closed]
-        cands += [self.node(h, p) for h, p in self.startup]
+        # a startup node the tier does not know yet is asked through a node of its own,
+        # closed after: only masters the table names are ever kept (a startup address that is
+        # no master was counted among the nodes while a refresh ran)
+        temps: list[Node] = []
+        for h, p in self.startup:
+            with self._lock:
+                known = self._nodes.get(f"{h}:{p}")
+            if known is None:
+                known = self._make_node(h, p)
+                temps.append(known)
+            cands.append(known)
+        try:
+            self._read_table(cands)
+        finally:
+            for t in temps:
+                t.retire()
+
+    def _read_table(self, cands: Sequence[Node]) -> None:
         seen: set[str] = set()
         err: Exception | None = None
         for n in cands:
@@ -331,10 +348,12 @@ class ClusterTopology(Topology):
                 owner = self.node(host, int(primary[1]))
                 for s in range(lo, hi + 1):
                     table[s] = owner
+            # the old masters go before the table routes to the new ones: once a write
+            # reaches the new master, the nodes are the table's
+            self._retire({id(x) for x in table if x is not None})
             self.slots = table
             self.refreshed_at = time.monotonic()
             self.stale = False
-            self._retire({id(x) for x in table if x is not None})
             return
         raise err if err is not None else redis.ConnectionError("no cluster node to ask")
 
