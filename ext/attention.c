@@ -188,6 +188,17 @@ static inline __attribute__((always_inline)) float hsum16(v16 a) {
     return a[0] + a[1];
 }
 
+/* s[0:n] = exp(s - mx) in place (n a multiple of 16); their sum */
+static inline __attribute__((always_inline)) float exp_row(float *s, Py_ssize_t n, float mx) {
+    v16 sum = splat(0.0f), mv = splat(mx);
+    for (Py_ssize_t c = 0; c < n; c += 16) {
+        v16 e = exp16(load16(s + c) - mv);
+        store16(s + c, e);
+        sum += e;
+    }
+    return hsum16(sum);
+}
+
 static Py_ssize_t item_count(const Job *J) {
     if (!J->qstart)
         return J->B * J->Hq * ((J->M + QB - 1) / QB);
@@ -289,13 +300,7 @@ static void item_small(const Job *J, const Item *x, float *qp, float *s, Py_ssiz
             memset(sr, 0, sizeof(float) * npad);
             continue;
         }
-        v16 sum = splat(0.0f), mv = splat(mx);
-        for (Py_ssize_t c = 0; c < npad; c += 16) {
-            v16 e = exp16(load16(sr + c) - mv);
-            store16(sr + c, e);
-            sum += e;
-        }
-        l[r] = hsum16(sum);
+        l[r] = exp_row(sr, npad, mx);
     }
     memset(acc, 0, sizeof(float) * r4 * D);
     for (Py_ssize_t r = 0; r < r4; r += 4)
@@ -351,14 +356,9 @@ static void item_tiled(const Job *J, const Item *x, float *kt, Py_ssize_t kpad,
                 memset(sr, 0, sizeof(float) * ncol);
                 continue;
             }
-            v16 sum = splat(0.0f), mv = splat(mx);
-            for (Py_ssize_t c = 0; c < ncol; c += 16) {
-                v16 e = exp16(load16(sr + c) - mv);
-                store16(sr + c, e);
-                sum += e;
-            }
+            const float tot = exp_row(sr, ncol, mx);
             alpha[r] = m[r] == -INFINITY ? 0.0f : expf(m[r] - mx);
-            l[r] = l[r] * alpha[r] + hsum16(sum);
+            l[r] = l[r] * alpha[r] + tot;
             m[r] = mx;
         }
         for (Py_ssize_t dc = 0; dc < D; dc += 64) {
