@@ -205,6 +205,16 @@ static Py_ssize_t item_count(const Job *J) {
     return J->first[J->B];
 }
 
+/* Row r of an item is query i of m against k keys: the keys it sees (causal: j <= i + k - m) */
+static inline void row_sees(const Job *J, Item *x, Py_ssize_t r, Py_ssize_t i, Py_ssize_t m,
+                            Py_ssize_t k) {
+    Py_ssize_t see = k;
+    if (J->causal && i + k - m + 1 < see)
+        see = i + k - m + 1;
+    x->see[r] = see < 0 ? 0 : see;
+    x->kend = x->see[r] > x->kend ? x->see[r] : x->kend;
+}
+
 /* The rows, keys and addresses of item ``it`` */
 static void make_item(const Job *J, Py_ssize_t it, Item *x) {
     const Py_ssize_t D = J->D, G = J->Hq / J->Hkv;
@@ -218,11 +228,8 @@ static void make_item(const Job *J, Py_ssize_t it, Item *x) {
         x->kth = J->ktc ? J->ktc + (b * J->Hkv + hk) * D * J->ktpad : NULL;
         x->kfull = J->K, x->kend = 0;
         for (Py_ssize_t r = 0; r < x->rows; r++) {
-            Py_ssize_t i = i0 + r, see = J->K;
-            if (J->causal && i + J->K - J->M + 1 < see)
-                see = i + J->K - J->M + 1;
-            x->see[r] = see < 0 ? 0 : see;
-            x->kend = x->see[r] > x->kend ? x->see[r] : x->kend;
+            Py_ssize_t i = i0 + r;
+            row_sees(J, x, r, i, J->M, J->K);
             x->qr[r] = J->q + b * J->qs[0] + h * J->qs[1] + i * J->qs[2];
             x->orow[r] = J->o + ((b * J->Hq + h) * J->M + i) * D;
             x->lrow[r] = J->lse + (b * J->Hq + h) * J->M + i;
@@ -246,11 +253,8 @@ static void make_item(const Job *J, Py_ssize_t it, Item *x) {
     x->vh = J->v + J->krow[b] * J->vs[0] + hk * J->vs[1], x->vst = J->vs[2];
     x->kth = NULL, x->kfull = kb, x->kend = 0;
     for (Py_ssize_t r = 0; r < x->rows; r++) {
-        Py_ssize_t f = f0 + r, h = hk * G + f / m, i = f % m, see = kb;
-        if (J->causal && i + kb - m + 1 < see)
-            see = i + kb - m + 1;
-        x->see[r] = see < 0 ? 0 : see;
-        x->kend = x->see[r] > x->kend ? x->see[r] : x->kend;
+        Py_ssize_t f = f0 + r, h = hk * G + f / m, i = f % m;
+        row_sees(J, x, r, i, m, kb);
         Py_ssize_t t = J->qstart[b] + i; /* the query's row in q, o and lse */
         x->qr[r] = J->q + h * J->qs[1] + t * J->qs[2];
         x->orow[r] = J->o + (h * J->M + t) * D;

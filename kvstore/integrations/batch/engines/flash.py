@@ -66,9 +66,9 @@ def kernel_available() -> bool:
     return _kernel is not None
 
 
-def _takes(t: torch.Tensor) -> bool:
+def _takes(t: torch.Tensor, dims: int = 4) -> bool:
     # a view with torch's negative bit holds the negatives in memory: the kernel reads memory
-    return (t.dtype == torch.float32 and t.device.type == "cpu" and t.dim() == 4
+    return (t.dtype == torch.float32 and t.device.type == "cpu" and t.dim() == dims
             and t.stride(-1) == 1 and not t.requires_grad and not t.is_neg())
 
 
@@ -112,15 +112,17 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, caus
         extra = (kt.data_ptr(), int(kt.shape[3]))
     o = torch.empty((B, Hq, M, D), dtype=torch.float32)
     lse = torch.empty((B, Hq, M), dtype=torch.float32)
-    n = threads if threads is not None else (wide_threads() or torch.get_num_threads())
     _kernel.attend(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
                    B, Hq, Hkv, M, K, D, tuple(q.stride()[:3]), tuple(k.stride()[:3]),
-                   tuple(v.stride()[:3]), float(scale), bool(causal), _team(n), *extra)
+                   tuple(v.stride()[:3]), float(scale), bool(causal), _team(threads), *extra)
     return o, lse
 
 
-def _team(n: int) -> int:
-    # libgomp exits the process when it cannot start the threads asked for (~60k here)
+def _team(threads: int | None) -> int:
+    """The threads a call runs on: ``threads``, else the run's (the ones :func:`~.split.wide`
+    gives a large kernel), else torch's; capped (libgomp exits the process when it cannot start
+    the threads asked for, ~60k here)."""
+    n = threads if threads is not None else (wide_threads() or torch.get_num_threads())
     return max(1, min(int(n), _MAX_THREADS))
 
 
@@ -138,11 +140,8 @@ def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qstart: torch
     ``j <= i + klen[b] - mlen[b]``). ``o [Hq, N, D]`` and ``lse [Hq, N]`` (rows no sequence
     covers are left unwritten), or ``None`` where the kernel does not apply. The four index
     tensors: int64, CPU, contiguous, one entry per sequence."""
-    if getattr(_kernel, "attend_rows", None) is None or not (_takes(k) and _takes(v)) \
-            or q.dim() != 3:
-        return None
-    if not (q.dtype == torch.float32 and q.device.type == "cpu" and q.stride(-1) == 1
-            and not q.requires_grad and not q.is_neg()):
+    if getattr(_kernel, "attend_rows", None) is None \
+            or not (_takes(q, 3) and _takes(k) and _takes(v)):
         return None
     Hq, N, D = q.shape
     rows, Hkv, C, Dk = k.shape
@@ -158,9 +157,8 @@ def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qstart: torch
         raise ValueError("attend_rows: a sequence's rows or lengths fall outside its tensors")
     o = torch.empty((Hq, N, D), dtype=torch.float32)
     lse = torch.empty((Hq, N), dtype=torch.float32)
-    n = threads if threads is not None else (wide_threads() or torch.get_num_threads())
     _kernel.attend_rows(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
                         qstart.data_ptr(), mlen.data_ptr(), krow.data_ptr(), klen.data_ptr(),
                         S, Hq, Hkv, N, D, tuple(q.stride()[:2]), tuple(k.stride()[:3]),
-                        tuple(v.stride()[:3]), float(scale), bool(causal), _team(n))
+                        tuple(v.stride()[:3]), float(scale), bool(causal), _team(threads))
     return o, lse
