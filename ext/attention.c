@@ -6,9 +6,10 @@
  *
  * over keys j < K, or j <= i + (K - M) with ``causal`` (the last query sees every key);
  * G = Hq / Hkv query heads share a key/value head (no copies of K/V per query head). Blocks
- * of 64 queries x 256 keys, online softmax (flash attention's order): the scores of a block
+ * of 64 queries x 1024 keys, online softmax (flash attention's order): the scores of a block
  * in a register-tiled product against the head's keys transposed once, exp as 2^n * p(f)
- * (degree 7, under an ulp), the weighted sum of values in a second register-tiled product.
+ * (degree 7, under an ulp), the weighted sum of values in a second register-tiled product,
+ * 8 rows at a time through all three (their scores stay in L1; the values are read in place).
  * Sums run in another order than torch's kernels: float32 results agree to rounding.
  *
  * An item of at most TR rows (a decode step: one query per head) skips the transposition and
@@ -53,7 +54,7 @@ typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t i16 __attribute__((vector_size(64)));
 
 #define QB 64  /* queries per block */
-#define KB 256 /* keys per block */
+#define KB 1024 /* keys per block (256: 0.87-0.9x the speed; per-block costs) */
 #define TR 8   /* rows of the score tile */
 #define TC 32  /* columns of the score tile (2 vectors) */
 
@@ -65,7 +66,13 @@ static inline __attribute__((always_inline)) v16 load16(const float *p) {
 
 static inline __attribute__((always_inline)) void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+/* a broadcast; GCC builds ``(v16){0} + x`` as a scalar add first (0 + -0.0 is +0.0) */
+static inline __attribute__((always_inline)) v16 splat(float x) { return (v16)_mm512_set1_ps(x); }
+#else
 static inline __attribute__((always_inline)) v16 splat(float x) { return (v16){0} + x; }
+#endif
 
 /* exp(x) for x <= 0 (scores minus their running maximum): 2^n * e^f, f in [-ln2/2, ln2/2],
  * e^f by Taylor to degree 7 (error < 6e-9 relative); below -87 it is 0 (-inf included) */
@@ -122,20 +129,43 @@ typedef struct {
     Py_ssize_t see[QB];
 } Item;
 
-/* max(mx, s[0:n]), NaN winning (a NaN score must give a NaN row, as torch's) */
-static inline __attribute__((always_inline)) float row_max(const float *s, Py_ssize_t n, float mx) {
+/* lane-wise max(m, x), NaN winning (a NaN score must give a NaN row, as torch's) */
+static inline __attribute__((always_inline)) v16 max_nan(v16 m, v16 x) {
+    i16 take = (x > m) | (x != x);
+    return (v16)(((i16)x & take) | ((i16)m & ~take));
+}
+
+/* s[see:n] = -inf (n a multiple of 16: the columns a row does not see); max(mx, s[0:see]),
+ * NaN winning. One vector pass: no scalar tail (a short row's cost was in its tail). */
+static inline __attribute__((always_inline)) float mask_max(float *s, Py_ssize_t see, Py_ssize_t n,
+                                                            float mx) {
+    const i16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const v16 ninf = splat(-INFINITY);
     v16 m = splat(mx);
-    Py_ssize_t c = 0;
-    for (; c + 16 <= n; c += 16) {
+    for (Py_ssize_t c = 0; c < n; c += 16) {
         v16 x = load16(s + c);
-        i16 take = (x > m) | (x != x);
-        m = (v16)(((i16)x & take) | ((i16)m & ~take));
+        if (c + 16 > see) {
+            i16 keep = lane < (i16){0} + (int32_t)(see - c < 0 ? 0 : see - c);
+            x = (v16)(((i16)x & keep) | ((i16)ninf & ~keep));
+            store16(s + c, x);
+        }
+        m = max_nan(m, x);
     }
-    for (int z = 0; z < 16; z++)
-        mx = m[z] > mx || m[z] != m[z] ? m[z] : mx;
-    for (; c < n; c++)
-        mx = s[c] > mx || s[c] != s[c] ? s[c] : mx;
-    return mx;
+    m = max_nan(m, __builtin_shuffle(m, (i16){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}));
+    m = max_nan(m, __builtin_shuffle(m, (i16){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11}));
+    m = max_nan(m, __builtin_shuffle(m, (i16){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13}));
+    m = max_nan(m, __builtin_shuffle(m, (i16){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14}));
+    return m[0] > mx || m[0] != m[0] ? m[0] : mx;
+}
+
+/* qp[r][0:D] = scale * q row r for r < rows, zero for rows..upto (D a multiple of 16) */
+static inline __attribute__((always_inline)) void scaled_rows(const Item *x, Py_ssize_t rows,
+                                                              Py_ssize_t upto, Py_ssize_t D,
+                                                              float scale, float *qp) {
+    const v16 sc = splat(scale);
+    for (Py_ssize_t r = 0; r < upto; r++)
+        for (Py_ssize_t d = 0; d < D; d += 16)
+            store16(qp + r * D + d, r < rows ? load16(x->qr[r] + d) * sc : splat(0.0f));
 }
 
 /* s[r][c] for r < TR rows of qp (row stride D) and c < TC columns of kt (row stride ld) */
@@ -266,9 +296,10 @@ static void make_item(const Job *J, Py_ssize_t it, Item *x) {
 static inline void finish_row(const Item *x, Py_ssize_t r, const float *acc, Py_ssize_t D,
                               float m, float l) {
     const int any = l > 0.0f || l != l; /* NaN: the row's NaN, not "no key" */
-    float inv = any ? 1.0f / l : 0.0f;
-    for (Py_ssize_t d = 0; d < D; d++)
-        x->orow[r][d] = acc[d] * inv;
+    const v16 inv = splat(any ? 1.0f / l : 0.0f);
+    float *o = x->orow[r];
+    for (Py_ssize_t d = 0; d < D; d += 16)
+        store16(o + d, load16(acc + d) * inv);
     *x->lrow[r] = any ? m + logf(l) : -INFINITY;
 }
 
@@ -280,9 +311,7 @@ static void item_small(const Job *J, const Item *x, float *qp, float *s, Py_ssiz
                        float *acc) {
     const Py_ssize_t D = J->D, rows = x->rows, n = x->kend, r4 = (rows + 3) / 4 * 4;
     float m[TR], l[TR], one[4] = {1.0f, 1.0f, 1.0f, 1.0f};
-    for (Py_ssize_t r = 0; r < rows; r++)
-        for (Py_ssize_t d = 0; d < D; d++)
-            qp[r * D + d] = x->qr[r][d] * J->scale;
+    scaled_rows(x, rows, rows, D, J->scale, qp);
     for (Py_ssize_t j = 0; j < n; j++) {
         const float *kj = x->kh + j * x->kst;
         for (Py_ssize_t r = 0; r < rows; r++) {
@@ -295,10 +324,7 @@ static void item_small(const Job *J, const Item *x, float *qp, float *s, Py_ssiz
     const Py_ssize_t npad = (n + 15) / 16 * 16;
     for (Py_ssize_t r = 0; r < r4; r++) {
         float *sr = s + r * ld;
-        Py_ssize_t see = r < rows ? x->see[r] : 0;
-        for (Py_ssize_t c = see; c < npad; c++)
-            sr[c] = -INFINITY;
-        float mx = row_max(sr, see, -INFINITY);
+        float mx = mask_max(sr, r < rows ? x->see[r] : 0, npad, -INFINITY);
         m[r] = mx, l[r] = 0.0f;
         if (mx == -INFINITY) {
             memset(sr, 0, sizeof(float) * npad);
@@ -315,11 +341,11 @@ static void item_small(const Job *J, const Item *x, float *qp, float *s, Py_ssiz
 }
 
 /* Up to QB rows: blocks of KB keys, the scores in register tiles against the head's keys
- * transposed (kt, ``kpad`` columns; *have names the head it holds), online softmax. */
+ * transposed (kt, ``kpad`` columns; *have names the head it holds), online softmax; TR rows
+ * at a time through scores, softmax and values, so that their scores stay in L1. */
 KV_CLONES
 static void item_tiled(const Job *J, const Item *x, float *kt, Py_ssize_t kpad,
-                       const float **have, Py_ssize_t *have_n, float *qp, float *s, float *acc,
-                       float *vb) {
+                       const float **have, Py_ssize_t *have_n, float *qp, float *s, float *acc) {
     const Py_ssize_t D = J->D, rows = x->rows;
     const Py_ssize_t rt = (rows + TR - 1) / TR * TR, r4 = (rows + 3) / 4 * 4;
     float m[QB], l[QB], alpha[QB];
@@ -332,47 +358,40 @@ static void item_tiled(const Job *J, const Item *x, float *kt, Py_ssize_t kpad,
                 kt[d * kpad + j] = j < x->kfull ? x->kh[j * x->kst + d] : 0.0f;
         *have = x->kh, *have_n = x->kfull;
     }
-    for (Py_ssize_t r = 0; r < rt; r++) {
-        for (Py_ssize_t d = 0; d < D; d++)
-            qp[r * D + d] = r < rows ? x->qr[r][d] * J->scale : 0.0f;
+    scaled_rows(x, rows, rt, D, J->scale, qp);
+    for (Py_ssize_t r = 0; r < rt; r++)
         m[r] = -INFINITY, l[r] = 0.0f;
-    }
     memset(acc, 0, sizeof(float) * r4 * D);
     for (Py_ssize_t j0 = 0; j0 < x->kend; j0 += KB) {
         Py_ssize_t n = x->kend - j0 < KB ? x->kend - j0 : KB;
         Py_ssize_t ncol = (n + TC - 1) / TC * TC;
-        for (Py_ssize_t r = 0; r < rt; r += TR)
+        for (Py_ssize_t r0 = 0; r0 < rt; r0 += TR) {
             for (Py_ssize_t c = 0; c < ncol; c += TC)
-                score_tile(qp + r * D, kt + j0 + c, kpad, D, s + r * KB + c, KB);
-        for (Py_ssize_t r = 0; r < r4; r++) {
-            float *sr = s + r * KB;
-            /* columns a row sees: all n, fewer on the diagonal, none for padding rows */
-            Py_ssize_t see = r >= rows ? 0 : x->see[r] - j0;
-            if (see > n)
-                see = n;
-            if (see < 0)
-                see = 0;
-            for (Py_ssize_t c = see; c < ncol; c++)
-                sr[c] = -INFINITY;
-            float mx = row_max(sr, see, m[r]);
-            if (mx == -INFINITY) { /* nothing seen yet: p = 0, nothing to rescale */
-                alpha[r] = 1.0f;
-                memset(sr, 0, sizeof(float) * ncol);
-                continue;
+                score_tile(qp + r0 * D, kt + j0 + c, kpad, D, s + r0 * KB + c, KB);
+            const Py_ssize_t rend = r0 + TR < r4 ? r0 + TR : r4;
+            for (Py_ssize_t r = r0; r < rend; r++) {
+                float *sr = s + r * KB;
+                /* columns a row sees: all n, fewer on the diagonal, none for padding rows */
+                Py_ssize_t see = r >= rows ? 0 : x->see[r] - j0;
+                if (see > n)
+                    see = n;
+                if (see < 0)
+                    see = 0;
+                float mx = mask_max(sr, see, ncol, m[r]);
+                if (mx == -INFINITY) { /* nothing seen yet: p = 0, nothing to rescale */
+                    alpha[r] = 1.0f;
+                    memset(sr, 0, sizeof(float) * ncol);
+                    continue;
+                }
+                const float tot = exp_row(sr, ncol, mx);
+                alpha[r] = m[r] == -INFINITY ? 0.0f : expf(m[r] - mx);
+                l[r] = l[r] * alpha[r] + tot;
+                m[r] = mx;
             }
-            const float tot = exp_row(sr, ncol, mx);
-            alpha[r] = m[r] == -INFINITY ? 0.0f : expf(m[r] - mx);
-            l[r] = l[r] * alpha[r] + tot;
-            m[r] = mx;
-        }
-        for (Py_ssize_t dc = 0; dc < D; dc += 64) {
-            /* values of this block, contiguous per d-chunk: vb[j][0:64] */
-            for (Py_ssize_t j = 0; j < n; j++)
-                memcpy(vb + (dc / 64) * KB * 64 + j * 64, x->vh + (j0 + j) * x->vst + dc,
-                       sizeof(float) * 64);
-            for (Py_ssize_t r = 0; r < r4; r += 4)
-                pv_tile(s + r * KB, KB, n, vb + (dc / 64) * KB * 64, 64, acc + r * D + dc, D,
-                        alpha + r);
+            for (Py_ssize_t r = r0; r < rend; r += 4)
+                for (Py_ssize_t dc = 0; dc < D; dc += 64)
+                    pv_tile(s + r * KB, KB, n, x->vh + j0 * x->vst + dc, x->vst,
+                            acc + r * D + dc, D, alpha + r);
         }
     }
     for (Py_ssize_t r = 0; r < rows; r++)
@@ -380,7 +399,7 @@ static void item_tiled(const Job *J, const Item *x, float *kt, Py_ssize_t kpad,
 }
 
 typedef struct {
-    float *kt, *qp, *s, *acc, *vb, *ss;
+    float *kt, *qp, *s, *acc, *ss;
 } Scratch;
 
 static void run_items(const Job *J, Py_ssize_t first, Py_ssize_t step, const Scratch *w,
@@ -393,7 +412,7 @@ static void run_items(const Job *J, Py_ssize_t first, Py_ssize_t step, const Scr
         if (x.rows <= TR)
             item_small(J, &x, w->qp, w->ss, kpad, w->acc);
         else
-            item_tiled(J, &x, w->kt, kpad, &have, &have_n, w->qp, w->s, w->acc, w->vb);
+            item_tiled(J, &x, w->kt, kpad, &have, &have_n, w->qp, w->s, w->acc);
     }
 }
 
@@ -411,12 +430,12 @@ static int run_job(const Job *J, Py_ssize_t kmax, int threads) {
 #endif
         Scratch w = {malloc(sizeof(float) * J->D * kpad), malloc(sizeof(float) * QB * J->D),
                      malloc(sizeof(float) * QB * KB), malloc(sizeof(float) * QB * J->D),
-                     malloc(sizeof(float) * KB * J->D), malloc(sizeof(float) * TR * kpad)};
-        if (w.kt && w.qp && w.s && w.acc && w.vb && w.ss)
+                     malloc(sizeof(float) * TR * kpad)};
+        if (w.kt && w.qp && w.s && w.acc && w.ss)
             run_items(J, me, nth, &w, kpad);
         else
             failed = 1;
-        free(w.kt), free(w.qp), free(w.s), free(w.acc), free(w.vb), free(w.ss);
+        free(w.kt), free(w.qp), free(w.s), free(w.acc), free(w.ss);
     }
     Py_END_ALLOW_THREADS
     return failed ? -1 : 0;
