@@ -32,6 +32,8 @@ NATIVE = Extension(
 
 #: the batched engine's one-pass RMSNorm (ext/rmsnorm.c); without it the model's own runs
 RMSNORM = Extension("kvstore._rmsnorm", sources=["ext/rmsnorm.c"], optional=True)
+#: the batched engine's one-pass rotary embedding (ext/rope.c); without it the model's own
+ROPE = Extension("kvstore._rope", sources=["ext/rope.c"], optional=True)
 #: the batched engine's float32 attention (ext/attention.c); without it torch's flash kernel.
 #: OpenMP: it needs libgomp.so.1, which torch's wheel bundles (one runtime, torch's threads)
 ATTENTION = Extension("kvstore._attention", sources=["ext/attention.c"], optional=True)
@@ -43,6 +45,8 @@ ATTENTION_ISA = [Extension(f"kvstore._attention_{isa}", sources=[f"ext/attention
 #: more flags per extension (gcc/clang): RMSNorm's simd pragmas (no OpenMP runtime), the
 #: attention kernel's OpenMP (linked to libgomp.so.1: torch's own once torch is imported)
 _FLAGS = {"kvstore._rmsnorm": ["-fopenmp-simd"],
+          # HF's rotary rounds each product: no fused multiply-adds (GCC contracts by default)
+          "kvstore._rope": ["-fopenmp-simd", "-ffp-contract=off"],
           "kvstore._attention": ["-fopenmp", "-fno-math-errno", "-Wno-psabi"]}
 _ISA_FLAGS = {"avx2": ["-mavx2", "-mfma"],
               "avx512": ["-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq", "-mavx2", "-mfma"]}
@@ -53,6 +57,7 @@ _LINK_FLAGS = {name: ["-fopenmp"] for name in _FLAGS if name.startswith("kvstore
 _FALLBACK = {
     "kvstore._native": "kvstore will use its pure-Python key path (identical keys, slower).",
     "kvstore._rmsnorm": "the batched engine will run the model's own RMSNorm (slower).",
+    "kvstore._rope": "the batched engine will run the model's own rotary embedding (slower).",
     "kvstore._attention": "the batched engine will run torch's attention kernel (slower).",
     "kvstore._attention_avx2": "the batched engine's attention kernel runs its generic build.",
     "kvstore._attention_avx512": "the batched engine's attention kernel runs its generic or "
@@ -116,4 +121,4 @@ class OptionalBuildExt(build_ext):
         return mapping
 
 
-setup(ext_modules=[NATIVE, RMSNORM, ATTENTION, *ATTENTION_ISA], cmdclass={"build_ext": OptionalBuildExt})
+setup(ext_modules=[NATIVE, RMSNORM, ROPE, ATTENTION, *ATTENTION_ISA], cmdclass={"build_ext": OptionalBuildExt})

@@ -37,6 +37,7 @@ from kvstore.integrations.batch.engines.attention import (
 )
 from kvstore.integrations.batch.engines.linear import PackedLinears, packing_available
 from kvstore.integrations.batch.engines.norm import FusedNorms
+from kvstore.integrations.batch.engines.qkv import FusedQKV
 from kvstore.integrations.batch.engines.rope import longrope_modules, per_token_rope
 from kvstore.integrations.batch.engines.sampling import RowState, Tokenizer, choose_tokens
 from kvstore.integrations.batch.engines.schedule import PrefixNode, Row, Schedule, pack, schedule
@@ -187,6 +188,8 @@ class TransformersEngine:
         if self._linears is not None:
             self._linears.pack_all()  # at load, not in the first run's time
         self._norms = FusedNorms(model) if prepack else None  # one-pass RMSNorm (.norm)
+        # Q/K/V in one packed GEMM, rotary in one pass (.qkv)
+        self._qkv = FusedQKV(model) if self._linears is not None else None
         params = inspect.signature(model.forward).parameters
         self._cache_kw = cache_kwarg(model)
         self._keep_rows = "logits_to_keep" in params  # takes a tensor of positions
@@ -352,6 +355,7 @@ class TransformersEngine:
         try:
             with self._linears.active() if self._linears else contextlib.nullcontext() as n, \
                     self._norms.active() if self._norms else contextlib.nullcontext(), \
+                    self._qkv.active() if self._qkv else contextlib.nullcontext(), \
                     heap_reuse() if self.device.type == "cpu" else contextlib.nullcontext():
                 # one thread for small ops only where every linear layer is packed (wide)
                 self._split = bool(n) and self._linears is not None \
