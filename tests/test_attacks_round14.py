@@ -490,7 +490,7 @@ def test_a_forked_child_with_one_torch_thread_runs_the_kernels():
 # -- import robustness ---------------------------------------------------------------------
 
 #: every extension module, the attention kernel's builds per instruction set included
-BROKEN = ("_native", "_rmsnorm", "_attention", "_attention_avx2", "_attention_avx512")
+BROKEN = ("_native", "_rmsnorm", "_rope", "_attention", "_attention_avx2", "_attention_avx512")
 
 
 @pytest.mark.parametrize("how", ["missing", "corrupt", "foreign", "stale"])
@@ -522,8 +522,9 @@ def test_a_broken_extension_on_the_path_means_the_fallback(tmp_path, how):
         else:
             kvstore.__path__.insert(0, {str(tmp_path)!r})
         from kvstore import keys
-        from kvstore.integrations.batch.engines import flash, norm
+        from kvstore.integrations.batch.engines import flash, norm, qkv
         assert keys.backend == "python", keys.backend
+        assert qkv._kernel is None, qkv._kernel
         assert not flash.kernel_available() or how == "stale", flash._kernel
         assert not norm.fused_norm_available(), norm._kernel
         ks = keys.block_keys(bytes(32), list(range(64)), 16)
