@@ -19,6 +19,7 @@ from kvstore.daemon.handlers import ADMIN_HANDLERS, HANDLERS
 from kvstore.daemon.leases import Holdings
 from kvstore.daemon.security import PeerCredentials, is_disconnect
 from kvstore.errors import KVStoreError, StoreClosedError
+from kvstore.ratelog import Every
 from kvstore.wire import messages as m
 from kvstore.wire.codec import CodecError, CodecLimits, pack, unpack
 from kvstore.wire.errors import BadRequest, ErrorCode
@@ -33,6 +34,19 @@ log = logging.getLogger("kvstore.daemon")
 
 #: how long a refused connection is kept open for the peer's hello to arrive
 _LINGER_S = 1.0
+#: unexpected failures of requests: a fault that hits every request (a disk answering EIO)
+#: would write a traceback per request, thousands a second, until the log filled its disk
+_FAILURES = Every(60.0)
+
+
+def log_failure(what: str, op: str, e: BaseException) -> None:
+    """Log an unexpected failure of ``what`` ``op`` with its traceback: the first of each
+    kind (``what``, ``op``, exception type), then at most one line a minute per kind, which
+    says how many there were (the replies and ``kvstore_errors{code="internal"}`` count each)."""
+    n = _FAILURES.tally(key=(what, op, type(e).__name__))
+    if n:
+        log.error("%s %s failed (%d such failure(s) since the last such line)", what, op, n,
+                  exc_info=e)
 
 
 class _Close(Exception):
@@ -220,7 +234,7 @@ class Connection:
             except KVStoreError as e:
                 await self._send_error(rid, ErrorCode.BAD_REQUEST, str(e))
             except Exception as e:
-                log.exception("admin request %s failed", op[:40])
+                log_failure("admin request", op[:40], e)
                 await self._send_error(rid, ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
             else:
                 await self._send(m.encode_reply(rid, reply))
@@ -264,7 +278,7 @@ class Connection:
             await self._send_error(rid, ErrorCode.BAD_REQUEST, str(e))
             return
         except Exception as e:
-            log.exception("request %s failed", op[:40])
+            log_failure("request", op[:40], e)
             await self._send_error(rid, ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
             return
         if op not in m.SILENT_OPS:

@@ -371,3 +371,37 @@ def test_another_namespace_cannot_evict_a_tenants_blocks(serve):
     for c in (victim, attacker):
         c.close()
 
+
+
+def test_unexpected_request_failures_are_logged_once_a_minute_per_kind(monkeypatch, caplog):
+    """A fault that hits every request (a disk answering EIO) logged a traceback per request:
+    thousands of lines a second until the log filled its disk. Now the first failure of each
+    kind has its traceback, the next ones are counted into one line a minute per kind."""
+    import logging
+
+    from kvstore import ratelog
+    from kvstore.daemon import connection
+
+    now = [1000.0]
+    monkeypatch.setattr(ratelog.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(connection, "_FAILURES", ratelog.Every(60.0))
+
+    def fail(op, exc):
+        try:
+            raise exc
+        except Exception as e:
+            connection.log_failure("request", op, e)
+
+    with caplog.at_level(logging.ERROR, logger="kvstore.daemon"):
+        for _ in range(500):
+            fail("fetch", OSError(5, "Input/output error"))
+        fail("put", OSError(5, "Input/output error"))  # another kind: its own first line
+        fail("fetch", ValueError("x"))  # another exception type: too
+        assert len(caplog.records) == 3
+        assert all(r.exc_info for r in caplog.records)
+        assert "(1 such failure(s)" in caplog.records[0].getMessage()
+        now[0] += 61
+        fail("fetch", OSError(5, "Input/output error"))
+    assert len(caplog.records) == 4
+    assert "request fetch failed (500 such failure(s) since the last such line)" \
+        in caplog.records[-1].getMessage()
