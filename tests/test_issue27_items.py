@@ -26,7 +26,7 @@ import pytest
 import torch
 from conftest import random_kv
 
-import kvstore.integrations.vllm.worker as worker_mod
+import kvstore.integrations.vllm.fetches as fetches_mod
 import kvstore.kernels as kernels
 from kvstore import KVLayout, open_store
 from kvstore.paged import paged_geometry
@@ -225,7 +225,7 @@ def test_a_scatter_that_fails_in_the_vllm_worker_is_a_load_error(monkeypatch):
         def boom(*a, **kw):
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-        monkeypatch.setattr(worker_mod, "scatter_pages", boom)
+        monkeypatch.setattr(fetches_mod, "scatter_pages", boom)  # the pre-forward scatter
         w.start_load_kv(KVStoreConnectorMetadata(namespace_id=ns,
                                                  loads=[BlockRun("b", keys, None, [7, 8, 9])]))
         w.wait_for_save(None)  # finishes the loads

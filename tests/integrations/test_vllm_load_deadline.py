@@ -1,7 +1,8 @@
-"""A background load (vLLM's ``load_kv_async``) has a deadline, ``load_timeout``: a read that
-never returns (a disk read stuck on a dead mount, a wedged loader thread, a daemon that stops
-answering) comes back to vLLM as a failed load within it (its blocks recomputed), and nothing
-the abandoned read does later ever reaches vLLM's pages (docs/vllm.md, "Failure modes").
+"""Every load, in the background (vLLM's ``load_kv_async``) or before the forward, has a
+deadline, ``load_timeout``: a read that never returns (a disk read stuck on a dead mount, a
+wedged loader thread, a daemon that stops answering) comes back to vLLM as a failed load
+within it (its blocks recomputed), and nothing the abandoned read does later ever reaches
+vLLM's pages (docs/vllm.md, "A load that never returns").
 
 No vLLM needed: the worker side is driven directly, on a real store whose disk tier's read is
 made to hang."""
@@ -59,10 +60,10 @@ def _page(pg, ids):
     return pg[ids] if pg.dim() == 4 else pg[:, ids].transpose(0, 1)
 
 
-def _worker(store, pages, timeout=DEADLINE):
+def _worker(store, pages, timeout=DEADLINE, layerwise=False):
     kind = "cpu" if pages[0].dim() == 4 else "flash"
     w = WorkerSide(store, layout=_layout(kind), namespace_id=bytes(store.namespace_id),
-                   page_kind=kind, layerwise=False, max_model_len=256,
+                   page_kind=kind, layerwise=layerwise, max_model_len=256,
                    stats=ConnectorStats("worker", "embedded", None), load_timeout=timeout)
     w.register_kv_caches(dict(zip(LAYERS, pages, strict=True)))
     return w
@@ -318,5 +319,125 @@ def test_background_loads_in_flight_together_each_fill_their_own_pages(tmp_path)
                     assert _holds(pages, ids, kv)
                 _recompute(pages, list(range(NPAGES)), 0.0)
             assert w._rows.free_bytes > 0
+        finally:
+            w.close()
+
+
+# -- loads before the forward (meta.loads: memory, idle and cheap loads) ---------------------------
+def _now(store, req_id, keys, pages):
+    return KVStoreConnectorMetadata(namespace_id=bytes(store.namespace_id), loads=[
+        BlockRun(req_id, list(keys), None, list(pages))])
+
+
+def _step(w, meta):
+    """One engine step with loads before the forward: start, the forward's layers, the save;
+    seconds taken."""
+    t0 = time.monotonic()
+    w.start_load_kv(meta)
+    for name in LAYERS:
+        w.wait_for_layer_load(name)
+    w.wait_for_save(meta)
+    return time.monotonic() - t0
+
+
+@pytest.mark.parametrize("kind", ["cpu", "flash", "flash-layerwise"])
+def test_a_hung_load_before_the_forward_fails_by_its_deadline_and_never_writes_the_pages_after(
+        tmp_path, monkeypatch, caplog, kind):
+    """cpu: the direct path (the lease on the loader thread for loads before the forward, into
+    staging rows); flash: the fetch path, every layer scattered before the forward, or
+    (layerwise, as on CUDA) each when the forward reaches it. The engine's thread gets the
+    step back within the deadline, with the request's blocks as load errors."""
+    caplog.set_level(logging.WARNING, logger="vllm.kvstore")
+    page_kind = kind.split("-")[0]
+    with _open(tmp_path, page_kind) as s:
+        keys, kv = _on_disk(s, 7)
+        release, entered, returned = _hang_first_read(monkeypatch, s.state.lower[0])
+        pages = _pages(page_kind)
+        w = _worker(s, pages, layerwise=kind.endswith("layerwise"))
+        assert w._direct is (kind == "cpu")
+        try:
+            assert _step(w, _now(s, "r", keys, DST)) < DEADLINE + 1.0
+            assert entered.is_set()
+            assert w.get_block_ids_with_load_errors() == set(DST)  # vLLM recomputes them
+            assert w.stats.counters["load_timeouts"] == 1
+            assert "pre-forward load of request r" in caplog.text
+            assert "past its deadline" in caplog.text and "load_timeout" in caplog.text
+            _recompute(pages, DST, 7.0)
+            before = [pg.clone() for pg in pages]
+            release.set()  # the hung read finishes, with the stored KV, much later
+            assert returned.wait(10)
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 1.0:  # the engine keeps stepping meanwhile
+                _step(w, KVStoreConnectorMetadata(namespace_id=bytes(s.namespace_id)))
+                assert not w.get_finished(KVStoreConnectorMetadata(idle=True))
+                time.sleep(0.01)
+            assert all(torch.equal(a, b) for a, b in zip(pages, before, strict=True))
+            assert w.get_block_ids_with_load_errors() == set()
+            # and a later load of the same blocks reads them whole
+            _step(w, _now(s, "r2", keys, OTHER))
+            assert w.get_block_ids_with_load_errors() == set()
+            assert _holds(pages, OTHER, kv)
+        finally:
+            release.set()
+            w.close()
+
+
+def test_a_load_before_the_forward_is_not_queued_behind_a_hung_background_load(
+        tmp_path, monkeypatch):
+    """Loads before the forward have a loader thread of their own: a background load stuck in
+    its read does not hold them up (nor make them time out)."""
+    with _open(tmp_path) as s:
+        stuck, _ = _on_disk(s, 8)
+        keys, kv = _on_disk(s, 9)
+        release, entered, _ = _hang_first_read(monkeypatch, s.state.lower[0])
+        pages = _pages()
+        w = _worker(s, pages, timeout=5.0)
+        try:
+            w.start_load_kv(_async(s, "bg", stuck, DST))
+            assert entered.wait(10)
+            _step(w, _now(s, "now", keys, OTHER))
+            assert w.get_block_ids_with_load_errors() == set()
+            assert _holds(pages, OTHER, kv)
+            assert "load_timeouts" not in w.stats.counters or not w.stats.counters["load_timeouts"]
+        finally:
+            release.set()
+            w.close()
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_a_late_fetch_never_lands_in_the_next_steps_staging_buffer(tmp_path, monkeypatch,
+                                                                    layerwise):
+    """The fetch path's staging buffer is shared from step to step: once a fetch is past its
+    deadline the next step's fetches get a new one, so the late fetch, landing after the next
+    step's own, cannot put its blocks into another request's pages. (The store's disk reads
+    run in order on one thread, so the late write is staged here, at the fetch.)"""
+    from kvstore.transfer import Transfer
+
+    with _open(tmp_path, "flash") as s:
+        keys, kv = _on_disk(s, 11)
+        real, late = s.fetch, []
+
+        def fetch(chain, *, out):
+            if not late:  # the first step's: never returns in time
+                late.append((Transfer(len(LAYERS)), out))
+                return late[0][0]
+            t = real(chain, out=out)
+            t.wait()
+            transfer, stale = late[0]  # lands now, after this fetch's own blocks
+            stale.fill_(9.0)
+            transfer.set_result(stale)
+            return t
+
+        monkeypatch.setattr(s, "fetch", fetch)
+        pages = _pages("flash")
+        w = _worker(s, pages, layerwise=layerwise)
+        try:
+            _step(w, _now(s, "late", keys, DST))
+            assert w.get_block_ids_with_load_errors() == set(DST)
+            _step(w, _now(s, "next", keys, OTHER))
+            assert late[0][0].done()
+            assert w.get_block_ids_with_load_errors() == set()
+            assert _holds(pages, OTHER, kv)
+            assert _still(pages, DST, 0.0)
         finally:
             w.close()

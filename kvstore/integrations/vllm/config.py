@@ -59,7 +59,7 @@ CONNECTOR_CLASS = "KVStoreConnector"
 PAGE_LAYOUT_CPU = "vllm-cpu/v1 [num_kv_heads, block_size, 2*head_size] per layer, opaque bytes"
 PAGE_LAYOUT_FLASH = "vllm-flash/v1 [2, num_blocks, block_size, num_kv_heads, head_size]"
 
-#: ``load_timeout``'s default: seconds a background load may take before vLLM gets its
+#: ``load_timeout``'s default: seconds a load may take before vLLM gets its
 #: request back as failed (to recompute): far above a healthy load (milliseconds to a second
 #: or two for a long prompt from a slow disk), far below a client giving up on a request
 DEFAULT_LOAD_TIMEOUT_S = 30.0
@@ -101,8 +101,8 @@ class ConnectorConfig:
     ``load_async`` (default on): a hit that must come from below memory (disk, the daemon,
     Redis) is loaded in the background while the engine runs other requests (vLLM's
     ``load_kv_async``); off = every load before the step's forward.
-    ``load_timeout`` (seconds, default 30): how long such a background load may take; past
-    it vLLM gets the request back with its blocks as load errors (it recomputes them) and
+    ``load_timeout`` (seconds, default 30): how long a load may take (a background one, or
+    the step's loads before the forward together); past it vLLM gets the request back with its blocks as load errors (it recomputes them) and
     nothing the abandoned read does reaches vLLM's pages (``loads.py``).
     """
 
@@ -196,7 +196,7 @@ def _check_values(extra: Mapping[str, Any]) -> None:
     if "load_timeout" in extra:
         t = extra["load_timeout"]
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < math.inf:
-            raise bad("load_timeout", "a number of seconds > 0 (how long a background load "
+            raise bad("load_timeout", "a number of seconds > 0 (how long a load "
                       "may take before vLLM recomputes its blocks; leave the key out for 30)")
 
 

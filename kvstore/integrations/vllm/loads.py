@@ -1,5 +1,6 @@
-"""Background loads (vLLM's ``load_kv_async``): the loader thread that reads them, the record of
-one in flight, and its deadline.
+"""The direct path's loads, in the background (vLLM's ``load_kv_async``) or before the forward:
+the loader threads that read them, the record of one in flight, and its deadline (a load
+before the forward: the engine's thread waits for it until then, and abandons it as below).
 
 A background load has until ``load_timeout`` seconds after it started (a
 ``kv_connector_extra_config`` key; default 30). Past it the worker reports

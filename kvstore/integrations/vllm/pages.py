@@ -1,6 +1,7 @@
 """vLLM's KV-cache pages as the worker copies them: each layer's cache checked against the
-store layout and viewed as whole pages (:func:`page_view`), and the CPU pages as raw bytes
-that a disk read scatters into, one iovec per layer page (:class:`PageBytes`)."""
+store layout and viewed as whole pages (:func:`page_view`), blocks copied between them and
+rows of blocks (:func:`copy_blocks`), and the CPU pages as raw bytes that a disk read
+scatters into, one iovec per layer page (:class:`PageBytes`)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import torch
 
 from kvstore.errors import ConfigError
 from kvstore.layout import KVLayout
+from kvstore.tiers.slab import paired_runs
 
-__all__ = ["PageBytes", "page_view"]
+__all__ = ["PageBytes", "copy_blocks", "page_view"]
 
 
 def page_view(name: str, t: torch.Tensor, layout: KVLayout, page_kind: str) -> torch.Tensor:
@@ -39,6 +41,28 @@ def page_view(name: str, t: torch.Tensor, layout: KVLayout, page_kind: str) -> t
             f"[2, num_blocks, {bs}, {H}, {D}]"
         )
     return t
+
+
+def copy_blocks(blocks: torch.Tensor, pages: Sequence[torch.Tensor], slots: Sequence[int],
+                page_ids: Sequence[int], *, load: bool) -> None:
+    """Copy rows ``slots`` of ``blocks`` (``[rows, L, P, T, H, D]``) to pages ``page_ids`` of
+    every layer's ``pages`` (``load``), or the pages to the rows."""
+    runs = list(paired_runs(list(zip(slots, page_ids, strict=True))))
+    if len(runs) <= 8:  # a few runs: slices copy without building index tensors
+        for layer, pg in enumerate(pages):
+            for s0, p0, k in runs:
+                if load:
+                    pg[p0:p0 + k].copy_(blocks[s0:s0 + k, layer, 0])
+                else:
+                    blocks[s0:s0 + k, layer, 0].copy_(pg[p0:p0 + k])
+        return
+    st = torch.tensor(list(slots), dtype=torch.int64)
+    pt = torch.tensor(list(page_ids), dtype=torch.int64)
+    for layer, pg in enumerate(pages):
+        if load:
+            pg.index_copy_(0, pt, blocks[st, layer, 0])
+        else:
+            blocks[st, layer, 0] = pg.index_select(0, pt)
 
 
 class PageBytes:

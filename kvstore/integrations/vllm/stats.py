@@ -54,7 +54,7 @@ _live: weakref.WeakSet[ConnectorStats] = weakref.WeakSet()
 COUNTERS = (
     "lookups", "lookup_tokens", "hit_tokens", "hit_requests",
     "loads", "load_blocks", "loaded_blocks", "failed_blocks",
-    "load_timeouts",  # background loads past load_timeout: reported failed, recomputed
+    "load_timeouts",  # loads past load_timeout: reported failed, recomputed
     "async_loads",  # hits loaded in the background (load_kv_async)
     "memory_loads",  # hits loaded before the step: every block in a memory tier
     "idle_loads",  # hits below memory loaded before the step: the engine ran nothing else

@@ -2,12 +2,13 @@
 step's new prompt blocks, and reports the blocks that could not be loaded.
 
 With an embedded store and vLLM's CPU pages the worker copies straight between the store's
-warm slots and vLLM's pages (``lease_into`` for loads before the forward: blocks only on disk
-read straight into the pages, one iovec per layer page, verified; ``grant_put``/``commit_put``
-for saves), on the engine's thread; otherwise (daemon mode, CUDA pages) it fetches into a
+warm slots and vLLM's pages (``lease_into``, blocks only on disk read into staging rows on a
+loader thread, verified, and copied into the pages on the engine's thread; ``grant_put``/
+``commit_put`` for saves); otherwise (daemon mode, CUDA pages) it fetches into a
 staging buffer and scatters it (layer by layer in ``wait_for_layer_load`` on CUDA) and saves
-through ``save_from`` (an asynchronous ``put``). Background loads (``loads.py``) read into
-their own rows, copied into the pages on the engine's thread, and have a deadline. A load
+through ``save_from`` (an asynchronous ``put``). Every load, before the forward or in the
+background (``loads.py``), has a deadline, ``load_timeout``; vLLM's pages are written only
+on the engine's thread, from a load's own rows, for a load not past it. A load
 that comes back short (a block evicted, damaged or deleted since the lookup) reports its
 missing blocks through :meth:`WorkerSide.get_block_ids_with_load_errors`: vLLM recomputes
 them. Blocks computed over pages whose load failed (the request's own, or another's shared
@@ -22,7 +23,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -36,13 +36,13 @@ from kvstore.layout import KVLayout
 from kvstore.paged import page_index, paged_geometry
 from kvstore.ratelog import Every
 from kvstore.store import Store
-from kvstore.tiers.slab import paired_runs
 
 from .config import DEFAULT_LOAD_TIMEOUT_S, layer_order, rank_keys
+from .fetches import Fetches, FetchLoad, left
 from .load_cost import WINDOW
 from .loads import AsyncLoad, Loaders, StagingPool, staged_pieces
 from .openmp import log_openmp_spin_hint
-from .pages import PageBytes, page_view
+from .pages import PageBytes, copy_blocks, page_view
 from .stats import ConnectorStats
 
 if TYPE_CHECKING:
@@ -58,18 +58,6 @@ _IDLE_WAIT_S = 0.02
 
 #: a lease of a run: (blocks placed, pinned keys to release, (position, warm slot) to copy)
 _Leased = tuple[int, Sequence[bytes], Sequence[tuple[int, int]]]
-
-
-@dataclass(slots=True)
-class _Load:
-    """One request's fetch in flight this step."""
-
-    run: BlockRun
-    transfer: Any  # Transfer -> tensor of the blocks fetched (n <= planned)
-    out: torch.Tensor  # [planned, L, P, T, H, D] staging slice the fetch writes
-    ids: torch.Tensor  # vLLM page ids, one per planned block
-    scattered: set[int] = field(default_factory=set)  # layers already in vLLM's pages
-    broken: bool = False  # a scatter failed: vLLM recomputes the whole request
 
 
 class WorkerSide:
@@ -94,8 +82,7 @@ class WorkerSide:
         self._max_model_len = max_model_len
         self._pages: list[torch.Tensor] | None = None
         self._layer_index: dict[str, int] = {}
-        self._loading: list[_Load] = []  # this step's fetches
-        self._buf: torch.Tensor | None = None
+        self._fetches = Fetches(layout, stats, fail=self._fail, late=self._fetch_late)
         self._geo: Any = None
         self._direct = False  # set by register_kv_caches
         self._zc: ZeroCopy | None = None  # the store, on the direct path
@@ -111,9 +98,11 @@ class WorkerSide:
         self._puts: list[Any] = []  # transfers of recent puts (errors are logged)
         self._async: dict[str, AsyncLoad] = {}  # background loads, by request
         self._async_failed: set[str] = set()  # failed at submission: reported next
-        # the direct path's loader thread, and the loads abandoned past their deadline
-        self._loaders = Loaders(lambda keys: self._zc.release_lease(keys) if self._zc else None)
-        self.load_timeout = load_timeout  # seconds a background load may take (loads.py)
+        # the direct path's loader threads, and the loads abandoned past their deadline: one
+        # for background loads, one for loads before the forward (never queued behind those)
+        release = lambda keys: self._zc.release_lease(keys) if self._zc else None  # noqa: E731
+        self._loaders, self._now_loaders = Loaders(release), Loaders(release)
+        self.load_timeout = load_timeout  # seconds a load may take (loads.py)
         self._rows = StagingPool(layout.block_nbytes)  # what the direct path's reads fill
         self._late_log = Every(60.0)
 
@@ -126,6 +115,7 @@ class WorkerSide:
         self._layer_index = {n: i for i, n in enumerate(names)}
         self._pages = [page_view(n, kv_caches[n], self.layout, self._page_kind) for n in names]
         self._geo = paged_geometry(self.layout, self._pages)
+        self._fetches.bind(self._pages, self._geo)
         zc = self.store if isinstance(self.store, ZeroCopy) else None
         slab = zc.warm_slab if zc is not None else None
         self._direct = self._page_kind == "cpu" and slab is not None and slab.numel() > 0
@@ -148,7 +138,7 @@ class WorkerSide:
         blocks = min(self._max_model_len // self.block_size,
                      (256 << 20) // self.layout.block_nbytes)
         if blocks > 0:
-            self._staging(blocks).zero_()
+            self._fetches.staging(blocks).zero_()
 
     def _chain(self, run: BlockRun) -> KeyChain:
         """The run's keys in this rank's namespace (the scheduler's are rank 0's)."""
@@ -156,16 +146,6 @@ class WorkerSide:
             return KeyChain(run.keys, self.namespace_id, run.parent)
         keys, parent = rank_keys(run.keys, run.parent, self.namespace_id, self.tp_rank)
         return KeyChain(keys, self.namespace_id, parent)
-
-    def _staging(self, nblocks: int) -> torch.Tensor:
-        """A reusable host buffer for this step's fetched blocks (grown on demand)."""
-        lay = self.layout
-        buf = self._buf
-        if buf is None or buf.shape[0] < nblocks:
-            dev = self._pages[0].device if self._pages else torch.device("cpu")
-            buf = self._buf = torch.empty(lay.batch_shape(max(nblocks, 8)), dtype=lay.dtype,
-                                          device=dev)
-        return buf
 
     # -- loads -----------------------------------------------------------------------------------
     def start_load_kv(self, meta: KVStoreConnectorMetadata | None) -> None:
@@ -196,84 +176,53 @@ class WorkerSide:
             self._start_async(run)
         if not meta.loads:
             return
+        # one deadline for the step's loads: the engine's thread waits at most load_timeout
+        deadline = time.monotonic() + self.load_timeout
         if self._direct:
             for run in meta.loads:
-                self._load_direct(run)
+                self._load_direct(run, deadline)
             return
-        # One fetch per request into a slice of the staging buffer: the copy engine reads
-        # disk blocks straight into it and copies memory blocks layer by layer; each layer is
-        # scattered into vLLM's pages when the forward reaches it (wait_for_layer_load).
-        buf = self._staging(sum(len(r.keys) for r in meta.loads))
-        off = 0
-        for run in meta.loads:
-            n = len(run.keys)
-            out = buf[off:off + n]
-            off += n
-            try:
-                ids = page_index(run.block_ids, n, self._geo)
-                t = self.store.fetch(self._chain(run), out=out)
-            except Exception:  # never raise into the engine: recompute instead
-                log.exception("kvstore: fetch failed for request %s", run.req_id)
-                self._fail(run, 0)
-                continue
-            self._loading.append(_Load(run, t, out, ids))
-            self.stats.count(loads=1, load_blocks=n)
-        if not self._layerwise:  # everything in place before the forward starts
-            for ld in self._loading:
-                with contextlib.suppress(Exception):  # a failure is reported in _finish_loads
-                    ld.transfer.wait()
-                for layer in range(self.layout.num_layers):
-                    self._scatter(ld, layer)
+        self._fetches.start(meta.loads, self._fetch, deadline, layerwise=self._layerwise)
+
+    def _fetch(self, run: BlockRun, out: torch.Tensor) -> Any:
+        return self.store.fetch(self._chain(run), out=out)
 
     # -- direct path: an embedded store and vLLM's CPU pages ---------------------------------------
-    # Both host memory: a load leases the blocks' warm slots (disk blocks are read into them
-    # first) and copies each layer into the pages; a save reserves warm slots (grant_put),
-    # gathers the pages into them and commits. One copy each way, all on this thread, so no
-    # copy thread competes with the forward's OpenMP threads (on 2 cores a torch copy on a
-    # second thread made every parallel region pay for waking a second pool: ~4 ms a step).
+    # Both host memory: a load leases the blocks' warm slots (disk blocks are read into its
+    # staging rows, on a loader thread, so that a read past the deadline is left behind
+    # without ever reaching the pages) and copies each layer into the pages; a save reserves
+    # warm slots (grant_put), gathers the pages into them and commits. Every torch copy runs
+    # on this thread, so no copy thread competes with the forward's OpenMP threads (on 2
+    # cores a torch copy on a second thread made every parallel region pay for waking a
+    # second pool: ~4 ms a step).
     def _copy_blocks(self, slots: Sequence[int], page_ids: Sequence[int], *, load: bool,
                      src: torch.Tensor | None = None) -> None:
         """Copy the warm slab's blocks ``slots`` (or rows of ``src``, blocks too) to or from
         vLLM's pages ``page_ids``, every layer."""
         blocks = self._blocks if src is None else src
-        pages, L = self._pages, self.layout.num_layers
-        assert pages is not None and blocks is not None
-        runs = list(paired_runs(list(zip(slots, page_ids, strict=True))))
-        if len(runs) <= 8:
-            for layer in range(L):
-                pg = pages[layer]
-                for s0, p0, k in runs:
-                    if load:
-                        pg[p0:p0 + k].copy_(blocks[s0:s0 + k, layer, 0])
-                    else:
-                        blocks[s0:s0 + k, layer, 0].copy_(pg[p0:p0 + k])
-            return
-        st = torch.tensor(list(slots), dtype=torch.int64)
-        pt = torch.tensor(list(page_ids), dtype=torch.int64)
-        for layer in range(L):
-            pg = pages[layer]
-            if load:
-                pg.index_copy_(0, pt, blocks[st, layer, 0])
-            else:
-                blocks[st, layer, 0] = pg.index_select(0, pt)
+        assert self._pages is not None and blocks is not None
+        copy_blocks(blocks, self._pages, slots, page_ids, load=load)
 
-    def _load_direct(self, run: BlockRun) -> None:
-        zc, lease = self._zc, self._lease
-        assert zc is not None and lease is not None
-        got: Sequence[bytes] = ()
-        n = 0
-        ids = run.block_ids
+    def _load_direct(self, run: BlockRun, deadline: float | None = None) -> None:
+        """Load ``run`` before the forward, by ``deadline`` (default: ``load_timeout`` from
+        now): its lease runs on a loader thread (disk blocks read into its own staging rows)
+        while this thread waits, then copies into the pages here, as a background load's; a
+        load past the deadline is abandoned, so a late read never reaches the pages."""
+        ld = AsyncLoad(run, time.monotonic() + self.load_timeout if deadline is None else deadline)
         try:
-            n, got, copies = lease(run)
-            if copies:  # held in memory: copied from their warm slots
-                self._copy_blocks([s for _, s in copies], [ids[p] for p, _ in copies], load=True)
+            self._lease_on(self._now_loaders, ld)
         except Exception:  # never raise into the engine: recompute instead
             log.exception("kvstore: loading request %s failed", run.req_id)
-            n = 0
-        finally:
-            if got:
-                zc.release_lease(got)
-        self.stats.count(loads=1, load_blocks=len(run.keys), loaded_blocks=n)
+            self._fail(run, 0)
+            return
+        self.stats.count(loads=1, load_blocks=len(run.keys))
+        assert ld.future is not None
+        wait_futures([ld.future], timeout=left(ld.deadline))
+        if not ld.ready():
+            self._timed_out(ld, self._now_loaders, sync=True)
+            return
+        n = self._complete(ld)
+        self.stats.count(loaded_blocks=n)
         if n < len(run.keys):
             self._fail(run, n)
 
@@ -313,70 +262,25 @@ class WorkerSide:
             log.warning("kvstore: request %s: %d of %d blocks could not be loaded; vLLM recomputes "
                         "them", run.req_id, len(bad), len(run.block_ids))
 
-    # -- fetch path: the staging buffer, scattered layer by layer --------------------------------
-    def _scatter(self, ld: _Load, layer: int) -> None:
-        if layer in ld.scattered:
-            return
-        ld.scattered.add(layer)
-        try:
-            ld.transfer.wait_layer(layer)
-        except Exception:  # the fetch failed: reported in _finish_loads
-            return
-        n = len(ld.run.keys)
-        if ld.transfer.done():
-            try:
-                n = int(ld.transfer.wait().shape[0])
-            except Exception:
-                return
-        # While the fetch is still running its final length is unknown: every planned page of
-        # this layer is written then, and pages past the valid run (a short fetch) are
-        # reported as load errors, so vLLM recomputes them before anything reads them.
-        if n:
-            assert self._pages is not None
-            # on the forward's stream, after wait_layer saw the copy's event complete (the
-            # fetch into the reused staging buffer waited for this step's earlier scatters:
-            # kvstore.streams); a failure is a load error, never an exception into vLLM
-            try:
-                scatter_pages(self.layout, self._geo, ld.out[:n, layer], self._pages[layer],
-                              ld.ids[:n])
-            except Exception:
-                log.exception("kvstore: scattering layer %d of request %s failed", layer,
-                              ld.run.req_id)
-                ld.broken = True
-
+    # -- fetch path: the staging buffer, scattered layer by layer (fetches.py) -----------------
     def wait_for_layer_load(self, layer_name: str) -> None:
-        if not self._loading:
+        if not self._fetches.loading:
             return
         t0 = time.perf_counter()
-        i = self._layer_index.get(layer_name)
-        if i is None:  # not a layer we know: make sure everything is in place
-            for ld in self._loading:
-                for layer in range(self.layout.num_layers):
-                    self._scatter(ld, layer)
-        else:
-            for ld in self._loading:
-                self._scatter(ld, i)
+        # not a layer we know (None): make sure everything is in place
+        self._fetches.wait_for_layer(self._layer_index.get(layer_name))
         self.stats.count(layer_waits=1, load_wait_us=int((time.perf_counter() - t0) * 1e6))
 
-    def _finish_loads(self) -> None:
-        loading, self._loading = self._loading, []
-        for ld in loading:
-            for layer in range(self.layout.num_layers):  # layers the forward did not wait for
-                self._scatter(ld, layer)
-            try:
-                n = 0 if ld.broken else int(ld.transfer.wait().shape[0])
-            except Exception:
-                log.exception("kvstore: a load failed for request %s", ld.run.req_id)
-                n = 0
-            self.stats.count(loaded_blocks=n)
-            if n < len(ld.run.keys):
-                self._fail(ld.run, n)
+    def _fetch_late(self, ld: FetchLoad) -> None:
+        """Keep a late fetch's slice of the staging buffer referenced until it returns."""
+        self._timed_out(AsyncLoad(ld.run, ld.deadline, transfer=ld.transfer, out=ld.out),
+                        self._loaders, sync=True)
 
     # -- saves -----------------------------------------------------------------------------------
     def wait_for_save(self, meta: KVStoreConnectorMetadata | None) -> None:
         t0 = time.perf_counter()
-        if self._loading:
-            self._finish_loads()  # a load must be complete (or reported) before anything else
+        if self._fetches.loading:
+            self._fetches.finish()  # a load must be complete (or reported) before anything else
             t1 = time.perf_counter()
             self.stats.count(load_wait_us=int((t1 - t0) * 1e6))
             t0 = t1
@@ -426,20 +330,14 @@ class WorkerSide:
     # once it is reported, the engine's thread copies them and the memory blocks (leased warm
     # slots) into the pages (no torch op off it to disturb the forward's OpenMP pool). Fetch
     # path (daemon, CUDA): the fetch runs into the load's own rows, scattered when done. Only
-    # _finish_async writes pages, for a load still in _async: one past its deadline leaves
+    # _complete writes pages, for a load still in _async: one past its deadline leaves
     # _async and is reported failed, and nothing it does later reaches them (loads.py).
     def _start_async(self, run: BlockRun) -> None:
         n = len(run.keys)
         ld = AsyncLoad(run, time.monotonic() + self.load_timeout)
         try:
             if self._direct:
-                assert self._lease is not None
-                into = None  # lease_warm: every block comes back as a warm slot
-                if self._embedded is not None:
-                    lay = self.layout
-                    ld.staged = self._rows.take(n)
-                    into = staged_pieces(ld.staged, lay.layer_nbytes, lay.num_layers)
-                ld.future = self._loaders.submit(self._lease, run, into)
+                self._lease_on(self._loaders, ld)
             else:
                 lay = self.layout
                 assert self._pages is not None
@@ -454,6 +352,17 @@ class WorkerSide:
             return
         self._async[run.req_id] = ld
         self.stats.count(loads=1, load_blocks=n)
+
+    def _lease_on(self, loaders: Loaders, ld: AsyncLoad) -> None:
+        """Start ``ld``'s lease on ``loaders``' thread; an embedded store reads the disk blocks
+        into staging rows of the load's own (lease_warm: every block is a warm slot)."""
+        assert self._lease is not None
+        into = None
+        if self._embedded is not None:
+            lay = self.layout
+            ld.staged = self._rows.take(len(ld.run.keys))
+            into = staged_pieces(ld.staged, lay.layer_nbytes, lay.num_layers)
+        ld.future = loaders.submit(self._lease, ld.run, into)
 
     def _lease_into(self, run: BlockRun,
                     into: Callable[[int], Sequence[memoryview]] | None = None) -> _Leased:
@@ -486,8 +395,16 @@ class WorkerSide:
         return len(got), got, tuple(enumerate(slots))
 
     def _finish_async(self, ld: AsyncLoad) -> None:
-        """On the engine's thread: complete one finished background load (the only place its
-        blocks are written into vLLM's pages), report its failures."""
+        """On the engine's thread: complete one finished background load, report its
+        failures."""
+        n = self._complete(ld)
+        self.stats.count(loaded_blocks=n)
+        if n < len(ld.run.keys):
+            self._fail(ld.run, n, sync=False)
+
+    def _complete(self, ld: AsyncLoad) -> int:
+        """On the engine's thread: copy a finished load into vLLM's pages (the only place a
+        direct or background load writes them); the blocks loaded."""
         run, n = ld.run, 0
         if ld.future is not None:
             pinned: Sequence[bytes] = ()
@@ -523,25 +440,29 @@ class WorkerSide:
             except Exception:
                 log.exception("kvstore: loading request %s failed", run.req_id)
                 n = 0
-        self.stats.count(loaded_blocks=n)
-        if n < len(run.keys):
-            self._fail(run, n, sync=False)
+        return n
 
     def _abandon(self, req_id: str, ld: AsyncLoad) -> None:
-        """On the engine's thread: give up on a load past its deadline. It leaves ``_async``
-        (so nothing of it is ever copied into vLLM's pages) and its request is reported
-        failed; its buffers stay referenced until its read returns, if ever (loads.py)."""
+        """On the engine's thread: give up on a background load past its deadline. It leaves
+        ``_async``, so nothing of it is ever copied into vLLM's pages."""
         del self._async[req_id]
-        self._loaders.abandon(ld)
+        self._timed_out(ld, self._loaders, sync=False)
+
+    def _timed_out(self, ld: AsyncLoad, loaders: Loaders, *, sync: bool) -> None:
+        """``ld`` is past its deadline and no longer held: its request is reported failed
+        (``sync``: a load before this step's forward), its buffers stay referenced until its
+        read returns, if ever (loads.py)."""
+        loaders.abandon(ld)
         self.stats.count(load_timeouts=1)
-        self._fail(ld.run, 0, sync=False, quiet=True)
+        self._fail(ld.run, 0, sync=sync, quiet=True)
         late = self._late_log.tally()
         if late:
-            log.warning("kvstore: the background load of request %s (%d blocks) is past its "
-                        "deadline (load_timeout=%gs, %d such load(s) since the last such line): "
-                        "vLLM recomputes its blocks, and its read can no longer reach them. A "
-                        "disk or daemon that does not answer? Raise load_timeout in "
-                        "kv_connector_extra_config if loads are just slow", req_id,
+            log.warning("kvstore: the %s load of request %s (%d blocks) is past its deadline "
+                        "(load_timeout=%gs, %d such load(s) since the last such line): vLLM "
+                        "recomputes its blocks, and its read can no longer reach them. A disk "
+                        "or daemon that does not answer? Raise load_timeout in "
+                        "kv_connector_extra_config if loads are just slow",
+                        "pre-forward" if sync else "background", ld.run.req_id,
                         len(ld.run.keys), self.load_timeout, late)
 
     def get_finished(self, meta: KVStoreConnectorMetadata | None) -> set[str] | None:
@@ -551,6 +472,7 @@ class WorkerSide:
         engine's loop does not spin on the cores the reads need."""
         done, self._async_failed = self._async_failed, set()
         self._loaders.prune()
+        self._now_loaders.prune()
         if not self._async:
             return done or None
         t0 = time.perf_counter()
@@ -590,6 +512,7 @@ class WorkerSide:
                 self._finish_async(ld)
         self._async.clear()
         self._loaders.stop()
+        self._now_loaders.stop()
         self.finish_puts(wait=True)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
