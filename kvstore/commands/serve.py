@@ -131,7 +131,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--disk-codec", choices=["none", "zstd"], default="none",
                    help="compression of blocks on disk (zstd: smaller, more CPU per read)")
     s.add_argument("--shutdown-timeout", type=a.seconds(), default=30.0, metavar="SECONDS",
-                   help="seconds in-flight requests get to finish on SIGTERM (default 30)")
+                   help="seconds the whole shutdown on SIGTERM may take: requests in flight "
+                   "finishing, then the stores flushed and closed (default 30)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="log verbosity on stderr (default info: starts, stops, namespaces "
                    "opened, clients' hellos)")

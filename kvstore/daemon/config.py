@@ -34,7 +34,7 @@ class DaemonConfig:
     warm_admission: str = "always"  # the warm tiers' (kvstore.tiers.admission)
     eviction: str = DEFAULT_EVICTION  # the warm tiers' eviction policy (kvstore.tiers.policy)
     disk_codec: str = "none"
-    shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish on SIGTERM
+    shutdown_timeout: float = 30.0  # seconds the whole shutdown may take on SIGTERM
     kv_events: EventsConfig | None = None  # publish KV events (kvstore.daemon.events)
     # share the store's files with this group (name or gid; directories 2750, files 0640);
     # None: as the store records it, private (0700/0600) when new (kvstore.filemodes)

@@ -15,6 +15,7 @@ import functools
 import logging
 import os
 import signal
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -38,6 +39,17 @@ from kvstore.store.lifetime import close_stores
 from kvstore.wire.protocol import PROTOCOL_VERSION
 
 log = logging.getLogger("kvstore.daemon")
+
+
+#: the part of --shutdown-timeout kept for closing the stores (at most this many seconds, and at
+#: most a quarter of it): requests in flight cannot use it up, so the flush that makes the
+#: committed puts durable (and lets the next daemon vouch for them) always gets a chance
+CLOSE_SHARE_S = 2.0
+
+
+def close_share(shutdown_timeout: float) -> float:
+    """Seconds of ``shutdown_timeout`` kept for closing the stores."""
+    return min(CLOSE_SHARE_S, shutdown_timeout / 4)
 
 
 class Daemon:
@@ -160,6 +172,11 @@ class Daemon:
         await self.shutdown()
 
     async def shutdown(self) -> None:
+        """Stop within ``--shutdown-timeout`` in all (operators fit it to a supervisor's grace
+        period, e.g. Kubernetes' terminationGracePeriodSeconds, past which SIGKILL comes):
+        requests in flight get it less :func:`close_share`, closing the stores what is left."""
+        deadline = time.monotonic() + self.config.shutdown_timeout
+        requests_until = deadline - close_share(self.config.shutdown_timeout)
         self.stopping = True
         if self._server is not None:
             self._server.close()
@@ -168,17 +185,18 @@ class Daemon:
                 conn.task.cancel()  # waiting for a request: nothing in flight
         tasks = [c.task for c in self.connections if c.task is not None]
         if tasks:
-            _done, pending = await asyncio.wait(tasks, timeout=self.config.shutdown_timeout)
+            _done, pending = await asyncio.wait(tasks, timeout=_left(requests_until))
             for t in pending:
                 t.cancel()
             if pending:
                 log.warning("%d connections did not finish in time; closing them", len(pending))
-                await asyncio.wait(pending, timeout=5)
+                # a moment for their cleanup (leases given back) even when the time is up
+                await asyncio.wait(pending, timeout=max(0.1, _left(requests_until)))
         if self._metrics_task is not None:
             self._metrics_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._metrics_task
-        clean = await self._close_stores()
+        clean = await self._close_stores(deadline)
         if self.events is not None:
             await self.run_blocking(self.events.close)
         if self.config.metrics_path is not None:
@@ -194,18 +212,24 @@ class Daemon:
             self._lock.release(clean=clean and bool(self.config.disk_capacity))
         log.info("stopped")
 
-    async def _close_stores(self) -> bool:
-        """Flush and close every namespace's store, side by side, within
-        ``--shutdown-timeout``: a store whose writer waits for another process's lock on the
-        index (an engine stopped mid-commit) is logged and left, never waited for. False
-        when one did not close (the next daemon then does not vouch for our puts)."""
+    async def _close_stores(self, deadline: float) -> bool:
+        """Flush and close every namespace's store, side by side, by ``deadline`` (what is
+        left of ``--shutdown-timeout``): a store whose writer waits for another process's
+        lock on the index (an engine stopped mid-commit) is logged and left, never waited
+        for. False when one did not close (the next daemon then does not vouch for our
+        puts)."""
         stores = [e.store for e in self.registry.entries()]
-        if not await self.run_blocking(close_stores, stores, self.config.shutdown_timeout):
+        if not await self.run_blocking(close_stores, stores, _left(deadline)):
             log.error("%s store(s) were not closed cleanly within --shutdown-timeout %s s; "
-                      "puts not flushed before may be lost", len(stores),
-                      self.config.shutdown_timeout)
+                      "puts not flushed before may be lost (raise --shutdown-timeout if "
+                      "flushing just takes longer)", len(stores), self.config.shutdown_timeout)
             return False
         return await self.registry.close_all()  # closed already: events, bookkeeping
+
+
+def _left(deadline: float) -> float:
+    """Seconds until ``deadline`` (``time.monotonic()``), at least 0."""
+    return max(0.0, deadline - time.monotonic())
 
 
 async def _main(config: DaemonConfig) -> None:

@@ -137,6 +137,48 @@ def test_sigterm_shuts_down_gracefully(serve, tmp_path):
         assert torch.equal(c2.fetch(keys).wait(), kv)
 
 
+def test_shutdown_timeout_bounds_the_whole_shutdown(tmp_path, monkeypatch):
+    """``--shutdown-timeout`` is one deadline: a request that never finishes and a store that
+    never closes take it together (they took it each, twice it in all), and closing keeps
+    its share of it (close_share) however long the request takes."""
+    import asyncio
+
+    from kvstore.daemon import daemon as daemon_mod
+    from kvstore.daemon.config import DaemonConfig
+
+    S = 2.0
+    given = []
+
+    def stuck(stores, timeout):  # a store whose writer waits on another process's lock
+        given.append(timeout)
+        time.sleep(timeout)
+        return False
+
+    monkeypatch.setattr(daemon_mod, "close_stores", stuck)
+
+    class _InFlight:  # a connection whose request never finishes
+        idle = False
+
+        def __init__(self):
+            self.task = asyncio.get_running_loop().create_task(asyncio.sleep(3600))
+
+    async def main():
+        d = daemon_mod.Daemon(DaemonConfig(tmp_path / "store", tmp_path / "run" / "s.sock",
+                                           cpu_capacity=1 << 20, disk_capacity=0,
+                                           shutdown_timeout=S))
+        await d.start()
+        d.connections.add(_InFlight())
+        t0 = time.monotonic()
+        await d.shutdown()
+        return time.monotonic() - t0
+
+    took = asyncio.run(main())
+    share = daemon_mod.close_share(S)
+    assert share == 0.5
+    assert len(given) == 1 and share - 0.2 <= given[0] <= share + 0.05, given
+    assert took < S + 0.5, took
+
+
 def test_sigkilled_daemon_restarts_and_serves_the_disk(serve, tmp_path):
     d = serve("--cpu-capacity", "1MiB", "--disk-capacity", "16MiB")
     c = connect(d.socket_path, layout=LAYOUT, model_id="m", device="cpu", timeout=10)
