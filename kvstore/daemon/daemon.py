@@ -15,6 +15,7 @@ import functools
 import logging
 import os
 import signal
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -47,6 +48,10 @@ log = logging.getLogger("kvstore.daemon")
 CLOSE_SHARE_S = 2.0
 
 
+#: seconds the worker threads get to end after the stores closed, even past the deadline
+WORKERS_GRACE_S = 0.5
+
+
 def close_share(shutdown_timeout: float) -> float:
     """Seconds of ``shutdown_timeout`` kept for closing the stores."""
     return min(CLOSE_SHARE_S, shutdown_timeout / 4)
@@ -66,6 +71,7 @@ class Daemon:
         self._lock: DaemonLock | None = None
         self.connections: set[Connection] = set()
         self.stopping = False
+        self.workers_stuck = False  # set by shutdown: a worker thread never returned
         self.metrics_port: int | None = None
         self._executor = ThreadPoolExecutor(config.workers, thread_name_prefix="kvstore-serve")
         self._server: asyncio.base_events.Server | None = None
@@ -206,11 +212,34 @@ class Daemon:
         remove_path(self.config.socket_path)
         if self._shm_dir is not None:
             remove_path(self._shm_dir)
-        self._executor.shutdown(wait=True)
+        self.workers_stuck = not await self._stop_workers(deadline)
         if self._lock is not None:
             # every committed put is on disk only if there is a disk and every store closed
-            self._lock.release(clean=clean and bool(self.config.disk_capacity))
+            self._lock.release(clean=clean and not self.workers_stuck
+                               and bool(self.config.disk_capacity))
         log.info("stopped")
+
+    async def _stop_workers(self, deadline: float) -> bool:
+        """Wait for the worker threads to end, until ``deadline`` (at least
+        :data:`WORKERS_GRACE_S` more); False where one is still in a blocking call (a read
+        from a disk or mount that does not answer): waiting for it would hold the process
+        past ``--shutdown-timeout`` for ever, so :func:`run_daemon` exits without it."""
+        done = threading.Event()
+
+        def stop() -> None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            done.set()
+
+        threading.Thread(target=stop, name="kvstore-serve-stop", daemon=True).start()
+        end = max(deadline, time.monotonic() + WORKERS_GRACE_S)
+        while not done.is_set() and time.monotonic() < end:
+            await asyncio.sleep(0.02)
+        if done.is_set():
+            return True
+        log.error("a worker thread is still in a blocking call past --shutdown-timeout %s s "
+                  "(a disk or mount that does not answer?); exiting without it",
+                  self.config.shutdown_timeout)
+        return False
 
     async def _close_stores(self, deadline: float) -> bool:
         """Flush and close every namespace's store, side by side, by ``deadline`` (what is
@@ -232,8 +261,9 @@ def _left(deadline: float) -> float:
     return max(0.0, deadline - time.monotonic())
 
 
-async def _main(config: DaemonConfig) -> None:
+async def _main(config: DaemonConfig, started: list[Daemon]) -> None:
     daemon = Daemon(config)
+    started.append(daemon)
     await daemon.start()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -247,8 +277,14 @@ async def _main(config: DaemonConfig) -> None:
 
 def run_daemon(config: DaemonConfig) -> int:
     """Serve until SIGTERM/SIGINT; returns the process exit status (0 after a clean stop)."""
+    started: list[Daemon] = []
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-        runner.run(_main(config))
+        runner.run(_main(config, started))
+    if started and started[0].workers_stuck:
+        # the interpreter's exit joins every worker thread: one stuck in a blocking call
+        # would keep the process alive past the supervisor's grace period, to its SIGKILL
+        logging.shutdown()
+        os._exit(1)
     return 0
 
 

@@ -344,3 +344,48 @@ def test_publisher_counters_are_metrics():
         raise RuntimeError("publisher closed")
 
     assert "kvstore_events" not in generate_latest(DaemonMetrics(events=closing).registry).decode()
+
+
+def test_a_worker_stuck_in_a_blocking_call_does_not_hold_the_exit(tmp_path, monkeypatch):
+    """A request's blocking call that never returns (a read from a dead NFS mount) kept a
+    worker thread; shutdown waited for it (``executor.shutdown(wait=True)``) and so did the
+    interpreter's exit: the daemon outlived ``--shutdown-timeout`` until its supervisor's
+    SIGKILL. Now shutdown ends by the deadline, says so, does not vouch for the store, and
+    ``run_daemon`` exits without the thread (status 1)."""
+    import asyncio
+    import threading
+
+    from kvstore.daemon import daemon as daemon_mod
+    from kvstore.daemon.config import DaemonConfig
+
+    S = 1.0
+    release = threading.Event()
+    cfg = DaemonConfig(tmp_path / "store", tmp_path / "run" / "s.sock", cpu_capacity=1 << 20,
+                       disk_capacity=0, shutdown_timeout=S)
+
+    async def main(config, started):
+        d = daemon_mod.Daemon(config)
+        started.append(d)
+        await d.start()
+        hung = asyncio.get_running_loop().create_task(d.run_blocking(release.wait))
+        await asyncio.sleep(0.05)
+        t0 = time.monotonic()
+        await d.shutdown()
+        took = time.monotonic() - t0
+        hung.cancel()
+        assert took < S + daemon_mod.WORKERS_GRACE_S + 0.5, took
+        assert d.workers_stuck
+
+    exits = []
+
+    def fake_exit(code):
+        exits.append(code)
+        release.set()  # let the thread go, so that the test process itself can exit
+
+    monkeypatch.setattr(daemon_mod, "_main", main)
+    monkeypatch.setattr(daemon_mod.os, "_exit", fake_exit)
+    try:
+        assert daemon_mod.run_daemon(cfg) == 0  # fake _exit returns; the real one does not
+    finally:
+        release.set()
+    assert exits == [1]
