@@ -22,10 +22,13 @@ arguments (a stale one) fuses nothing.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from kvstore.integrations.batch.engines.swap import swapped_forwards
 
 __all__ = ["FusedNorms", "fused_norm_available"]
 
@@ -104,16 +107,7 @@ class FusedNorms:
     def __len__(self) -> int:
         return len(self.modules)
 
-    @contextlib.contextmanager
-    def active(self) -> Iterator[int]:
+    def active(self) -> contextlib.AbstractContextManager[int]:
         """Within the block the modules run on the kernel; yields how many."""
-        swapped = []
-        try:
-            for m in self.modules:
-                if "forward" not in m.__dict__:  # not swapped by anyone else meanwhile
-                    m.forward = _fused_forward(m, m.forward)  # type: ignore[method-assign]
-                    swapped.append(m)
-            yield len(swapped)
-        finally:
-            for m in swapped:
-                m.__dict__.pop("forward", None)
+        return swapped_forwards((m, functools.partial(_fused_forward, m, m.forward))
+                                for m in self.modules)

@@ -27,15 +27,17 @@ contiguous, no ``kvstore._rope`` build) run HF's ``apply_rotary_pos_emb``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from kvstore.integrations.batch.engines.split import wide
+from kvstore.integrations.batch.engines.swap import swapped_forwards
 
 __all__ = ["FusedQKV", "KNOWN_FORWARDS", "forward_digest"]
 
@@ -219,19 +221,10 @@ class FusedQKV:
     def __len__(self) -> int:
         return len(self.modules)
 
-    @contextlib.contextmanager
-    def active(self) -> Iterator[int]:
+    def active(self) -> contextlib.AbstractContextManager[int]:
         """Within the block the modules run the fused forward; yields how many."""
-        swapped = []
-        try:
-            for m, stacked in self.modules:
-                if "forward" not in m.__dict__:  # not swapped by anyone else meanwhile
-                    m.forward = _fused_forward(m, stacked)  # type: ignore[method-assign]
-                    swapped.append(m)
-            yield len(swapped)
-        finally:
-            for m in swapped:
-                m.__dict__.pop("forward", None)
+        return swapped_forwards((m, functools.partial(_fused_forward, m, stacked))
+                                for m, stacked in self.modules)
 
 
 def _agrees(m: torch.nn.Module, fused: Callable[..., Any], g: torch.Generator) -> bool:
