@@ -31,9 +31,11 @@ NATIVE = Extension(
 )
 
 #: the batched engine's one-pass RMSNorm (ext/rmsnorm.c); without it the model's own runs
-RMSNORM = Extension("kvstore._rmsnorm", sources=["ext/rmsnorm.c"], optional=True)
+RMSNORM = Extension("kvstore._rmsnorm", sources=["ext/rmsnorm.c"], depends=["ext/kv_clones.h"],
+                    optional=True)
 #: the batched engine's one-pass rotary embedding (ext/rope.c); without it the model's own
-ROPE = Extension("kvstore._rope", sources=["ext/rope.c"], optional=True)
+ROPE = Extension("kvstore._rope", sources=["ext/rope.c"], depends=["ext/kv_clones.h"],
+                 optional=True)
 #: the batched engine's float32 attention (ext/attention.c); without it torch's flash kernel.
 #: OpenMP: it needs libgomp.so.1, which torch's wheel bundles (one runtime, torch's threads)
 ATTENTION = Extension("kvstore._attention", sources=["ext/attention.c"], optional=True)

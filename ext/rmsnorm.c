@@ -11,11 +11,7 @@
 #include <math.h>
 #include <stdint.h>
 
-#if defined(__GNUC__) && defined(__x86_64__) && defined(__linux__) && !defined(__clang__)
-#define KV_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define KV_CLONES
-#endif
+#include "kv_clones.h"
 
 KV_CLONES
 static void rms_rows(const float *x, const float *w, float *out, Py_ssize_t rows,

@@ -15,11 +15,7 @@
 #include <Python.h>
 #include <stdint.h>
 
-#if defined(__GNUC__) && defined(__x86_64__) && defined(__linux__) && !defined(__clang__)
-#define KV_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define KV_CLONES
-#endif
+#include "kv_clones.h"
 
 KV_CLONES
 static void rope_rows(const float *x, Py_ssize_t xrow, const float *cos, const float *sin,
