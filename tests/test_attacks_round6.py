@@ -63,7 +63,7 @@ HOSTILE = [
     (_req(max_tokens=True), "x", "max_tokens must be a whole number, got true"),
     (_req(max_tokens=[4]), "x", "max_tokens must be a whole number, got [4]"),
     (_req(token_ids={"0": 1}), "x", "token_ids must be a list of token ids"),
-    (_req(custom_id=["x"]), None, "custom_id is missing"),
+    (_req(custom_id=["x"]), None, 'custom_id must be a non-empty string, got ["x"]'),
     (_req(stop_token_ids=[True]), "x", "stop_token_ids must be a list of token ids"),
     (b'"just a string"', None, "a request must be a JSON object"),
     (b"\x00\x00\x00\x00", None, "not valid JSON"),

@@ -206,6 +206,10 @@ def run(args: argparse.Namespace) -> int:
     out = None if args.output is None or args.plan_only else Path(args.output)
     if out is not None and out.is_dir():  # found before the model loads, not after the job
         return error("batch", f"OUT {out} is a directory: give a file path for the results")
+    if out is not None and out.exists() and Path(args.input).exists() \
+            and os.path.samefile(out, args.input):  # before: the answers replaced the input
+        return error("batch", f"OUT {out} is the input file IN: the answers would replace the "
+                     "requests; give another OUT")
     if out is not None and not out.parent.is_dir():
         return error("batch", f"OUT {out}: the directory {out.parent} does not exist; create "
                      "it or give another path")
@@ -216,6 +220,12 @@ def run(args: argparse.Namespace) -> int:
         return error("batch", "--cpu-capacity sizes the warm tier of the --store: give "
                      "--store PATH too, or leave --cpu-capacity out (without a store the "
                      "engine keeps shared prefixes in its own memory only)")
+    if out is not None:  # another job writing OUT: said now, not after the model loads
+        from kvstore.integrations.batch.jobs import OutputLock
+
+        probe = OutputLock(out)
+        probe.acquire()
+        probe.release()
     cfg, tok = _model_info(args.model)
     tokenize = (lambda text: tok(text).input_ids) if tok is not None else None
     job = read_requests(args.input, tokenize=tokenize, vocab=getattr(cfg, "vocab_size", None),

@@ -7,11 +7,16 @@
   flushed as each finishes, with a digest of the request (and the model/engine) it answers: a
   job killed half way and run again keeps those whose request did not change;
 - :func:`write_output`: ``OUT`` in input order (one line per input line: the result, or the
-  error that kept the line from running), written to a temporary file and renamed.
+  error that kept the line from running), written to a temporary file and renamed;
+- :class:`OutputLock`: ``OUT.lock``, held while a job writes ``OUT``: a second job on the
+  same ``OUT`` is refused (:class:`JobLockedError`) instead of rewriting the first's files.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import hashlib
 import json
 import os
@@ -20,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from kvstore.errors import KVStoreError
 from kvstore.integrations.batch.requests import (
     BatchRequest,
     Completion,
@@ -28,9 +34,27 @@ from kvstore.integrations.batch.requests import (
     request_digest,
 )
 
-__all__ = ["JobInput", "PartialResults", "partial_path", "read_requests", "write_output"]
+__all__ = ["JobInput", "JobLockedError", "JobWriteError", "OutputLock", "PartialResults",
+           "partial_path", "read_requests", "write_output"]
 
 Entry = BatchRequest | LineError
+
+
+class JobLockedError(KVStoreError, RuntimeError):
+    """Another job is writing the same ``OUT``."""
+
+
+class JobWriteError(KVStoreError, OSError):
+    """``OUT`` or ``OUT.partial`` could not be written (a full disk, say); the message says
+    which answers are kept and how to go on."""
+
+    def __init__(self, message: str, cause: OSError) -> None:
+        super().__init__(message)
+        self.errno = cause.errno
+
+
+def _why(e: OSError) -> str:
+    return e.strerror or str(e)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,11 +93,12 @@ def read_requests(path: str | os.PathLike[str], *,
                                                    "the file as UTF-8"))
                 continue
             e = parse_request(text, no, tokenize=tokenize, vocab=vocab, context=context)
-            if isinstance(e, BatchRequest):
-                first = seen.setdefault(e.custom_id, no)
-                if first != no:
-                    e = LineError(no, e.custom_id, f"custom_id {e.custom_id!r} is already used "
-                                                    f"on line {first}: custom_ids must be unique")
+            # every line naming an id claims it, a bad one too: before, "a" on a bad line and
+            # "a" on a good one gave OUT an error and an answer both for "a"
+            first = seen.setdefault(e.custom_id, no) if e.custom_id is not None else no
+            if first != no and isinstance(e, BatchRequest):
+                e = LineError(no, e.custom_id, f"custom_id {e.custom_id!r} is already used "
+                                                f"on line {first}: custom_ids must be unique")
             entries.append(e)
     return JobInput(tuple(entries))
 
@@ -121,6 +146,7 @@ class PartialResults:
         self.path = partial_path(output)
         self.job = job
         self._f: IO[str] | None = None
+        self.written = 0  # answers in the file (kept ones included) since start()
 
     def load(self, requests: Iterable[BatchRequest]) -> dict[str, Completion]:
         """Results already in the file for these ``requests`` (same request, same job); a
@@ -147,11 +173,18 @@ class PartialResults:
         """Rewrite the file with ``keep`` only, then append to it."""
         tmp = self.path.with_name(self.path.name + ".tmp")
         by_id = {r.custom_id: r for r in requests}
-        with open(tmp, "w", encoding="utf-8") as f:
-            for cid, c in keep.items():
-                f.write(self._line(by_id[cid], c))
-        os.replace(tmp, self.path)
-        self._f = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed by close()
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                for cid, c in keep.items():
+                    f.write(self._line(by_id[cid], c))
+            os.replace(tmp, self.path)
+            self._f = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed by close()
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise JobWriteError(f"cannot write {self.path} ({_why(e)}), where the job keeps "
+                                "its finished answers: nothing ran; free space (or make the "
+                                "directory writable) and run again", e) from e
+        self.written = len(keep)
 
     def _line(self, r: BatchRequest, c: Completion) -> str:
         rec = completion_record(c) | {"request_digest": request_digest(r, self.job)}
@@ -159,8 +192,19 @@ class PartialResults:
 
     def add(self, r: BatchRequest, c: Completion) -> None:
         assert self._f is not None, "start() first"
-        self._f.write(self._line(r, c))
-        self._f.flush()  # what a kill leaves behind is what the next run keeps
+        try:
+            self._f.write(self._line(r, c))
+            self._f.flush()  # what a kill leaves behind is what the next run keeps
+        except OSError as e:
+            # before: the OS's bare "No space left on device", no file named, nothing said
+            # of the answers already written
+            f, self._f = self._f, None
+            with contextlib.suppress(OSError):
+                f.close()  # a torn last line is left out by the next run's load()
+            raise JobWriteError(f"cannot write {self.path} ({_why(e)}): the {self.written} "
+                                "answers written to it before are kept; free space and run "
+                                "the same command again to compute the rest", e) from e
+        self.written += 1
 
     def close(self, *, remove: bool) -> None:
         if self._f is not None:
@@ -194,3 +238,52 @@ def write_output(path: str | os.PathLike[str], entries: Sequence[Entry],
         tmp.unlink(missing_ok=True)  # the results stay in OUT.partial for the next run
         raise
     return n
+
+
+def lock_path(output: str | os.PathLike[str]) -> Path:
+    return Path(f"{os.fspath(output)}.lock")
+
+
+class OutputLock:
+    """``OUT.lock``, held (``flock``) while a job writes ``OUT`` and ``OUT.partial``, removed
+    when it ends; the kernel drops the lock of a killed job. Before, a second job on the same
+    ``OUT`` rewrote ``OUT.partial`` under the first (whose later answers went to a file no
+    longer there) and both wrote ``OUT.tmp``."""
+
+    def __init__(self, output: str | os.PathLike[str]) -> None:
+        self.output = output
+        self.path = lock_path(output)
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    os.close(fd)
+                    raise
+                pid = os.read(fd, 32).decode(errors="replace").strip()
+                os.close(fd)
+                who = f" (pid {pid})" if pid.isdigit() else ""
+                raise JobLockedError(
+                    f"OUT {os.fspath(self.output)} is being written by another kvstore batch "
+                    f"run{who}, which holds {self.path}: wait for it to finish, or give "
+                    "another OUT") from None
+            try:  # still the file at the path? (a job ending unlinks it before unlocking)
+                same = os.path.samestat(os.stat(self.path), os.fstat(fd))
+            except FileNotFoundError:
+                same = False
+            if same:
+                os.ftruncate(fd, 0)
+                os.write(fd, f"{os.getpid()}\n".encode())
+                self._fd = fd
+                return
+            os.close(fd)
+
+    def release(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            self.path.unlink(missing_ok=True)
+            os.close(fd)

@@ -181,6 +181,28 @@ def _params(obj: Mapping[str, Any], *, vocab: int | None, has_tokenizer: bool) -
     )
 
 
+def _tokenized(text: str, tokenize: Callable[[str], Sequence[int]],
+               vocab: int | None) -> tuple[int, ...]:
+    """``text``'s token ids. Before, a tokenizer raising (a lone surrogate, ``"\\ud800"``,
+    is valid JSON) stopped the whole job with a traceback, and ids past the model's
+    vocabulary (a tokenizer with more words than the model) made the engine refuse the job."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as u:
+        raise _Bad(f"the prompt cannot be tokenized: it has half of a UTF-16 surrogate pair "
+                   f"(a JSON escape like \\ud800) at character {u.start + 1}: write the "
+                   "character itself, or both halves of its pair") from None
+    try:
+        ids = tuple(int(t) for t in tokenize(text))
+    except Exception as e:  # the tokenizer's own error, whatever its type
+        raise _Bad(f"the prompt cannot be tokenized ({type(e).__name__}: {e})") from None
+    bad = next((t for t in ids if t < 0 or (vocab is not None and t >= vocab)), None)
+    if bad is not None:
+        raise _Bad(f"the tokenizer gave token id {bad}, outside the model's vocabulary "
+                   f"[0, {vocab}): the model directory's tokenizer does not match its model")
+    return ids
+
+
 def _prompt(obj: Mapping[str, Any], tokenize: Callable[[str], Sequence[int]] | None,
             vocab: int | None) -> tuple[tuple[int, ...], str | None]:
     if ("prompt" in obj) == ("token_ids" in obj):
@@ -194,7 +216,7 @@ def _prompt(obj: Mapping[str, Any], tokenize: Callable[[str], Sequence[int]] | N
             raise _Bad("prompt must be a string (or send token_ids)")
         if tokenize is None:
             raise _Bad("prompt text needs a tokenizer, and the model has none: send token_ids")
-        ids = tuple(int(t) for t in tokenize(text)) if text else ()
+        ids = _tokenized(text, tokenize, vocab) if text else ()
     if not ids:
         raise _Bad("the prompt is empty: it needs at least one token")
     return ids, text
@@ -228,8 +250,12 @@ def parse_request(
     cid = obj.get("custom_id")
     cid = cid if isinstance(cid, str) and cid else None
     try:
-        if cid is None:
+        if "custom_id" not in obj:
             raise _Bad("custom_id is missing (a non-empty string is required)")
+        if cid is None:  # before: "is missing" for a custom_id of 5 or ""
+            got = json.dumps(obj["custom_id"])
+            raise _Bad("custom_id must be a non-empty string, got "
+                       + (got if len(got) <= 40 else got[:37] + "..."))
         unknown = sorted(set(obj) - set(FIELDS))
         if unknown:
             raise _Bad(f"unknown field {', '.join(map(repr, unknown))} (known: {', '.join(FIELDS)})")

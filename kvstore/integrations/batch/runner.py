@@ -8,7 +8,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvstore.integrations.batch.engines import Engine, EngineReport
-from kvstore.integrations.batch.jobs import JobInput, PartialResults, write_output
+from kvstore.integrations.batch.jobs import (
+    JobInput,
+    JobWriteError,
+    OutputLock,
+    PartialResults,
+    partial_path,
+    write_output,
+)
 from kvstore.integrations.batch.memory import peak_rss
 from kvstore.integrations.batch.requests import BatchRequest, Completion, LineError
 from kvstore.integrations.batch.tree import unique_tokens
@@ -63,9 +70,19 @@ def run_job(job: JobInput, output: str | os.PathLike[str], engine: Engine, *,
     """
     if on_error not in ON_ERROR:
         raise ValueError(f"on_error must be one of {', '.join(ON_ERROR)}, got {on_error!r}")
-    requests = job.requests
     if job.errors and on_error == "fail":
         return _summary(engine, job, 0, 0, None, ran=False, pending=())
+    lock = OutputLock(output)  # a second job on this OUT is refused, not interleaved
+    lock.acquire()
+    try:
+        return _run(job, output, engine, job_key, resume, progress)
+    finally:
+        lock.release()
+
+
+def _run(job: JobInput, output: str | os.PathLike[str], engine: Engine, job_key: str,
+         resume: bool, progress: Callable[[int, int], object] | None) -> JobSummary:
+    requests = job.requests
     partial = PartialResults(output, job_key)
     done = partial.load(requests) if resume else {}
     pending = [r for r in requests if r.custom_id not in done]
@@ -89,7 +106,15 @@ def run_job(job: JobInput, output: str | os.PathLike[str], engine: Engine, *,
     if missing:
         raise RuntimeError(f"the {engine.name} engine returned no result for {len(missing)} "
                            f"request(s), e.g. {missing[0]!r}")
-    write_output(output, job.entries, results)
+    try:
+        write_output(output, job.entries, results)
+    except OSError as e:
+        old = " (the old one is unchanged)" if os.path.exists(output) else ""
+        raise JobWriteError(
+            f"cannot write OUT {os.fspath(output)}{old} ({e.strerror or e}): all "
+            f"{len(results)} answers are kept in {partial_path(output)}; free space and run "
+            "the same command again, which writes OUT from them (nothing is recomputed)",
+            e) from e
     partial.close(remove=True)
     return _summary(engine, job, len(done), len(results), report, ran=True, pending=pending)
 
