@@ -515,3 +515,113 @@ def test_sampled_rows_with_huge_top_k_and_max_tokens(model_dir, tmp_path, capsys
         assert run_cli(src, tmp_path / name, "--model", model_dir) == 0, capsys.readouterr().err
     a, b = records(tmp_path / "a"), records(tmp_path / "b")
     assert a == b and len(a[0]["token_ids"]) == CONTEXT - len(ids)
+
+
+def test_resume_after_the_input_changed(model_dir, tmp_path, monkeypatch):
+    """Held: killed after 4 answers, then IN edited (lines reordered, one line's tokens
+    changed, one removed, one added): the next run keeps only the answers whose request is
+    unchanged, runs the rest, and OUT is an uninterrupted run's of the new IN, in its order."""
+    from support.batch_jobs import Killed, dying_engine
+
+    from kvstore.commands import batch as cmd
+
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    reqs = job_lines(6)
+    write_jsonl(src, reqs)
+    real = cmd._open_engine
+    monkeypatch.setattr(cmd, "_open_engine", dying_engine(real, 4))
+    with pytest.raises(Killed):
+        run_cli(src, out, "--model", model_dir, "--max-batch-rows", "1")
+    done = [json.loads(x)["custom_id"] for x in partial_path(out).read_text().splitlines()]
+    assert len(done) == 4
+    new = [dict(r) for r in reversed(reqs)]
+    changed = next(r for r in new if r["custom_id"] == done[0])
+    changed["token_ids"] = changed["token_ids"][:-1] + [7]
+    new = [r for r in new if r["custom_id"] != done[1]]
+    new.append({**reqs[0], "custom_id": "added"})
+    write_jsonl(src, new)
+    monkeypatch.setattr(cmd, "_open_engine", real)
+    assert run_cli(src, tmp_path / "ref.jsonl", "--model", model_dir, "--max-batch-rows", "1") == 0
+    ran: list[str] = []
+    monkeypatch.setattr(cmd, "_open_engine", dying_engine(real, -1, ran))
+    assert run_cli(src, out, "--model", model_dir, "--max-batch-rows", "1") == 0
+    assert sorted(ran) == sorted({r["custom_id"] for r in new} - set(done[2:]))
+    assert out.read_text() == (tmp_path / "ref.jsonl").read_text()
+
+
+def test_ctrl_c_in_the_middle_keeps_the_answers_and_the_lock_goes(model_dir, tmp_path, capsys,
+                                                                  monkeypatch):
+    """Held: Ctrl-C (KeyboardInterrupt) after 2 answers is exit 130 with "interrupted", no
+    traceback; ``OUT.lock`` is gone, the 2 answers are in ``OUT.partial`` and the next run
+    resumes to an uninterrupted run's OUT."""
+    from kvstore.commands import batch as cmd
+
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_jsonl(src, job_lines(4))
+    assert run_cli(src, tmp_path / "ref.jsonl", "--model", model_dir, "--max-batch-rows", "1") == 0
+    real = cmd._open_engine
+
+    def open_engine(args, tok, prompts=()):
+        engine, warm = real(args, tok, prompts)
+        inner = engine.run
+
+        def run(reqs, on_done=None):
+            def done(i, c):
+                on_done(i, c)
+                if i == 1:
+                    raise KeyboardInterrupt
+            return inner(reqs, on_done=done)
+
+        engine.run = run
+        return engine, warm
+
+    monkeypatch.setattr(cmd, "_open_engine", open_engine)
+    capsys.readouterr()
+    assert run_cli(src, out, "--model", model_dir, "--max-batch-rows", "1") == 130
+    assert "interrupted" in capsys.readouterr().err
+    assert not lock_path(out).exists() and not out.exists()
+    assert len(partial_path(out).read_text().splitlines()) == 2
+    monkeypatch.setattr(cmd, "_open_engine", real)
+    assert run_cli(src, out, "--model", model_dir, "--max-batch-rows", "1") == 0
+    assert out.read_text() == (tmp_path / "ref.jsonl").read_text()
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage"])
+def test_a_store_whose_index_is_damaged(model_dir, hf, tmp_path, capsys, damage):
+    """A store whose index file was truncated or overwritten: either a clear one-line error
+    (exit 2, no traceback) or a run whose answers are ``generate``'s, never other KV."""
+    src, store = tmp_path / "in.jsonl", tmp_path / "store"
+    reqs = job_lines(3)
+    write_jsonl(src, reqs)
+    assert run_cli(src, tmp_path / "o1.jsonl", "--model", model_dir, "--store", store) == 0
+    files = [p for p in (store / "index").rglob("*") if p.is_file() and "lock" not in p.name]
+    assert files
+    for p in files:
+        if damage == "truncate":
+            p.write_bytes(p.read_bytes()[: p.stat().st_size // 3])
+        else:
+            p.write_bytes(bytes(random.Random(1).randrange(256) for _ in range(p.stat().st_size)))
+    capsys.readouterr()
+    rc = run_cli(src, tmp_path / "o2.jsonl", "--model", model_dir, "--store", store)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    if rc == 2:
+        assert str(store) in err, err
+    else:
+        assert rc == 0
+        for r, q in zip(records(tmp_path / "o2.jsonl"), reqs, strict=True):
+            assert r["token_ids"] == generate(hf, q["token_ids"], 5)
+
+
+def test_the_store_is_closed_when_the_command_returns(model_dir, tmp_path, capsys):
+    """Before: ``kvstore batch run --store P`` never closed the store it opened; the
+    interpreter's exit hook did, after the exit status was decided (a flush failing there
+    still gave 0), and in a process that went on (the CLI's ``main`` called from Python) the
+    store stayed open with its index mapped, so a file changed under it could end the process
+    with SIGBUS. Now the store is closed before the command returns."""
+    from kvstore.tiers.disk.env import open_in_process
+
+    src, store = tmp_path / "in.jsonl", tmp_path / "store"
+    write_jsonl(src, job_lines(2))
+    assert run_cli(src, tmp_path / "o.jsonl", "--model", model_dir, "--store", store) == 0
+    assert not open_in_process(str(store / "index"))

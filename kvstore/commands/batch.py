@@ -263,6 +263,12 @@ def _run_job(args: argparse.Namespace, job: Any, tok: Any) -> int:
         close = getattr(engine, "close", None)
         if callable(close):
             close()
+        # the store this command opened: before, left open until the interpreter's exit hook
+        # (a flush that failed there came after exit status 0; run in a process that goes on,
+        # the store stayed open, its index mapped)
+        store = getattr(engine, "store", None) if args.engine != "vllm" else None
+        if store is not None:
+            store.close()
     summary = dataclasses.replace(summary, peak_rss_bytes=peak_rss())  # the store's flush too
     if args.format == "json":
         store = None if warm is None else {
