@@ -625,3 +625,30 @@ def test_the_store_is_closed_when_the_command_returns(model_dir, tmp_path, capsy
     write_jsonl(src, job_lines(2))
     assert run_cli(src, tmp_path / "o.jsonl", "--model", model_dir, "--store", store) == 0
     assert not open_in_process(str(store / "index"))
+
+
+def test_out_in_a_directory_this_user_cannot_write(model_dir, tmp_path, capsys, monkeypatch):
+    """Before: OUT in a directory that refuses new files was found only once the model had
+    loaded (writing ``OUT.partial.tmp``). Now it is exit 2 naming the file before the model
+    loads (taking ``OUT.lock`` is the first write). Simulated: the tests run as root, which
+    ``chmod`` does not stop."""
+    from kvstore.commands import batch as cmd
+
+    def no_engine(*a, **k):
+        raise AssertionError("must not load the model")
+
+    src, out = tmp_path / "in.jsonl", tmp_path / "ro" / "out.jsonl"
+    out.parent.mkdir()
+    write_jsonl(src, job_lines(2))
+    real_open = os.open
+
+    def deny(path, flags, *a, **k):
+        if os.fspath(path).startswith(str(out.parent)) and flags & os.O_CREAT:
+            raise PermissionError(errno.EACCES, "Permission denied", os.fspath(path))
+        return real_open(path, flags, *a, **k)
+
+    monkeypatch.setattr(cmd, "_open_engine", no_engine)
+    monkeypatch.setattr(os, "open", deny)
+    assert run_cli(src, out, "--model", model_dir) == 2
+    err = capsys.readouterr().err
+    assert f"Permission denied: {out}.lock" in err and "Traceback" not in err, err
