@@ -239,25 +239,17 @@ def test_two_runs_on_one_out_at_once(model_dir, tmp_path, capsys, monkeypatch):
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     write_jsonl(src, job_lines(4))
     assert run_cli(src, tmp_path / "ref.jsonl", "--model", model_dir) == 0
+    from support.batch_jobs import hooked_engine
+
     real = cmd._open_engine
     started, go = threading.Event(), threading.Event()
 
-    def slow_open(args, tok, prompts=()):
-        engine, warm = real(args, tok, prompts)
-        inner = engine.run
+    def after(i, reqs):
+        if i == 0:
+            started.set()
+            go.wait(30)
 
-        def run(reqs, on_done=None):
-            def done(i, c):
-                on_done(i, c)
-                if i == 0:
-                    started.set()
-                    go.wait(30)
-            return inner(reqs, on_done=done)
-
-        engine.run = run
-        return engine, warm
-
-    monkeypatch.setattr(cmd, "_open_engine", slow_open)
+    monkeypatch.setattr(cmd, "_open_engine", hooked_engine(real, after))
     rc: list[int] = []
     t = threading.Thread(target=lambda: rc.append(run_cli(src, out, "--model", model_dir,
                                                           "--max-batch-rows", "1")))
@@ -559,23 +551,15 @@ def test_ctrl_c_in_the_middle_keeps_the_answers_and_the_lock_goes(model_dir, tmp
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     write_jsonl(src, job_lines(4))
     assert run_cli(src, tmp_path / "ref.jsonl", "--model", model_dir, "--max-batch-rows", "1") == 0
+    from support.batch_jobs import hooked_engine
+
     real = cmd._open_engine
 
-    def open_engine(args, tok, prompts=()):
-        engine, warm = real(args, tok, prompts)
-        inner = engine.run
+    def after(i, reqs):
+        if i == 1:
+            raise KeyboardInterrupt
 
-        def run(reqs, on_done=None):
-            def done(i, c):
-                on_done(i, c)
-                if i == 1:
-                    raise KeyboardInterrupt
-            return inner(reqs, on_done=done)
-
-        engine.run = run
-        return engine, warm
-
-    monkeypatch.setattr(cmd, "_open_engine", open_engine)
+    monkeypatch.setattr(cmd, "_open_engine", hooked_engine(real, after))
     capsys.readouterr()
     assert run_cli(src, out, "--model", model_dir, "--max-batch-rows", "1") == 130
     assert "interrupted" in capsys.readouterr().err

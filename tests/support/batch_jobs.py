@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 
@@ -10,26 +10,24 @@ class Killed(BaseException):  # not an Exception: nothing on the way may swallow
     pass
 
 
-def dying_engine(real_open: Callable[..., Any], die_after: int,
-                 ran: list[str] | None = None) -> Callable[..., Any]:
-    """A stand-in for ``kvstore.commands.batch._open_engine`` whose engine raises
-    :class:`Killed` after ``die_after`` results (never for -1); ``ran`` collects the ids of
-    the requests each run was given."""
+def hooked_engine(real_open: Callable[..., Any],
+                  after: Callable[[int, Sequence[Any]], None],
+                  before: Callable[[Sequence[Any]], None] | None = None) -> Callable[..., Any]:
+    """A stand-in for ``kvstore.commands.batch._open_engine`` whose engine calls
+    ``after(i, requests)`` once result ``i`` was handed on (it may raise: a kill, Ctrl-C) and
+    ``before(requests)`` as each run starts."""
 
     def open_engine(args, tok, prompts=()):
         engine, warm = real_open(args, tok, prompts)
         inner = engine.run
 
         def run(reqs, on_done=None):
-            if ran is not None:
-                ran.extend(r.custom_id for r in reqs)
-            seen = []
+            if before is not None:
+                before(reqs)
 
             def done(i, c):
                 on_done(i, c)
-                seen.append(i)
-                if len(seen) == die_after:
-                    raise Killed
+                after(i, reqs)
 
             return inner(reqs, on_done=done)
 
@@ -37,6 +35,26 @@ def dying_engine(real_open: Callable[..., Any], die_after: int,
         return engine, warm
 
     return open_engine
+
+
+def dying_engine(real_open: Callable[..., Any], die_after: int,
+                 ran: list[str] | None = None) -> Callable[..., Any]:
+    """A stand-in for ``kvstore.commands.batch._open_engine`` whose engine raises
+    :class:`Killed` after ``die_after`` results (never for -1); ``ran`` collects the ids of
+    the requests each run was given."""
+    seen: list[int] = []
+
+    def after(i: int, reqs: Sequence[Any]) -> None:
+        seen.append(i)
+        if len(seen) == die_after:
+            raise Killed
+
+    def before(reqs: Sequence[Any]) -> None:
+        seen.clear()
+        if ran is not None:
+            ran.extend(r.custom_id for r in reqs)
+
+    return hooked_engine(real_open, after, before)
 
 
 def save_llama(path: Any, vocab: int, *, hidden: int, layers: int, heads: int, kv_heads: int,

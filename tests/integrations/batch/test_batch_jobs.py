@@ -266,23 +266,15 @@ def test_summary_of_a_job_with_nothing_left_to_compute(model_dir, tmp_path, caps
     class Killed(BaseException):
         pass
 
+    from support.batch_jobs import hooked_engine
+
     real = cmd._open_engine
 
-    def open_engine(args, tok, prompts=()):
-        engine, warm = real(args, tok, prompts)
-        inner = engine.run
+    def after(i, reqs):
+        if i == len(reqs) - 1:
+            raise Killed  # killed after the last result, before OUT was written
 
-        def run(reqs, on_done=None):
-            def done(i, c):
-                on_done(i, c)
-                if i == len(reqs) - 1:
-                    raise Killed  # killed after the last result, before OUT was written
-            return inner(reqs, on_done=done)
-
-        engine.run = run
-        return engine, warm
-
-    monkeypatch.setattr(cmd, "_open_engine", open_engine)
+    monkeypatch.setattr(cmd, "_open_engine", hooked_engine(real, after))
     with pytest.raises(Killed):
         run_cli(src, out, "--model", model_dir, "--max-batch-rows", "1")
     monkeypatch.setattr(cmd, "_open_engine", real)
