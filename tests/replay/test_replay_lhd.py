@@ -3,6 +3,7 @@ exactly the blocks held, the densities it learns, and that it learns past evicti
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.policy import drive_sim, sim_ops_st
 
 from kvstore.replay.baselines import DEFAULT_BASELINES, SIM_ONLY, make_baseline
 from kvstore.replay.lhd import LHD_CLASSES, LHDPolicy, hit_density
@@ -16,32 +17,17 @@ def test_hit_density_is_hits_past_an_age_per_lifetime_to_come():
     assert hit_density([0.0, 0.0], [0.0, 0.0]) == [0.0, 0.0]  # no data
 
 
-ops_st = st.lists(st.tuples(st.sampled_from(["insert", "touch", "evict", "drop"]),
-                            st.integers(0, 30), st.integers(1, 5)), max_size=300)
-
-
 @settings(max_examples=60, deadline=None)
-@given(ops=ops_st, slots=st.integers(1, 12))
+@given(ops=sim_ops_st, slots=st.integers(1, 12))
 def test_order_lists_exactly_the_keys_held(ops, slots):
     """Whatever the calls, ``victims()`` is every held key once, ``peek()`` its first, and a
     key's class stays a use class."""
-    p = LHDPolicy(slots, bins=4, span=2)
-    held: set[int] = set()
-    for op, k, n in ops:
-        if op == "insert" and k not in held:
-            p.insert(k)
-            held.add(k)
-        elif op == "touch":
-            p.touch([k + i for i in range(n)])
-        elif op in ("evict", "drop") and held:
-            victim = p.peek() if op == "evict" else min(held)
-            p.remove(victim, for_room=op == "evict")
-            held.discard(victim)
-        order = p.order()
-        assert sorted(order) == sorted(held) and len(p) == len(held)
-        assert p.peek() == (order[0] if order else None)
+
+    def check(p, held):
         assert all(0 <= p.uses_class(h) < LHD_CLASSES for h in held)
         assert all(d >= 0 for c in range(LHD_CLASSES) for d in p.density(c))
+
+    drive_sim(LHDPolicy(slots, bins=4, span=2), ops, lambda p, held, first: first, check)
 
 
 def test_a_key_back_from_the_ghost_list_is_a_hit_at_its_age_one_class_up():

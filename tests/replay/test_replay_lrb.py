@@ -5,6 +5,7 @@ its samples from the future (ghosts included), and what it learns pays."""
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.policy import drive_sim, sim_ops_st
 
 from kvstore.errors import ConfigError
 from kvstore.hints import PutHint
@@ -25,40 +26,26 @@ from kvstore.replay.lrb import (
 from kvstore.replay.report import ReplayPlan, parse_capacity, run_report
 from kvstore.replay.simulate import simulate_belady, simulate_policy
 
-ops_st = st.lists(st.tuples(st.sampled_from(["insert", "touch", "evict", "drop"]),
-                            st.integers(0, 30), st.integers(1, 5)), max_size=300)
-
 
 @settings(max_examples=60, deadline=None)
-@given(ops=ops_st, slots=st.integers(1, 12), sample=st.integers(0, 8), tail=st.integers(0, 4))
+@given(ops=sim_ops_st, slots=st.integers(1, 12), sample=st.integers(0, 8), tail=st.integers(0, 4))
 def test_order_lists_exactly_the_keys_held(ops, slots, sample, tail):
     """Whatever the calls, ``victims()`` is every held key once, ``peek()`` its first (the
     same key until the tier changes, though candidates are drawn at random), and a key's
     class stays a use class. Blocks leave leaf first, as the store removes them (a block
     with children by the policy's own inference stays), so an inferred parent is held."""
-    p = LRBPolicy(slots, sample=sample, tail=tail, train_shift=0)
-    held: set[int] = set()
-    for op, k, n in ops:
-        if op == "insert" and k not in held:
-            p.insert(k)
-            held.add(k)
-        elif op == "touch":
-            p.touch([k + i for i in range(n)])
-        elif op in ("evict", "drop") and held:
-            inner = {p.parent(h) for h in held}
-            first = p.peek() if op == "evict" else min(held)
-            assert first in held
-            victim = next((v for v in ([first] + p.order()) if v not in inner), None)
-            if victim is not None:
-                p.remove(victim, for_room=op == "evict")
-                held.discard(victim)
-        order = p.order()
-        assert sorted(order) == sorted(held) and len(p) == len(held)
-        assert p.peek() == (order[0] if order else None)
+
+    def leaf_first(p, held, first):  # the first victim that is no held block's parent
+        inner = {p.parent(h) for h in held}
+        return next((v for v in ([first] + p.order()) if v not in inner), None)
+
+    def check(p, held):
         for h in held:
             assert 0 <= p.uses_class(h) < LRB_CLASSES
             assert p.parent(h) is None or p.parent(h) in held
         assert len(p.weights) == FEATURES
+
+    drive_sim(LRBPolicy(slots, sample=sample, tail=tail, train_shift=0), ops, leaf_first, check)
 
 
 def _serve(p: LRBPolicy, chain: list[int], held: set[int]) -> None:

@@ -13,6 +13,9 @@ BN = LAY.block_nbytes
 chain_st = st.lists(st.integers(0, 3), min_size=1, max_size=6)  # a path in a small tree
 #: what :func:`drive` replays: requests of chains and evictions
 ops_st = st.lists(st.tuples(st.sampled_from(["request", "evict"]), chain_st), max_size=60)
+#: calls on a simulator-only policy (replay/lhd.py, replay/lrb.py): (call, key, keys touched)
+sim_ops_st = st.lists(st.tuples(st.sampled_from(["insert", "touch", "evict", "drop"]),
+                                st.integers(0, 30), st.integers(1, 5)), max_size=300)
 
 
 def kv_for(keys):
@@ -76,3 +79,28 @@ def drive(policy, ops, slots=6, door=None):
             assert k[:-1] == () or k[:-1] in held
         trace.append(tuple(policy.order()))
     return trace
+
+
+def drive_sim(p, ops, victim, check) -> None:
+    """Replay :data:`sim_ops_st`'s calls on a simulator-only policy ``p``: an evict or drop
+    removes ``victim(p, held, first)`` (``first``: ``p.peek()`` to evict, the smallest held
+    key to drop; None: nothing); after every call ``p.order()`` is every held key once and
+    ``p.peek()`` its first, and ``check(p, held)`` runs."""
+    held: set[int] = set()
+    for op, k, n in ops:
+        if op == "insert" and k not in held:
+            p.insert(k)
+            held.add(k)
+        elif op == "touch":
+            p.touch([k + i for i in range(n)])
+        elif op in ("evict", "drop") and held:
+            first = p.peek() if op == "evict" else min(held)
+            assert first in held
+            v = victim(p, held, first)
+            if v is not None:
+                p.remove(v, for_room=op == "evict")
+                held.discard(v)
+        order = p.order()
+        assert sorted(order) == sorted(held) and len(p) == len(held)
+        assert p.peek() == (order[0] if order else None)
+        check(p, held)
