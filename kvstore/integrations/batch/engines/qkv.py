@@ -78,14 +78,6 @@ def forward_digest(forward: Any) -> str:
     return h.hexdigest()[:16]
 
 
-def _llama() -> Any:
-    try:
-        from transformers.models.llama import modeling_llama
-    except ImportError:  # pragma: no cover
-        return None
-    return modeling_llama
-
-
 def _linear(m: Any) -> bool:
     w = getattr(m, "weight", None)
     return (type(m) is torch.nn.Linear and isinstance(w, torch.Tensor) and w.dim() == 2
@@ -93,7 +85,7 @@ def _linear(m: Any) -> bool:
 
 
 def _eligible(m: torch.nn.Module) -> bool:
-    if _llama() is None or forward_digest(type(m).forward) not in KNOWN_FORWARDS:
+    if forward_digest(type(m).forward) not in KNOWN_FORWARDS:
         return False
     projs = [getattr(m, n, None) for n in ("q_proj", "k_proj", "v_proj")]
     return (all(_linear(p) for p in projs)
@@ -119,7 +111,7 @@ class _Stacked:
 
     def get(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         now = self._now()
-        if self.packed is None or len(now) != len(self._seen) or any(
+        if self.packed is None or any(
                 a[0] is not b[0] or a[1] != b[1] or a[2] is not b[2] or a[3] != b[3]
                 for a, b in zip(now, self._seen, strict=True)):
             with torch.no_grad():
