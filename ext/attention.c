@@ -48,7 +48,6 @@
 #define KV_PASTE(a, b) KV_PASTE2(a, b)
 #define KV_STR2(a) #a
 #define KV_STR(a) KV_STR2(a)
-#define KV_CLONES
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t i16 __attribute__((vector_size(64)));
@@ -306,7 +305,6 @@ static inline void finish_row(const Item *x, Py_ssize_t r, const float *acc, Py_
 /* Few rows (a decode step's query heads on one KV head): each key's scores as dot products
  * straight from the keys (no transposition, which costs more than the products here), the
  * row's softmax over all its keys at once, then the values. s: TR rows of ``ld`` floats. */
-KV_CLONES
 static void item_small(const Job *J, const Item *x, float *qp, float *s, Py_ssize_t ld,
                        float *acc) {
     const Py_ssize_t D = J->D, rows = x->rows, n = x->kend, r4 = (rows + 3) / 4 * 4;
@@ -343,7 +341,6 @@ static void item_small(const Job *J, const Item *x, float *qp, float *s, Py_ssiz
 /* Up to QB rows: blocks of KB keys, the scores in register tiles against the head's keys
  * transposed (kt, ``kpad`` columns; *have names the head it holds), online softmax; TR rows
  * at a time through scores, softmax and values, so that their scores stay in L1. */
-KV_CLONES
 static void item_tiled(const Job *J, const Item *x, float *kt, Py_ssize_t kpad,
                        const float **have, Py_ssize_t *have_n, float *qp, float *s, float *acc) {
     const Py_ssize_t D = J->D, rows = x->rows;
