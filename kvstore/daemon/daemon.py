@@ -204,7 +204,7 @@ class Daemon:
                 await self._metrics_task
         clean = await self._close_stores(deadline)
         if self.events is not None:
-            await self.run_blocking(self.events.close)
+            await _own_thread(self.events.close)
         if self.config.metrics_path is not None:
             with contextlib.suppress(Exception):
                 self.metrics.write_file(self.config.metrics_path)
@@ -248,12 +248,33 @@ class Daemon:
         for. False when one did not close (the next daemon then does not vouch for our
         puts)."""
         stores = [e.store for e in self.registry.entries()]
-        if not await self.run_blocking(close_stores, stores, _left(deadline)):
+        if not await _own_thread(close_stores, stores, _left(deadline)):
             log.error("%s store(s) were not closed cleanly within --shutdown-timeout %s s; "
                       "puts not flushed before may be lost (raise --shutdown-timeout if "
                       "flushing just takes longer)", len(stores), self.config.shutdown_timeout)
             return False
         return await self.registry.close_all()  # closed already: events, bookkeeping
+
+
+async def _own_thread(fn, *args):
+    """``fn(*args)`` on a (daemon) thread of its own: shutdown's closing never queues behind
+    pool workers stuck in a blocking call, which would hold it past every deadline."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+
+    def settle(ok: bool, value) -> None:
+        if not fut.done():
+            (fut.set_result if ok else fut.set_exception)(value)
+
+    def run() -> None:
+        try:
+            value, ok = fn(*args), True
+        except BaseException as e:  # handed to the awaiting coroutine
+            value, ok = e, False
+        loop.call_soon_threadsafe(settle, ok, value)
+
+    threading.Thread(target=run, name="kvstore-serve-close", daemon=True).start()
+    return await fut
 
 
 def _left(deadline: float) -> float:

@@ -389,3 +389,45 @@ def test_a_worker_stuck_in_a_blocking_call_does_not_hold_the_exit(tmp_path, monk
     finally:
         release.set()
     assert exits == [1]
+
+
+def test_closing_does_not_queue_behind_workers_stuck_in_blocking_calls(tmp_path, monkeypatch):
+    """Every worker of the pool in a blocking call that never returns (``--workers 1``, one
+    hung read): closing the stores went through the same pool, queued behind them, and the
+    shutdown never ended. Now the stores are closed (flushed) on a thread of their own, by the
+    deadline."""
+    import asyncio
+    import threading
+
+    from kvstore.daemon import daemon as daemon_mod
+    from kvstore.daemon.config import DaemonConfig
+
+    S = 1.0
+    release = threading.Event()
+    closed = []
+    real_close = daemon_mod.close_stores
+
+    def close(stores, timeout):
+        closed.append(timeout)
+        return real_close(stores, timeout)
+
+    monkeypatch.setattr(daemon_mod, "close_stores", close)
+
+    async def main():
+        d = daemon_mod.Daemon(DaemonConfig(tmp_path / "store", tmp_path / "run" / "s.sock",
+                                           cpu_capacity=1 << 20, disk_capacity=0,
+                                           shutdown_timeout=S, workers=1))
+        await d.start()
+        hung = asyncio.get_running_loop().create_task(d.run_blocking(release.wait))
+        await asyncio.sleep(0.05)
+        t0 = time.monotonic()
+        await asyncio.wait_for(d.shutdown(), S + daemon_mod.WORKERS_GRACE_S + 5)
+        hung.cancel()
+        return time.monotonic() - t0, d.workers_stuck
+
+    try:
+        took, stuck = asyncio.run(main())
+    finally:
+        release.set()
+    assert closed and stuck
+    assert took < S + daemon_mod.WORKERS_GRACE_S + 0.5, took
